@@ -1,0 +1,123 @@
+"""Model configuration: one dataclass read from a Hugging Face config.json (or GGUF metadata).
+
+One decoder covers Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3; the differences are flags here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from fitllm.models.errors import ModelLoadError
+
+# architecture name -> (qkv_bias, qk_norm)
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: Optional[int] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    quantization_config: Optional[dict] = None
+    torch_dtype: str = "bfloat16"
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        arch = (raw.get("architectures") or [MODEL_TYPE_TO_ARCH.get(raw.get("model_type", ""), "")])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {arch or raw.get('model_type')!r}; "
+                f"fitllm supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        try:
+            hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+            qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+            eos = raw.get("eos_token_id")
+            eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            # Mistral/Qwen configs may carry a window that is disabled by a separate flag.
+            window = raw.get("sliding_window")
+            if raw.get("use_sliding_window") is False:
+                window = None
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                rope_scaling=_rope_scaling(raw),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=bool(raw.get("attention_bias", qkv_bias)),
+                qk_norm=qk_norm,
+                sliding_window=window,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                quantization_config=raw.get("quantization_config") or raw.get("compression_config"),
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ModelLoadError(f"{path}: no such file (a model folder needs a config.json)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        return cls.from_hf_dict(raw, source=str(path))
+
+    # Sizes the KV cache, the memory calculator and the kernels all agree on.
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _rope_scaling(raw: dict) -> Optional[dict]:
+    """transformers 4.x writes `rope_scaling`, 5.x writes `rope_parameters`; keep the non-default one."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = raw.get(key)
+        if params and (params.get("rope_type") or params.get("type", "default")) != "default":
+            return dict(params)
+    return None

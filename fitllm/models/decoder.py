@@ -1,0 +1,170 @@
+"""One decoder for Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3 (differences are config flags).
+
+It runs on a flat batch: `input_ids [T]`, `positions [T]` and a context whose `attend` reads and
+writes the KV cache. Linear layers come from a factory (dense, or quantized backends from
+fitllm.quant), and q|k|v and gate|up are fused into one GEMM each.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fitllm.models.config import ModelConfig
+from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as the reference implementations do, then cast back.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
+        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D/2]; the rotate-half convention of HF checkpoints."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, make_linear: LinearFactory):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = config.head_dim ** -0.5
+        prefix = f"model.layers.{layer}.self_attn"
+        self.qkv_proj = make_linear(f"{prefix}.qkv_proj", config.hidden_size,
+                                    [config.q_size, config.kv_size, config.kv_size], config.qkv_bias)
+        self.o_proj = make_linear(f"{prefix}.o_proj", config.q_size, [config.hidden_size], False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, ctx) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                          self.num_kv_heads * self.head_dim], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attend(self.layer, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, make_linear: LinearFactory):
+        super().__init__()
+        prefix = f"model.layers.{layer}.mlp"
+        self.gate_up_proj = make_linear(f"{prefix}.gate_up_proj", config.hidden_size,
+                                        [config.intermediate_size] * 2, False)
+        self.down_proj = make_linear(f"{prefix}.down_proj", config.intermediate_size, [config.hidden_size], False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, make_linear: LinearFactory):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, make_linear)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, layer, make_linear)
+
+    def forward(self, x, cos, sin, ctx) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Named `model` inside CausalLM so parameter names match HF checkpoints."""
+
+    def __init__(self, config: ModelConfig, make_linear: LinearFactory):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, make_linear: Optional[LinearFactory] = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config = config
+        make_linear = make_linear or dense_factory(dtype, device)
+        with torch.device(device):
+            self.model = Backbone(config, make_linear)
+            # lm_head stays dense: it is a small share of the bytes and sensitive to quantization.
+            self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.lm_head is not None:
+            self.lm_head.weight.requires_grad_(False)
+        # Embeddings and norms take the compute dtype; linear layers chose their own storage
+        # (Module.to would also cast fp8 weights, which count as floating point).
+        for module in self.modules():
+            if not isinstance(module, FusedLinear):
+                for p in module.parameters(recurse=False):
+                    p.data = p.data.to(dtype)
+        self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def fused_linears(self) -> dict[str, FusedLinear]:
+        return {name: m for name, m in self.named_modules() if isinstance(m, FusedLinear)}

@@ -1,0 +1,134 @@
+"""Weight loading: safetensors (sharded, memory-mapped, one tensor at a time) into a CausalLM.
+
+Each checkpoint tensor goes straight into its destination (a slice of a fused linear, an
+embedding, a norm), so the process never holds two full copies of the weights.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from safetensors import safe_open
+
+from fitllm.models.config import ModelConfig
+from fitllm.models.decoder import CausalLM
+from fitllm.models.errors import ModelLoadError
+from fitllm.models.linear import FusedLinear, LinearFactory
+
+# HF module name -> (fused module name, shard index)
+FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index}: malformed index ({exc})") from None
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors files (fitllm reads safetensors or GGUF)")
+    for f in files:
+        if not f.exists():
+            raise ModelLoadError(f"{f}: listed in the index but missing")
+        check_safetensors_file(f)
+    return files
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Catch truncated or corrupted files up front with a message naming the file."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            header_len = struct.unpack("<Q", f.read(8))[0]
+            if header_len > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(header_len))
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not a valid safetensors file ({exc})") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise ModelLoadError(f"{path}: truncated ({size} bytes, header describes {8 + header_len + end})")
+
+
+def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) pairs; tensors are memory-mapped views until copied."""
+    for f in safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as reader:
+            for name in reader.keys():
+                yield name, reader.get_tensor(name)
+
+
+def route(name: str) -> tuple[str, Optional[int], str]:
+    """Checkpoint name -> (module name in fitllm, fused shard index or None, parameter suffix).
+
+    `model.layers.3.self_attn.k_proj.qweight` -> (`model.layers.3.self_attn.qkv_proj`, 1, `qweight`)
+    """
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        head, tail = parts[:cut], ".".join(parts[cut:])
+        if head[-1] in FUSED_SHARDS:
+            fused, shard = FUSED_SHARDS[head[-1]]
+            return ".".join(head[:-1] + [fused]), shard, tail
+        if head[-1] in ("o_proj", "down_proj"):
+            return ".".join(head), 0, tail
+    return ".".join(parts[:-1]), None, parts[-1]
+
+
+def load_weights(model: CausalLM, folder: Path) -> None:
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for name, tensor in iter_tensors(folder):
+        if name == "lm_head.weight" and model.lm_head is None:
+            continue  # some tied checkpoints still store a copy
+        if "rotary_emb" in name:
+            continue
+        module_name, shard, suffix = route(name)
+        module = modules.get(module_name)
+        if isinstance(module, FusedLinear):
+            module.load(shard, suffix, tensor)
+        elif name in params:
+            target = params[name]
+            if target.shape != tensor.shape:
+                raise ModelLoadError(f"{folder}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.data.copy_(tensor)
+        else:
+            raise ModelLoadError(f"{folder}: unexpected tensor {name!r} (does config.json match the weights?)")
+        seen.add(module_name if isinstance(module, FusedLinear) else name)
+    missing = [n for n in params if n not in seen and not _owned_by_fused(n, modules)]
+    missing += [n for n, m in modules.items() if isinstance(m, FusedLinear) and n not in seen]
+    if missing:
+        raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+    for module in modules.values():
+        if isinstance(module, FusedLinear):
+            module.finalize()
+
+
+def _owned_by_fused(param_name: str, modules: dict) -> bool:
+    return isinstance(modules.get(param_name.rsplit(".", 1)[0]), FusedLinear)
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def load_model(folder: Path, device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None,
+               make_linear: Optional[LinearFactory] = None, config: Optional[ModelConfig] = None) -> CausalLM:
+    """Build the decoder for `folder` and fill it from its safetensors files."""
+    config = config or ModelConfig.from_file(folder)
+    model = CausalLM(config, make_linear=make_linear, dtype=dtype or default_dtype(device), device=device)
+    load_weights(model, folder)
+    return model.eval()
