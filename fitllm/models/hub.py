@@ -149,6 +149,11 @@ def _write_hf_folder_from_gguf(gguf_path: Path, out: Path) -> None:
     del tensors
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # transformers' GGUF tokenizer import can pick the wrong special tokens; the metadata's ids rule.
+    for role in ("bos", "eos", "pad"):
+        token_id = config.get(f"{role}_token_id")
+        if token_id is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
     tokenizer.save_pretrained(str(out))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")})

@@ -6,12 +6,12 @@ embedding, a norm), so the process never holds two full copies of the weights.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-from safetensors import safe_open
 
 from fitllm.models.config import ModelConfig
 from fitllm.models.decoder import CausalLM
@@ -47,8 +47,15 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def check_safetensors_file(path: Path) -> None:
-    """Catch truncated or corrupted files up front with a message naming the file."""
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """Parse and check a safetensors header; truncated or corrupted files fail naming the file."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -58,17 +65,39 @@ def check_safetensors_file(path: Path) -> None:
             header = json.loads(f.read(header_len))
     except (struct.error, ValueError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{path}: not a valid safetensors file ({exc})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if 8 + header_len + end > size:
         raise ModelLoadError(f"{path}: truncated ({size} bytes, header describes {8 + header_len + end})")
+    return 8 + header_len, header
+
+
+def check_safetensors_file(path: Path) -> None:
+    read_safetensors_header(path)
 
 
 def iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream (name, tensor) pairs; tensors are memory-mapped views until copied."""
-    for f in safetensors_files(folder):
-        with safe_open(str(f), framework="pt") as reader:
-            for name in reader.keys():
-                yield name, reader.get_tensor(name)
+    """Stream (name, tensor) pairs, each read on its own with pread.
+
+    Not memory-mapped on purpose: a mapping keeps every page it touched resident until the file
+    is closed, so peak memory would be the weights plus the whole file. Here it is the weights
+    plus the largest single tensor."""
+    for path in safetensors_files(folder):
+        data_start, header = read_safetensors_header(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                lo, hi = info["data_offsets"]
+                dtype = _DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+                buf = bytearray(hi - lo)
+                if os.preadv(fd, [buf], data_start + lo) != hi - lo:
+                    raise ModelLoadError(f"{path}: short read for tensor {name}")
+                flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+                yield name, flat.reshape(info["shape"])
+        finally:
+            os.close(fd)
 
 
 def route(name: str) -> tuple[str, Optional[int], str]:

@@ -1,0 +1,126 @@
+"""The foundation: fitllm's decoder against transformers' own models, loading, and load errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fitllm.models.config import ModelConfig
+from fitllm.models.errors import ModelLoadError
+from fitllm.models.generate import generate, prompt_logits
+from fitllm.models.loader import load_model
+from tiny_models import FAMILIES, write_tiny_model
+
+
+def _max_logprob_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float().log_softmax(-1) - b.float().log_softmax(-1)).abs().max().item()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tiny_family_matches_transformers(family, tmp_path):
+    hf = write_tiny_model(family, tmp_path)
+    ours = load_model(tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    assert _max_logprob_diff(prompt_logits(ours, ids[0].tolist()), ref) < 1e-3
+    # Greedy decoding, token for token, against transformers' generate.
+    prompt = ids[0, :12]
+    expected = hf.generate(prompt[None], max_new_tokens=64, do_sample=False, min_new_tokens=64,
+                           pad_token_id=0)[0, 12:].tolist()
+    assert generate(ours, [prompt.tolist()], 64) == [expected]
+
+
+def test_llama31_rope_scaling_is_applied(tmp_path):
+    """Positions beyond the original context must use the scaled frequencies (else logits differ)."""
+    write_tiny_model("llama3.1", tmp_path)
+    cfg = ModelConfig.from_file(tmp_path)
+    assert cfg.rope_scaling and (cfg.rope_scaling.get("rope_type") or cfg.rope_scaling.get("type")) == "llama3"
+
+
+def test_embedded_model_matches_transformers_gguf(embedded_model, embedded_tokenizer):
+    """Real weights: transformers dequantizes the GGUF itself; fitllm's own GGUF reader must agree."""
+    from transformers import AutoModelForCausalLM
+
+    from fitllm.models.hub import embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    text = "The history of the Roman Empire spans many centuries, and historians"
+    ids = embedded_tokenizer(text)["input_ids"]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert _max_logprob_diff(prompt_logits(embedded_model, ids), ref) < 1e-3
+    chat = embedded_tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                  add_generation_prompt=True, tokenize=False)
+    prompt = embedded_tokenizer(chat)["input_ids"]
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
+    got = generate(embedded_model, [prompt], 64, eos_token_ids=embedded_model.config.eos_token_ids)[0]
+    assert embedded_tokenizer.eos_token_id == 2  # <|im_end|>, from the GGUF metadata
+    assert got == expected
+    assert "Paris" in embedded_tokenizer.decode(got)
+
+
+def test_batched_generation_equals_single(embedded_model):
+    prompts = [[1, 504, 3575, 282, 4649, 314], [1, 22, 33, 44], list(range(100, 140))]
+    batched = generate(embedded_model, prompts, 12)
+    assert batched == [generate(embedded_model, [p], 12)[0] for p in prompts]
+
+
+def test_unsupported_architecture_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError, match=r"config\.json: unsupported architecture 'GPT2LMHeadModel'"):
+        ModelConfig.from_file(tmp_path)
+
+
+def test_missing_config_field_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 10}))
+    with pytest.raises(ModelLoadError, match="missing required field 'hidden_size'"):
+        ModelConfig.from_file(tmp_path)
+
+
+def test_truncated_shard_is_named(tmp_path):
+    write_tiny_model("llama", tmp_path)
+    shard = tmp_path / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: truncated"):
+        load_model(tmp_path)
+
+
+def test_missing_folder_and_tensor(tmp_path):
+    from fitllm.models.hub import resolve_model
+
+    with pytest.raises(ModelLoadError, match="no such file or folder"):
+        resolve_model(str(tmp_path / "nope"))
+    write_tiny_model("llama", tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors.pop("model.layers.1.mlp.down_proj.weight")
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="lacks 1 tensors, e.g. model.layers.1.mlp.down_proj"):
+        load_model(tmp_path)
+
+
+def test_loading_never_holds_two_copies(embedded_folder):
+    """Peak RSS growth while loading is one copy of the weights plus a tensor (fresh process)."""
+    code = textwrap.dedent(f"""
+        import pathlib, resource, torch
+        from fitllm.models.loader import load_model
+        torch.ones(1)
+        # current RSS (not the high-water mark, which imports may have pushed up)
+        base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() // 1024
+        m = load_model(pathlib.Path({str(embedded_folder)!r}), dtype=torch.float32)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        weights = sum(p.numel() * p.element_size() for p in m.parameters())
+        print("RSS", base * 1024, peak * 1024, weights)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    base, peak, weights = map(int, out.split("RSS", 1)[1].split())
+    print(f"weights {weights / 2**20:.0f} MiB, peak RSS growth while loading {(peak - base) / 2**20:.0f} MiB")
+    assert weights < peak - base < 1.25 * weights

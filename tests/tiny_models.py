@@ -1,0 +1,40 @@
+"""Tiny random-weight checkpoints of each supported family, written by transformers itself."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
+    "llama3.1": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def write_tiny_model(family: str, folder: Path, seed: int = 0):
+    """Save a random model of `family` to `folder`; return the transformers model (fp32, eval)."""
+    import transformers
+
+    config_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(**BASE, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    # Random init leaves norms at 1; perturb them so a wrong norm path cannot hide.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
