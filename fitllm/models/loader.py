@@ -9,7 +9,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -117,10 +117,15 @@ def route(name: str) -> tuple[str, Optional[int], str]:
 
 
 def load_weights(model: CausalLM, folder: Path) -> None:
+    load_tensors(model, iter_tensors(folder), source=str(folder))
+
+
+def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+    """Route each (HF name, tensor) into the model, check nothing is missing, then finalize."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     seen: set[str] = set()
-    for name, tensor in iter_tensors(folder):
+    for name, tensor in tensors:
         if name == "lm_head.weight" and model.lm_head is None:
             continue  # some tied checkpoints still store a copy
         if "rotary_emb" in name:
@@ -132,15 +137,15 @@ def load_weights(model: CausalLM, folder: Path) -> None:
         elif name in params:
             target = params[name]
             if target.shape != tensor.shape:
-                raise ModelLoadError(f"{folder}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.data.copy_(tensor)
         else:
-            raise ModelLoadError(f"{folder}: unexpected tensor {name!r} (does config.json match the weights?)")
+            raise ModelLoadError(f"{source}: unexpected tensor {name!r} (does config.json match the weights?)")
         seen.add(module_name if isinstance(module, FusedLinear) else name)
     missing = [n for n in params if n not in seen and not _owned_by_fused(n, modules)]
     missing += [n for n, m in modules.items() if isinstance(m, FusedLinear) and n not in seen]
     if missing:
-        raise ModelLoadError(f"{folder}: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+        raise ModelLoadError(f"{source}: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
     for module in modules.values():
         if isinstance(module, FusedLinear):
             module.finalize()
