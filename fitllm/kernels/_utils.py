@@ -1,0 +1,107 @@
+"""Shared plumbing for the GEMM kernels: backend choice, device facts, split-K workspace.
+
+Backend choice: ``FITLLM_KERNEL_BACKEND`` = ``auto`` (default: Triton on CUDA tensors, the torch
+reference elsewhere), ``triton`` (always Triton; on CPU that needs ``TRITON_INTERPRET=1`` set before
+triton kernels are defined, which is how the tests run them) or ``torch`` (always the reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def backend_for(x: torch.Tensor) -> str:
+    mode = os.environ.get("FITLLM_KERNEL_BACKEND", "auto").lower()
+    if mode in ("torch", "ref", "reference"):
+        return "torch"
+    if mode == "triton":
+        return "triton"
+    return "triton" if x.is_cuda else "torch"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 8  # interpreter: any small number keeps split-K exercised
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_arch(device_index: int | None) -> str:
+    """'sm90', 'sm89', ... or 'cpu'. Keys the tuned config tables."""
+    if device_index is None or not torch.cuda.is_available():
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm{major}{minor}"
+
+
+def device_index(t: torch.Tensor) -> int | None:
+    return t.device.index if t.is_cuda else None
+
+
+# Split-K partial sums go to an fp32 workspace with atomics; the last program of each output tile
+# (found with a per-tile counter) reads the sum, writes the output and zeroes its slice again, so
+# the workspace is always clean between launches: no memset launch, and CUDA graphs stay valid.
+# Buffers are never freed (a captured graph may hold their address); one stream at a time.
+_WORKSPACES: dict = {}
+
+
+def splitk_workspace(device: torch.device, n_floats: int, n_counters: int):
+    key = (device.type, device.index)
+    ws, cnt = _WORKSPACES.get(key, (None, None))
+    if ws is None or ws.numel() < n_floats or cnt.numel() < n_counters:
+        old = _WORKSPACES.get(key)
+        ws = torch.zeros(max(n_floats, 1 << 20, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(n_counters, 1 << 14, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=device)
+        _WORKSPACES[key] = (ws, cnt)
+        if old is not None:
+            _WORKSPACES.setdefault("_retired", []).append(old)
+    return ws, cnt
+
+
+def pick_config(table: dict, arch: str, m: int) -> dict:
+    """table: {arch: [(max_m, config), ...] sorted by max_m}; falls back to the 'default' rows."""
+    rows = table.get(arch, table["default"])
+    for max_m, cfg in rows:
+        if m <= max_m:
+            return cfg
+    return rows[-1][1]
+
+
+def split_k_for(tiles_mn: int, k_tiles: int, sms: int, waves: float) -> int:
+    """Enough programs to fill the GPU `waves` times over, never more splits than K tiles."""
+    if waves <= 0:
+        return 1
+    want = max(1, round(sms * waves / max(tiles_mn, 1)))
+    return max(1, min(want, k_tiles))
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """triton 3.6's interpreter turns scalar tensors into Python ints with int(ndarray of shape (1,)),
+    which numpy >= 2.4 rejects, so `range(runtime_arg)` in a kernel fails under TRITON_INTERPRET=1.
+    Re-register __index__ with .item(); harmless where numpy is older. (Interpreter only.)"""
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return
+    orig = getattr(interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_fitllm_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._fitllm_patched = True
+    interp._patch_lang_tensor = patched
+
+
+if interpreting():
+    _patch_interpreter_for_numpy_2_4()

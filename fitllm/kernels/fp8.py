@@ -1,0 +1,252 @@
+"""FP8 (e4m3) GEMM: y = x @ W^T with W float8_e4m3fn [N, K] and a per-channel [N] or per-tensor
+scale, in two modes:
+  * w8a8: x is quantized to e4m3 (dynamic per-token scales by default, or a static per-tensor
+    input_scale) and the dot runs on FP8 tensor cores (sm89+); y = (xq @ Wq^T) * sx[m] * sw[n].
+  * w8a16: W is upcast to x's dtype inside the kernel (exact: every e4m3 value is a bf16/fp16
+    value) and the per-channel scale is applied to the output tile; runs anywhere.
+Small M splits K over programs (serial reduction, see _utils) and can swap the operands (SWAP:
+the weight tile becomes the dot's M side, which the tensor cores want >= 64 wide, and the tokens
+the narrow N side). Large M may use torch._scaled_mm ("scaled_mm" backend) when that measured
+faster on the card (benchmarks/bench_gemm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._utils import backend_for, device_index, gpu_arch, interpreting, num_sms, pick_config, split_k_for, splitk_workspace
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+FP8_MAX = 448.0
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # keeps all-zero rows finite
+
+
+# --------------------------------------------------------------------------- references
+
+def quantize_fp8_per_token_ref(x: torch.Tensor):
+    """x [M, K] -> (x_fp8 [M, K] float8_e4m3fn, scale [M, 1] fp32) with x ~= x_fp8 * scale."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    scale = torch.clamp(amax / FP8_MAX, min=_MIN_SCALE)
+    q = torch.clamp(x.float() / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_fp8_static_ref(x: torch.Tensor, scale: torch.Tensor):
+    s = scale.float().reshape(1)
+    return torch.clamp(x.float() / s, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8"):
+    ws = weight_scale.float().reshape(-1)  # [N] or [1]
+    if mode == "w8a8":
+        if input_scale is None:
+            xq, xs = quantize_fp8_per_token_ref(x)
+        else:
+            xq, xs = quantize_fp8_static_ref(x, input_scale), input_scale.float().reshape(1, 1)
+        y = (xq.float() @ weight_fp8.float().t()) * xs * ws
+    elif mode == "w8a16":
+        y = (x.float() @ weight_fp8.to(x.dtype).float().t()) * ws
+    else:
+        raise ValueError(f"mode must be 'w8a8' or 'w8a16', got {mode!r}")
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+    from .w4a16 import _store_output
+
+    @triton.jit
+    def _round_to_e4m3_grid(v):
+        # RTNE onto the e4m3 grid in fp32 ((v + c) - c with c = 1.5 * 2**23 * ulp), so the cast
+        # after it is exact. Only for the interpreter, whose fp32->fp8 cast loses the carry into
+        # the exponent (124.3 -> 64); the GPU's cvt.rn.satfinite is right by itself.
+        e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        e = tl.maximum(e, -6)  # below 2**-6 the spacing is fixed (subnormals): 2**-9
+        ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        c = ulp * 12582912.0
+        return (v + c) - c
+
+    @triton.jit
+    def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+                          EXACT_ROUND: tl.constexpr):
+        """One program per row: amax pass, then scale-and-round pass (the row is in L1/L2)."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        if STATIC:
+            scale = tl.load(s_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(v))
+            scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512.0))
+            tl.store(s_ptr + row, scale)
+        inv = 1.0 / scale
+        for k0 in range(0, K, BLOCK):
+            m = k0 + offs < K
+            v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=m, other=0.0).to(tl.float32)
+            v = tl.minimum(tl.maximum(v * inv, -448.0), 448.0)
+            if EXACT_ROUND:
+                v = _round_to_e4m3_grid(v)
+            tl.store(q_ptr + row * stride_qm + k0 + offs, v.to(q_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _fp8_kernel(
+        x_ptr, xs_ptr, w_ptr, wsc_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_wn, stride_ym, K_ITERS,
+        W8A8: tl.constexpr, XS_PER_ROW: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SWAP: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        pid_mn = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BM)
+        pid_m = pid_mn % num_pid_m
+        pid_n = pid_mn // num_pid_m
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for it in range(0, K_ITERS):
+            offs_k = (pid_k * K_ITERS + it) * BK + tl.arange(0, BK)
+            k_mask = offs_k < K
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if not W8A8:
+                w = w.to(x.dtype)
+            if UPCAST:  # interpreter: no fp8/bf16 matmul there, same function in fp32
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        if SWAP:
+            acc = tl.trans(acc)
+        if WS_PER_CHANNEL:
+            acc = acc * tl.load(wsc_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        else:
+            acc = acc * tl.load(wsc_ptr)
+        if W8A8:
+            if XS_PER_ROW:
+                acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+            else:
+                acc = acc * tl.load(xs_ptr)
+        _store_output(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                      pid_mn, HAS_BIAS, SPLIT_K, BM, BN)
+
+
+def quantize_fp8_per_token(x: torch.Tensor):
+    """Dynamic per-token e4m3 quantization: (x_fp8 [M, K], scale [M, 1] fp32). Triton on CUDA."""
+    if backend_for(x) != "triton" or triton is None:
+        return quantize_fp8_per_token_ref(x)
+    return _quantize_triton(x, None)
+
+
+def _quantize_triton(x, static_scale):
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    if static_scale is None:
+        s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    else:
+        s = static_scale.float().reshape(1)
+    block = min(triton.next_power_of_2(K), 4096)
+    if M:
+        _quant_fp8_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), STATIC=static_scale is not None, BLOCK=block, EXACT_ROUND=interpreting(),
+                                num_warps=4 if block <= 2048 else 8)
+    return q, s
+
+
+# --------------------------------------------------------------------------- configs and dispatch
+
+def _cfg(bm, bn, bk, warps, stages, waves=0.0, swap=False, backend="triton"):
+    return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, waves=waves, SWAP=swap, backend=backend)
+
+
+# Rows (max M, config), first match wins; sm90 rows from benchmarks/bench_gemm.py on an H200.
+FP8_CONFIGS = {
+    # H200 sweep 2026-11-29 (benchmarks/RESULTS.md), GEMM-only us for one Llama-3-8B layer:
+    # M=1 76 (swap-AB), M=16 81, M=64 106, M=256 140, M=1024 381, M=4096 1472.
+    "sm90": [
+        (16, _cfg(16, 64, 256, 4, 4, waves=4, swap=True)),
+        (64, _cfg(64, 64, 256, 4, 4, waves=2)),
+        (256, _cfg(128, 128, 128, 8, 4)),
+        (1 << 62, _cfg(128, 256, 128, 8, 3)),
+    ],
+    "default": [
+        (16, _cfg(16, 64, 128, 4, 2, waves=4)),
+        (64, _cfg(32, 64, 128, 4, 2, waves=2)),
+        (1 << 62, _cfg(64, 64, 64, 4, 2)),
+    ],
+}
+
+
+def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8", config=None, x_quant=None,
+                     out=None):
+    """Triton path. x_quant=(x_fp8, scale) skips the activation quantization; config, out: as w4a16."""
+    if mode not in ("w8a8", "w8a16"):
+        raise ValueError(f"mode must be 'w8a8' or 'w8a16', got {mode!r}")
+    M, K = x.shape
+    N = weight_fp8.shape[0]
+    if weight_fp8.shape[1] != K:
+        raise ValueError(f"weight must be [N, K={K}], got {tuple(weight_fp8.shape)}")
+    dev = device_index(x)
+    cfg = dict(config) if config is not None else pick_config(FP8_CONFIGS, gpu_arch(dev), M)
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    wsc = weight_scale.float().reshape(-1)
+    if mode == "w8a8":
+        xq, xs = x_quant if x_quant is not None else _quantize_triton(x, input_scale)
+    else:
+        xq, xs = (x if x.stride(-1) == 1 else x.contiguous()), wsc
+
+    if mode == "w8a8" and cfg.get("backend") == "scaled_mm":  # cuBLASLt FP8 for large M
+        sa = xs.reshape(-1, 1).expand(M, 1).contiguous() if xs.numel() > 1 else xs.reshape(1, 1).expand(M, 1).contiguous()
+        sb = wsc.reshape(1, -1).expand(1, N).contiguous()
+        r = torch._scaled_mm(xq, weight_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=x.dtype,
+                             bias=bias.to(x.dtype) if bias is not None else None)
+        if out is not None:
+            out.copy_(r)
+            return out
+        return r
+
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    k_tiles = triton.cdiv(K, BK)
+    split = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
+    k_iters = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, k_iters)
+    ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if split > 1 else (y, y)
+    _fp8_kernel[(tiles_mn, split)](
+        xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt,
+        M, N, K, xq.stride(0), weight_fp8.stride(0), y.stride(0), k_iters,
+        W8A8=mode == "w8a8", XS_PER_ROW=xs.numel() > 1, WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None,
+        SWAP=cfg.get("SWAP", False), SPLIT_K=split, UPCAST=interpreting(), BM=BM, BN=BN, BK=BK,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def fp8_gemm(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8"):
+    """y = x @ (W * scale)^T (+ bias) with e4m3 weights; mode 'w8a8' (sm89+) or 'w8a16' (any card).
+
+    Triton on CUDA tensors, the torch reference on CPU (FITLLM_KERNEL_BACKEND forces either)."""
+    if backend_for(x) == "triton" and triton is not None:
+        return fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale, bias, mode)
+    return fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale, bias, mode)

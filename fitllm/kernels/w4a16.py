@@ -1,0 +1,338 @@
+"""W4A16 (and W8A16) GEMM: y = x @ W^T with W stored packed, dequantized inside the kernel.
+
+Packed layout (the one contract every 4/8-bit checkpoint format is repacked into):
+  qweight int32 [K // pack, N], pack = 32 // bits; element k of column n sits in row k // pack at
+          bits (k % pack) * bits .. +bits-1 (low to high, the GPTQ order); values are unsigned.
+  scales  [num_groups, N] in the activation dtype; zeros [num_groups, N], same dtype, integer zero
+          points stored as floats (symmetric schemes store 2**(bits-1)).
+  w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n], g = k // group_size, or g_idx[k] (act-order).
+
+One Triton kernel covers every M. Two ways to unpack a tile (constexpr SPLIT_J):
+  * split-j: load a [BK/pack, BN] block of words once and run `pack` small dots, dot j pairing
+    nibble j of every word with x[:, pack*r + j]; no word is loaded twice, x is gathered with a
+    stride (cheap: the x tile is tiny when M is small). Used for small M, where bytes are the cost.
+  * full: expand to a [BK, BN] tile by loading each word `pack` times (L1 hits) and one dot; x stays
+    contiguous. Used for large M, where the dot dominates.
+Scales are applied per element, per K tile (when a group spans whole K tiles: the dot runs on the
+exact integers q - z and the [BM, BN] result is scaled, BK/BM times fewer multiplies), or once at
+the end (per-channel). Small M also splits K across programs (serial reduction, see _utils).
+Large M can instead dequantize to a bf16 buffer and call cuBLAS ("dequant" backend), if that
+measured faster (benchmarks/bench_gemm.py sweeps both).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._utils import backend_for, device_index, interpreting, gpu_arch, num_sms, pick_config, split_k_for, splitk_workspace
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton still get the reference
+    triton = None
+
+
+# --------------------------------------------------------------------------- packing helpers
+
+def pack_int(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[K, N] ints in [0, 2**bits) -> int32 [K // pack, N], element k in bits (k % pack) * bits."""
+    pack = 32 // bits
+    K, N = q.shape
+    if K % pack:
+        raise ValueError(f"K={K} is not a multiple of {pack} ({bits}-bit packing)")
+    q = q.to(torch.int64).reshape(K // pack, pack, N)
+    if q.min() < 0 or q.max() >= (1 << bits):
+        raise ValueError(f"values out of range for {bits} bits")
+    shifts = (torch.arange(pack, device=q.device, dtype=torch.int64) * bits).view(1, pack, 1)
+    packed = (q << shifts).sum(dim=1)  # disjoint bit fields: sum == bitwise or
+    packed = torch.where(packed >= (1 << 31), packed - (1 << 32), packed)  # wrap into int32 range
+    return packed.to(torch.int32)
+
+
+def unpack_int(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [K // pack, N] -> int32 [K, N] (inverse of pack_int)."""
+    pack = 32 // bits
+    shifts = (torch.arange(pack, device=qweight.device, dtype=torch.int32) * bits).view(1, pack, 1)
+    q = (qweight.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # arithmetic shift, then mask
+    return q.reshape(qweight.shape[0] * pack, qweight.shape[1])
+
+
+def _group_index(K: int, group_size: int, g_idx, device) -> torch.Tensor:
+    if g_idx is not None:
+        return g_idx.to(device=device, dtype=torch.long)
+    return torch.arange(K, device=device) // group_size
+
+
+def dequantize_packed(qweight, scales, zeros, group_size, bits=4, g_idx=None, dtype=None):
+    """-> W^T [K, N] in `dtype` (default: scales' dtype), computed in float32."""
+    q = unpack_int(qweight, bits)
+    g = _group_index(q.shape[0], group_size, g_idx, q.device)
+    w = (q.float() - zeros.float()[g]) * scales.float()[g]
+    return w.to(dtype or scales.dtype)
+
+
+def w4a16_gemm_ref(x, qweight, scales, zeros, group_size, bits=4, g_idx=None, bias=None):
+    """Torch reference and CPU path. Dequantizes to the activation dtype, as the kernel does."""
+    w = dequantize_packed(qweight, scales, zeros, group_size, bits, g_idx, dtype=x.dtype)
+    y = x @ w
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _dequant_tile(qj, z, s, SCALE_PER_ELEMENT: tl.constexpr, OUT: tl.constexpr):
+        # int -> float without a slow I2F: OR the value into the mantissa of 2**23 and subtract
+        # 2**23 + zero in one exact FADD (z must be an integer, as the layout promises).
+        f = (qj | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)
+        if SCALE_PER_ELEMENT:
+            f = f * s
+        return f.to(OUT)
+
+    @triton.jit
+    def _dot(a, b, acc, UPCAST: tl.constexpr):
+        # triton 3.6's interpreter multiplies bf16 bit patterns as integers; there, upcast the
+        # (already rounded) operands to fp32 so it computes the same function as the GPU.
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _w4a16_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_ym, K_ITERS,
+        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SCALE_MODE: tl.constexpr,  # 0 per element, 1 per K tile, 2 once at the end
+        SPLIT_J: tl.constexpr, SPLIT_K: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        PACK: tl.constexpr = 32 // BITS
+        QMASK: tl.constexpr = (1 << BITS) - 1
+        BKP: tl.constexpr = BK // PACK
+        DT = x_ptr.dtype.element_ty
+        pid_mn = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BM)
+        pid_m = pid_mn % num_pid_m  # M fastest: programs reading the same weight tile run together
+        pid_n = pid_mn // num_pid_m
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        KP = K // PACK
+
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for it in range(0, K_ITERS):
+            k0 = (pid_k * K_ITERS + it) * BK
+            if SCALE_MODE == 1:  # one group covers this whole K tile
+                g = tl.minimum(k0 // GROUP_SIZE, K // GROUP_SIZE - 1)  # tail tiles past K are masked
+                s_row = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                z_row = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            elif SCALE_MODE == 2:
+                z_row = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if SPLIT_J:
+                offs_r = k0 // PACK + tl.arange(0, BKP)
+                r_mask = offs_r < KP
+                qw = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
+                             mask=r_mask[:, None] & n_mask[None, :], other=0)
+                part = tl.zeros((BM, BN), dtype=tl.float32)
+                for j in tl.static_range(PACK):
+                    offs_k = offs_r * PACK + j
+                    xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+                    qj = (qw >> (j * BITS)) & QMASK
+                    if SCALE_MODE == 0:
+                        if HAS_GIDX:
+                            g = tl.load(gidx_ptr + offs_k, mask=r_mask, other=0)
+                        else:
+                            g = offs_k // GROUP_SIZE
+                        sz_off = g[:, None] * N + offs_n[None, :]
+                        sz_mask = r_mask[:, None] & n_mask[None, :]
+                        s = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+                        z = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+                        w = _dequant_tile(qj, z, s, True, DT)
+                    else:
+                        w = _dequant_tile(qj, z_row[None, :], 1.0, False, DT)
+                    part = _dot(xj, w, part, UPCAST)
+            else:
+                offs_k = k0 + tl.arange(0, BK)
+                k_mask = offs_k < K
+                qw = tl.load(q_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :],
+                             mask=k_mask[:, None] & n_mask[None, :], other=0)
+                qj = (qw >> ((offs_k % PACK) * BITS)[:, None]) & QMASK
+                if SCALE_MODE == 0:
+                    if HAS_GIDX:
+                        g = tl.load(gidx_ptr + offs_k, mask=k_mask, other=0)
+                    else:
+                        g = offs_k // GROUP_SIZE
+                    sz_off = g[:, None] * N + offs_n[None, :]
+                    sz_mask = k_mask[:, None] & n_mask[None, :]
+                    s = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+                    z = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+                    w = _dequant_tile(qj, z, s, True, DT)
+                else:
+                    w = _dequant_tile(qj, z_row[None, :], 1.0, False, DT)
+                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                part = _dot(xt, w, tl.zeros((BM, BN), dtype=tl.float32), UPCAST)
+            if SCALE_MODE == 1:
+                acc += part * s_row[None, :]
+            else:
+                acc += part
+        if SCALE_MODE == 2:
+            acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+
+        _store_output(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                      pid_mn, HAS_BIAS, SPLIT_K, BM, BN)
+
+    @triton.jit
+    def _store_output(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                      tile_id, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        mask = m_mask[:, None] & n_mask[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Serial split-K reduction: add into the fp32 workspace, then the program that arrives
+            # last (per-tile counter) reads the total, zeroes the slice and counter for next time.
+            ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+            tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+            tl.debug_barrier()  # all threads' adds are issued before the release below
+            arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:
+                zero = tl.zeros((BM, BN), dtype=tl.float32)
+                total = tl.atomic_add(ws_ptrs, zero, mask=mask)  # read at L2, never a stale L1 line
+                tl.store(ws_ptrs, zero, mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0)
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _dequant_kernel(q_ptr, s_ptr, z_ptr, gidx_ptr, w_ptr, N, K,
+                        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr,
+                        BK: tl.constexpr, BN: tl.constexpr):
+        """Packed -> W^T [K, N] in the scales' dtype (the 'dequant' backend for large M)."""
+        PACK: tl.constexpr = 32 // BITS
+        offs_k = tl.program_id(0) * BK + tl.arange(0, BK)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+        qw = tl.load(q_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :], mask=mask, other=0)
+        qj = (qw >> ((offs_k % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)
+        if HAS_GIDX:
+            g = tl.load(gidx_ptr + offs_k, mask=offs_k < K, other=0)
+        else:
+            g = offs_k // GROUP_SIZE
+        off = g[:, None] * N + offs_n[None, :]
+        s = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        w = _dequant_tile(qj, z, s, True, w_ptr.dtype.element_ty)
+        tl.store(w_ptr + offs_k[:, None] * N + offs_n[None, :], w, mask=mask)
+
+
+# --------------------------------------------------------------------------- configs and dispatch
+
+def _cfg(bm, bn, bk, split_j, warps, stages, waves=0.0, backend="triton"):
+    return dict(BM=bm, BN=bn, BK=bk, SPLIT_J=split_j, num_warps=warps, num_stages=stages, waves=waves,
+                backend=backend)
+
+
+# Tile configs per GPU generation, rows (max M, config), first match wins. The sm90 rows come from
+# the sweep in benchmarks/bench_gemm.py on an H200 (see benchmarks/RESULTS.md); 'waves' sets split-K
+# (programs ~= SMs * waves). 'default' is a safe guess for other cards and the interpreter.
+W4A16_CONFIGS = {
+    # H200 sweep 2026-11-29 (benchmarks/RESULTS.md): split-j Triton wins only for M <= 16 (125 us at
+    # M=1, 213 at M=16 for one Llama-3-8B layer); from there on one dequant pass + cuBLAS beat every
+    # fused tile tried (M=256: 407 us vs 751; M=4096: 2701 vs 9404).
+    "sm90": [
+        (16, _cfg(16, 64, 128, True, 4, 4, waves=4)),
+        (1 << 62, _cfg(128, 128, 64, False, 8, 4, backend="dequant")),
+    ],
+    "default": [
+        (16, _cfg(16, 64, 128, True, 4, 2, waves=4)),
+        (64, _cfg(32, 64, 128, True, 4, 2, waves=2)),
+        (1 << 62, _cfg(64, 64, 64, False, 4, 2)),
+    ],
+}
+
+
+def _check(x, qweight, scales, zeros, group_size, bits, g_idx):
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    pack = 32 // bits
+    M, K = x.shape
+    if qweight.dtype != torch.int32 or qweight.shape[0] * pack != K:
+        raise ValueError(f"qweight must be int32 [K/{pack}, N] for K={K}, got {tuple(qweight.shape)} {qweight.dtype}")
+    if K % group_size or scales.shape != (K // group_size, qweight.shape[1]) or zeros.shape != scales.shape:
+        raise ValueError(f"scales/zeros must be [K/group_size, N]: got {tuple(scales.shape)}, {tuple(zeros.shape)}")
+    if g_idx is not None and g_idx.shape != (K,):
+        raise ValueError("g_idx must be [K]")
+
+
+def w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bits=4, g_idx=None, bias=None, config=None, out=None):
+    """The Triton path; `config` overrides the table, `out` receives y (benchmarks, tests)."""
+    _check(x, qweight, scales, zeros, group_size, bits, g_idx)
+    x = x.contiguous() if x.stride(-1) != 1 else x
+    M, K = x.shape
+    N = qweight.shape[1]
+    dev = device_index(x)
+    cfg = dict(config) if config is not None else pick_config(W4A16_CONFIGS, gpu_arch(dev), M)
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+
+    if cfg.get("backend") == "dequant":  # large M: one dequant pass, then cuBLAS
+        w = torch.empty((K, N), dtype=x.dtype, device=x.device)
+        grid = (triton.cdiv(K, 64), triton.cdiv(N, 128))
+        _dequant_kernel[grid](qweight, scales, zeros, g_idx if g_idx is not None else qweight, w, N, K,
+                              BITS=bits, GROUP_SIZE=group_size, HAS_GIDX=g_idx is not None, BK=64, BN=128,
+                              num_warps=4)
+        torch.mm(x, w, out=y)
+        if bias is not None:
+            y += bias.to(y.dtype)
+        return y
+
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    pack = 32 // bits
+    split_j = cfg["SPLIT_J"] and BK // pack >= 16  # tl.dot needs K >= 16 per small dot
+    num_groups = scales.shape[0]
+    if num_groups == 1:
+        scale_mode = 2
+    elif g_idx is None and group_size % BK == 0:
+        scale_mode = 1
+    else:
+        scale_mode = 0
+    tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    k_tiles = triton.cdiv(K, BK)
+    split = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
+    k_iters = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, k_iters)  # no empty splits
+    ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if split > 1 else (y, y)
+    # Per-element scales put `pack` extra [BK/pack, BN] scale and zero tiles in every pipeline
+    # stage; two stages keep that inside shared memory (3 stages of BK=256 needed 272 KB on sm90).
+    stages = min(cfg["num_stages"], 2) if scale_mode == 0 else cfg["num_stages"]
+    _w4a16_kernel[(tiles_mn, split)](
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
+        bias if bias is not None else scales, y, ws, cnt,
+        M, N, K, x.stride(0), y.stride(0), k_iters,
+        BITS=bits, GROUP_SIZE=group_size, HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None,
+        SCALE_MODE=scale_mode, SPLIT_J=split_j, SPLIT_K=split, BM=BM, BN=BN, BK=BK, UPCAST=interpreting(),
+        num_warps=cfg["num_warps"], num_stages=stages,
+    )
+    return y
+
+
+def w4a16_gemm(x, qweight, scales, zeros, group_size, bits=4, g_idx=None, bias=None):
+    """y = x @ dequant(W)^T (+ bias); x [M, K] fp16/bf16/fp32 -> y [M, N] in x.dtype.
+
+    Triton on CUDA tensors, the torch reference on CPU (FITLLM_KERNEL_BACKEND forces either)."""
+    if backend_for(x) == "triton" and triton is not None:
+        return w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bits, g_idx, bias)
+    return w4a16_gemm_ref(x, qweight, scales, zeros, group_size, bits, g_idx, bias)
