@@ -1,24 +1,167 @@
-"""`quant memory`: what fits on a card."""
+"""`quant memory`: what fits on a card. Thin: parse, call fitllm.budget, print."""
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from typing import Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
-from fitllm.cli.common import not_built
+from fitllm import budget as bm
+from fitllm.cli.common import fail
+from fitllm.models.errors import FitLLMError
+
+out = Console(highlight=False)
+
+
+def _size(n: float) -> str:
+    return f"{n / bm.GiB:.2f} GiB" if abs(n) >= bm.GiB else f"{n / bm.MiB:.0f} MiB"
+
+
+def _local_gpu() -> tuple[Optional[bm.Gpu], int]:
+    """The card this process sees, if any: (catalog entry for its bandwidth, memory in bytes)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, 0
+    props = torch.cuda.get_device_properties(0)
+    try:
+        gpu = bm.find_gpu(props.name)
+    except FitLLMError:
+        gpu = None
+    return gpu, props.total_memory
 
 
 def memory(
-    model: Optional[str] = typer.Argument(None, help="Model folder, .gguf, or a folder with config.json."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="A GPU name from the catalog, e.g. rtx4090, h200."),
-    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GPU memory in GiB."),
-    quant: str = typer.Option("bf16", "--quant", help="bf16 | awq | gptq | fp8 | nf4"),
-    kv_dtype: str = typer.Option("auto", "--kv-dtype"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    json_out: bool = typer.Option(False, "--json"),
+    model: Optional[str] = typer.Argument(
+        None, help="HF folder, .gguf, config.json, a known name (e.g. llama-3-8b) or a hub id. "
+        "Omitted: the embedded SmolLM2-135M."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="A GPU from the catalog, e.g. rtx4090, l4, h200."),
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GPU memory in GiB (a card not in the catalog)."),
+    quant: Optional[str] = typer.Option(None, "--quant", help="bf16 | awq | gptq | fp8 | nf4 "
+                                        "[default: the checkpoint's own scheme]"),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto | bf16 | fp16 | fp8 | int8 | int4"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="[default: the model's limit]"),
+    max_num_seqs: int = typer.Option(bm.DEFAULT_MAX_NUM_SEQS, "--max-num-seqs"),
+    max_batched_tokens: int = typer.Option(bm.DEFAULT_MAX_BATCHED_TOKENS, "--max-num-batched-tokens",
+                                           help="Token budget of one step (as `quant serve`)."),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
+    block_size: int = typer.Option(bm.DEFAULT_BLOCK_SIZE, "--block-size"),
+    utilization: float = typer.Option(bm.DEFAULT_GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization"),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (bytes) instead of tables."),
 ) -> None:
     """Memory budget: weights, KV cache, workspace; how many sequences fit at what context."""
-    not_built("memory")
+    try:
+        config, label = bm.load_config(model)
+        checkpoint_scheme = bm.detect_scheme(config)
+        scheme = quant or checkpoint_scheme
+        # an already-quantized checkpoint says its group size (-1: per channel)
+        group = (config.quantization_config or {}).get("group_size") if scheme == checkpoint_scheme else None
+        if scheme not in bm.SCHEMES:
+            raise FitLLMError(f"unknown --quant {scheme!r}; choose one of {', '.join(bm.SCHEMES)}")
+        settings = bm.Settings(scheme=scheme, kv_dtype=bm.normalize_kv_dtype(kv_dtype),
+                               max_model_len=max_model_len or config.max_position_embeddings,
+                               max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
+                               block_size=block_size, gpu_memory_utilization=utilization,
+                               cuda_graphs=not no_cuda_graphs, group_size=group)
+        if gpu is not None and gpu_mem is not None:
+            raise FitLLMError("give --gpu or --gpu-mem, not both")
+        card, mem = (bm.find_gpu(gpu), 0) if gpu else (None, int(gpu_mem * bm.GiB)) if gpu_mem else _local_gpu()
+        mem = mem or (card.memory_bytes if card else 0)
+    except FitLLMError as exc:
+        fail(str(exc))
+    if not mem:
+        return _catalog(config, label, settings, json_out)
+    p = bm.plan(config, settings, mem, card, model, checkpoint_scheme)
+    needs_convert = scheme != checkpoint_scheme
+    if json_out:
+        doc = {"model": label, "gpu": asdict(card) if card else {"memory_gib": mem / bm.GiB},
+               **p.budget.as_dict(), "command": p.command, "needs_convert": needs_convert,
+               "decode_tokens_per_s": p.tokens_per_s() if p.budget.fits else {}, "alternatives": p.alternatives}
+        if not p.budget.fits and not p.alternatives:
+            doc["cards_that_fit"] = [g.key for g in bm.cards_that_fit(config, _smallest(settings))]
+        print(json.dumps(doc, indent=2))
+        return
+    _print_plan(p, config, label, mem, needs_convert, model)
+
+
+def _smallest(s: bm.Settings) -> bm.Settings:
+    return bm.Settings(**{**asdict(s), "scheme": "awq", "kv_dtype": "int4" if s.kv_dtype != "fp8" else "fp8"})
+
+
+def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, model: Optional[str]) -> None:
+    b, s, card = p.budget, p.budget.settings, p.gpu
+    where = f"{card.name} ({card.memory_gib:g} GiB, {card.bandwidth_gbs:g} GB/s{', FP8' if card.fp8 else ''})" \
+        if card else f"a {mem / bm.GiB:g} GiB card"
+    out.print(f"[bold]{label}[/] · weights {s.scheme} · KV {s.kv_dtype} · block {s.block_size} · on {where}")
+    table = Table(show_edge=False)
+    table.add_column("term")
+    table.add_column("size", justify="right")
+    table.add_column("what it is")
+    for name, value in {**b.terms, "kv_cache": b.kv_cache}.items():
+        what = bm.TERM_HELP[name]
+        if name == "weights":
+            w = b.weights
+            what += f" (linears {_size(w.linears)}, embeddings {_size(w.embeddings)}, " + \
+                (f"lm_head {_size(w.lm_head)})" if w.lm_head else "lm_head tied)")
+        if name == "kv_cache":
+            what += f" ({b.num_kv_blocks} x {s.block_size} tokens x {b.kv_bytes_per_token} B)"
+        table.add_row(name, _size(value), what)
+    table.add_row("[bold]total[/]", f"[bold]{_size(b.total)}[/]",
+                  f"of {_size(b.usable)} usable ({s.gpu_memory_utilization:g} x {_size(mem)})")
+    out.print(table)
+    if card is not None and not card.fp8 and "fp8" in (s.scheme, s.kv_dtype):
+        out.print(f"[yellow]note:[/] {card.name} has no FP8 tensor cores: fp8 weights run as W8A16; "
+                  "for the KV cache prefer int8.")
+    if b.fits:
+        out.print(f"[green]Fits:[/] {b.max_seqs_at(s.max_model_len)} sequences at {s.max_model_len} tokens; "
+                  f"at {s.max_num_seqs} sequences, up to {b.longest_context_at(s.max_num_seqs)} tokens each.")
+        speed = p.tokens_per_s()
+        if speed:
+            out.print(f"Decode (bandwidth roofline, an upper bound): ~{speed['single_seq_short_ctx']:.0f} tok/s for one "
+                      f"sequence; ~{speed['batch_full_ctx']:.0f} tok/s total at {speed['batch_seqs']} x {s.max_model_len} tokens.")
+        if needs_convert:
+            out.print(f"First convert: quant convert {model or ''} --method {s.scheme} -o CONVERTED_DIR")
+        out.print(f"Run: [bold]{p.command}[/]")
+        return
+    short = "the model's limit is " + str(b.model_max_len) if s.max_model_len > b.model_max_len else \
+        f"{_size(b.fixed)} before any KV cache, {_size(bm.kv_cache_bytes(config, s.kv_dtype, s.max_model_len, s.block_size))} " \
+        f"for one sequence of {s.max_model_len} tokens"
+    out.print(f"[red]Does not fit[/] in {_size(b.usable)}: {short}.")
+    if p.alternatives:
+        alt = Table("what would fit", "sequences", "command", show_edge=False)
+        for a in p.alternatives:
+            alt.add_row(a["change"], str(a["max_num_seqs"]), a["command"])
+        out.print(alt)
+    else:
+        small = _smallest(s)
+        cards = bm.cards_that_fit(config, small)
+        out.print(f"Nothing fits on this card. With awq weights and {small.kv_dtype} KV it fits on: "
+                  + (", ".join(g.key for g in cards) or "none of the catalog's cards"))
+
+
+def _catalog(config, label: str, s: bm.Settings, json_out: bool) -> None:
+    """No card given and none here: the same plan across the catalog."""
+    rows = []
+    for g in bm.GPUS:
+        b = bm.estimate(config, s, g.memory_bytes)
+        rows.append({"gpu": g.key, "memory_gib": g.memory_gib, "fits": b.fits,
+                     "max_seqs_at_max_model_len": b.max_seqs_at(s.max_model_len),
+                     "longest_context_one_seq": b.longest_context_at(1),
+                     "decode_tok_s_one_seq": round(bm.decode_tokens_per_s(b, g.bandwidth_gbs, 1, 1024)) if b.fits else None})
+    if json_out:
+        print(json.dumps({"model": label, "settings": asdict(s), "gpus": rows}, indent=2))
+        return
+    out.print(f"[bold]{label}[/] · weights {s.scheme} · KV {s.kv_dtype} · {s.max_model_len} tokens "
+              f"(no --gpu given and no GPU here: every card in the catalog)")
+    table = Table("gpu", "GiB", f"seqs at {s.max_model_len}", "longest context, 1 seq", "tok/s, 1 seq", show_edge=False)
+    for r in rows:
+        color = "green" if r["fits"] else "red"
+        table.add_row(r["gpu"], f"{r['memory_gib']:g}", f"[{color}]{r['max_seqs_at_max_model_len']}[/]",
+                      str(r["longest_context_one_seq"]), str(r["decode_tok_s_one_seq"] or "-"))
+    out.print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,289 @@
+"""The memory model against hand calculations, and `quant memory` end to end (CPU, fast)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from fitllm import budget as bm
+from fitllm.cli.main import app
+from fitllm.models.errors import FitLLMError
+
+LLAMA3 = bm.known_model("llama-3-8b")  # vocab 128256, hidden 4096, MLP 14336, 32 layers, 32 q / 8 kv heads of 128
+SMOL = bm.known_model("smollm2-135m")  # vocab 49152, hidden 576, MLP 1536, 30 layers, 9 q / 3 kv heads of 64, tied
+runner = CliRunner()
+
+
+# ---------------------------------------------------------------- KV cache
+def test_kv_bytes_per_token_llama3():
+    # K and V x 32 layers x 8 KV heads (not 32 query heads) x 128 dims x bytes
+    assert bm.kv_bytes_per_token(LLAMA3, "bf16") == 2 * 32 * 8 * 128 * 2 == 131072
+    assert bm.kv_bytes_per_token(LLAMA3, "auto") == 131072
+    assert bm.kv_bytes_per_token(LLAMA3, "fp8") == 2 * 32 * 8 * 128 * 1 == 65536
+    # int8: 128 B of values + an fp16 scale per (token, kv head)
+    assert bm.kv_bytes_per_token(LLAMA3, "int8") == 2 * 32 * 8 * (128 + 2) == 66560
+    # int4 asymmetric: 64 B of nibbles + fp16 scale + fp16 zero per (token, kv head)
+    assert bm.kv_bytes_per_token(LLAMA3, "int4") == 2 * 32 * 8 * (64 + 4) == 34816
+
+
+def test_kv_bytes_per_token_smollm2():
+    assert bm.kv_bytes_per_token(SMOL, "bf16") == 2 * 30 * 3 * 64 * 2 == 23040
+
+
+def test_kv_rounds_up_to_whole_blocks():
+    assert bm.kv_cache_bytes(LLAMA3, "bf16", 16, block_size=16) == 16 * 131072
+    assert bm.kv_cache_bytes(LLAMA3, "bf16", 17, block_size=16) == 2 * 16 * 131072
+    assert bm.kv_cache_bytes(LLAMA3, "fp8", 8192, block_size=16) == 512 * 16 * 65536 == 512 * bm.MiB
+    # 1 GiB / (16 tokens x 128 KiB) = 512 blocks; anything short of a block is not a block
+    assert bm.kv_cache_blocks_for(bm.GiB, LLAMA3, "bf16", 16) == 512
+    assert bm.kv_cache_blocks_for(bm.GiB - 1, LLAMA3, "bf16", 16) == 511
+    assert bm.kv_cache_blocks_for(-5, LLAMA3) == 0
+
+
+def test_unknown_kv_dtype_is_a_clear_error():
+    with pytest.raises(FitLLMError, match="int4"):
+        bm.kv_bytes_per_token(LLAMA3, "int3")
+
+
+# ---------------------------------------------------------------- weights
+LLAMA3_PARAMS_PER_LAYER = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # q,o + k,v + gate,up,down
+EMBED = 128256 * 4096
+NORMS = (2 * 32 + 1) * 4096
+
+
+def test_llama3_bf16_weights():
+    w = bm.weight_bytes(LLAMA3, "bf16")
+    assert LLAMA3_PARAMS_PER_LAYER * 32 + 2 * EMBED + NORMS == 8_030_261_248  # the published 8.03B
+    assert w.total == 2 * 8_030_261_248
+
+
+def test_llama3_awq_int4_g128_weights_by_hand():
+    # As fitllm holds a k->n linear on the GPU (KernelWeight, after repacking any int4 layout):
+    # int4 weights k*n/2 bytes, and per group of 128 inputs a bf16 scale and a bf16 zero per output.
+    # (On disk AWQ packs the zeros in 4 bits and keeps fp16 scales: 3,625,975,808 B of linears.)
+    def awq(k, n):
+        return k * n // 2 + (k // 128) * n * 2 + (k // 128) * n * 2
+
+    q = o = 4096 * 4096 // 2 + 32 * 4096 * 2 + 32 * 4096 * 2  # 8,388,608 + 262,144 + 262,144
+    k = v = 4096 * 1024 // 2 + 32 * 1024 * 2 + 32 * 1024 * 2  # 2,097,152 + 65,536 + 65,536
+    gate = up = 4096 * 14336 // 2 + 32 * 14336 * 2 + 32 * 14336 * 2  # 29,360,128 + 917,504 + 917,504
+    down = 14336 * 4096 // 2 + 112 * 4096 * 2 + 112 * 4096 * 2  # 112 groups along k = 14336
+    assert (q, k, gate, down) == (8_912_896, 2_228_224, 31_195_136, 31_195_136) == (
+        awq(4096, 4096), awq(4096, 1024), awq(4096, 14336), awq(14336, 4096))
+    layer = q + o + k + v + gate + up + down
+    assert layer == 115_867_648
+    w = bm.weight_bytes(LLAMA3, "awq")
+    assert w.linears == 32 * layer == 3_707_764_736
+    assert w.embeddings == w.lm_head == 2 * EMBED == 1_050_673_152  # both stay bf16
+    assert w.norms_biases == 2 * NORMS == 532_480
+    assert w.total == 5_809_643_520  # 5.41 GiB, vs 14.96 GiB in bf16
+
+
+def test_other_schemes_by_hand():
+    p = LLAMA3_PARAMS_PER_LAYER * 32
+    # fp8 per channel: 1 byte per weight + an fp32 scale per output row of each checkpoint matrix
+    rows = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)
+    assert bm.weight_bytes(LLAMA3, "fp8").linears == p + 4 * rows
+    # nf4: half a byte per weight + one fp32 absmax per 64 weights
+    assert bm.weight_bytes(LLAMA3, "nf4").linears == p // 2 + 4 * p // 64
+    # gptq = awq + an int32 g_idx per input row of each fused GEMM: qkv, o, gate|up (4096 each), down (14336)
+    in_rows = 32 * (4096 * 3 + 14336)
+    assert bm.weight_bytes(LLAMA3, "gptq").linears == bm.weight_bytes(LLAMA3, "awq").linears + 4 * in_rows
+
+
+def test_smollm2_weights_tied_and_group_64():
+    assert bm.default_group_size(SMOL) == 64  # 576 is not a multiple of 128 (DESIGN.md)
+    per_layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
+    w = bm.weight_bytes(SMOL, "bf16")
+    assert w.lm_head == 0 and w.embeddings == 2 * 49152 * 576
+    assert w.total == 2 * (30 * per_layer + 49152 * 576 + 61 * 576) == 2 * 134_515_008
+    # tied: the one table is both the input gather and the lm_head a decode step streams
+    assert w.read_per_step == w.total
+
+
+def test_detect_scheme_from_checkpoint_config():
+    cfg = replace(LLAMA3, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128})
+    assert bm.detect_scheme(cfg) == "awq"
+    ct = {"quant_method": "compressed-tensors",
+          "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}}}
+    assert bm.detect_scheme(replace(LLAMA3, quantization_config=ct)) == "fp8"
+    assert bm.detect_scheme(LLAMA3) == "bf16"
+
+
+# ---------------------------------------------------------------- activations, whole budget
+def test_activation_peak_llama3_by_hand():
+    t = 2048
+    residual = 3 * t * 4096 * 2
+    rope_tables = t * 128 * 4
+    mlp = t * (2 * 14336 + 14336 + 14336) * 2  # gate|up, silu(gate), product (bigger than attention here)
+    logits = t * 4096 * 2 + 64 * 128256 * 22  # hidden states + sampler buffers of 64 sampled rows
+    assert bm.activation_bytes(LLAMA3, t, 64) == max(residual + rope_tables + mlp, logits) == 286_261_248
+    # W4A16 at large M may dequantize the fused gate|up weight (4096 x 2*14336, bf16) for cuBLAS
+    assert bm.activation_bytes(LLAMA3, t, 64, "awq") == residual + rope_tables + mlp + 4096 * 2 * 14336 * 2
+    # a vocabulary-heavy case: many sampled rows make the logits the peak
+    assert bm.activation_bytes(LLAMA3, 512, 512) == 512 * 4096 * 2 + 512 * 128256 * 22
+
+
+def test_attention_workspace_by_hand():
+    # today's torch fallback in the decode graphs: every sequence's K/V padded to the context,
+    # K and V repeated from 8 KV heads to 32 query heads, plus a bool mask
+    padded = 64 * (8192 * (2 * 1024 + 2 * 4096) * 2 + 8192)
+    assert bm.attention_workspace_bytes(LLAMA3, 64, 8192, 64, "padded") == padded  # 10 GiB: no graphs at this size
+    # fused Triton decode: 16 splits of 512 tokens, fp32 partial output + max + sum per query head
+    assert bm.attention_workspace_bytes(LLAMA3, 64, 8192, 64, "fused") == 64 * 32 * 16 * (128 + 2) * 4
+    s = bm.Settings(max_model_len=8192, graph_attention="padded")
+    assert bm.estimate(LLAMA3, s, 80 * bm.GiB).terms["cuda_graphs"] > padded
+
+
+def test_estimate_fills_the_card_and_answers_fit_questions():
+    s = bm.Settings(scheme="awq", kv_dtype="bf16", max_model_len=8192, max_num_seqs=64)
+    b = bm.estimate(LLAMA3, s, 24 * bm.GiB)
+    assert b.terms["weights"] == 5_809_643_520 and b.terms["cuda_context"] == 500 * bm.MiB
+    assert b.total <= b.usable < b.total + 16 * 131072  # KV takes what is left, short of one block
+    assert b.max_seqs_at(8192) == b.num_kv_blocks // 512
+    assert b.longest_context_at(64) == b.num_kv_blocks // 64 * 16
+    assert b.longest_context_at(1) == 8192  # capped by the model's own limit
+    assert b.torch_peak == b.total - b.terms["cuda_context"] - b.terms["allocator_slack"]
+    assert b.fits
+    # the server passes its real block count to predict its peak
+    assert bm.estimate(LLAMA3, s, 24 * bm.GiB, num_kv_blocks=100).kv_cache == 100 * 16 * 131072
+
+
+def test_decode_roofline():
+    b = bm.estimate(LLAMA3, bm.Settings(scheme="awq", max_model_len=8192), 24 * bm.GiB)
+    step = b.weights.read_per_step + 4 * 2048 * 131072  # weights once + each sequence's KV
+    assert b.weights.read_per_step == 5_809_643_520 - 1_050_673_152  # the embedding table is gathered, not read
+    assert bm.decode_tokens_per_s(b, 1008, 4, 2048) == pytest.approx(4 * 1008e9 * bm.BANDWIDTH_EFFICIENCY / step)
+
+
+def test_plan_does_not_fit_suggests_commands_that_fit():
+    s = bm.Settings(scheme="bf16", max_model_len=8192)
+    gpu = bm.find_gpu("rtx3060")
+    p = bm.plan(LLAMA3, s, gpu.memory_bytes, gpu, "llama-3-8b")
+    assert not p.budget.fits and p.command is None
+    assert {"fp8", "awq"} <= {a.get("scheme") for a in p.alternatives}
+    assert all("fp8" != a.get("kv_dtype") for a in p.alternatives)  # no FP8 on Ampere: int8 instead
+    for a in p.alternatives:  # every suggested command fits by the same model
+        changes = {k: a[k] for k in ("scheme", "kv_dtype", "max_model_len", "max_num_seqs") if k in a}
+        assert bm.estimate(LLAMA3, replace(s, **changes), gpu.memory_bytes).fits, a
+        converted = "scheme" in a  # another scheme is another checkpoint: convert, then serve that
+        assert a["command"].startswith("quant serve CONVERTED_DIR " if converted else "quant serve llama-3-8b ")
+
+
+def test_plan_fits_gives_a_command():
+    gpu = bm.find_gpu("rtx4090")
+    p = bm.plan(LLAMA3, bm.Settings(scheme="awq", max_model_len=8192), gpu.memory_bytes, gpu, "llama-3-8b")
+    n = min(64, p.budget.max_seqs_at(8192))
+    assert p.command == f"quant serve llama-3-8b --kv-dtype bf16 --max-model-len 8192 --max-num-seqs {n} --gpu-memory-utilization 0.9"
+
+
+def test_gpu_catalog_lookup():
+    assert bm.find_gpu("RTX 4090").key == bm.find_gpu("rtx4090").key == bm.find_gpu("4090").key == "rtx4090"
+    assert bm.find_gpu("NVIDIA GeForce RTX 4070 Ti SUPER").key == "rtx4070tisuper"
+    assert bm.find_gpu("NVIDIA H100 80GB HBM3").key == "h100-sxm"
+    assert bm.find_gpu("NVIDIA H100 PCIe").key == "h100-pcie"
+    assert bm.find_gpu("Tesla T4").key == "t4" and bm.find_gpu("NVIDIA L4").key == "l4"
+    assert bm.find_gpu("NVIDIA L40S").key == "l40s" and bm.find_gpu("h200").fp8
+    assert not bm.find_gpu("a100-80g").fp8
+    with pytest.raises(FitLLMError, match="rtx4090"):
+        bm.find_gpu("voodoo5")
+
+
+def test_compare_with_measured(monkeypatch):
+    import torch
+
+    b = bm.estimate(LLAMA3, bm.Settings(scheme="awq"), 24 * bm.GiB)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: b.torch_peak // 2)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: b.torch_peak)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (24 * bm.GiB - b.total, 24 * bm.GiB))
+    report = bm.compare_with_measured(b)
+    assert report["torch_peak"]["error"] == pytest.approx(1.0, abs=1e-6)
+    assert report["device_used"]["error"] == 0
+    assert "predicted" in bm.format_comparison(report)
+
+
+def test_config_from_gguf_metadata(tmp_path):
+    import gguf
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in [("add_block_count", 2), ("add_embedding_length", 64), ("add_feed_forward_length", 128),
+                       ("add_head_count", 4), ("add_head_count_kv", 2), ("add_context_length", 512)]:
+        getattr(w, add)(value)
+    w.add_token_list([f"t{i}" for i in range(100)])
+    w.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float32))  # no output.weight: tied
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg, _ = bm.load_config(str(path))
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (2, 2, 16, 100)
+    assert cfg.tie_word_embeddings and cfg.max_position_embeddings == 512
+
+
+def test_known_names_and_hub_ids_map_to_the_table():
+    assert bm.load_config("meta-llama/Meta-Llama-3-8B-Instruct")[0] == LLAMA3
+    assert bm.load_config("Qwen/Qwen2.5-7B-Instruct")[0].num_kv_heads == 4
+    with pytest.raises(FitLLMError, match="known"):
+        bm.load_config("no-such-model")
+
+
+# ---------------------------------------------------------------- CLI
+def _json(args):
+    result = runner.invoke(app, ["memory", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_cli_json_llama3_awq_on_4090():
+    doc = _json(["llama-3-8b", "--gpu", "RTX 4090", "--quant", "awq", "--max-model-len", "8192"])
+    assert doc["weights_bytes"]["total"] == 5_809_643_520
+    assert doc["kv_bytes_per_token"] == 131072
+    assert doc["fits"] and doc["needs_convert"]
+    assert doc["max_seqs_at_max_model_len"] == doc["kv_blocks"] // 512
+    assert doc["command"].startswith("quant serve CONVERTED_DIR --kv-dtype bf16 --max-model-len 8192")
+    assert doc["gpu"]["key"] == "rtx4090" and doc["decode_tokens_per_s"]["single_seq_short_ctx"] > 0
+    assert doc["total_bytes"] <= doc["usable_bytes"]
+
+
+def test_cli_json_does_not_fit():
+    doc = _json(["llama-3-8b", "--gpu", "rtx3060"])
+    assert not doc["fits"] and doc["command"] is None
+    assert any(a.get("scheme") == "awq" for a in doc["alternatives"])
+    doc = _json(["llama-3.1-70b", "--gpu", "rtx4090"])
+    assert not doc["fits"] and not doc["alternatives"] and "h200" in doc["cards_that_fit"]
+
+
+def test_cli_table_and_embedded_default():
+    result = runner.invoke(app, ["memory", "--gpu", "l4", "--max-model-len", "2048"])
+    assert result.exit_code == 0, result.output
+    assert "SmolLM2" in result.output and "Fits" in result.output and "quant serve --kv-dtype bf16" in result.output
+    assert _json(["--gpu-mem", "8"])["kv_bytes_per_token"] == 23040
+    result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "rtx3060"])
+    assert "Does not fit" in result.output and "awq" in result.output
+
+
+def test_cli_config_json_file_and_catalog(tmp_path, monkeypatch):
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    doc = _json([str(tmp_path / "config.json"), "--gpu-mem", "4", "--kv-dtype", "fp8"])
+    assert doc["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 1
+    # no --gpu and no GPU here: every card of the catalog
+    from fitllm.cli import memory as memory_cli
+
+    monkeypatch.setattr(memory_cli, "_local_gpu", lambda: (None, 0))
+    doc = _json([str(tmp_path)])
+    assert len(doc["gpus"]) == len(bm.GPUS) and all(r["fits"] for r in doc["gpus"])
+
+
+def test_cli_errors_are_one_line():
+    result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "voodoo5"])
+    assert result.exit_code == 1 and "rtx4090" in result.output and "Traceback" not in result.output
+    result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "h200", "--quant", "int3"])
+    assert result.exit_code == 1 and "nf4" in result.output
+    result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "h200", "--gpu-mem", "24"])
+    assert result.exit_code == 1 and "not both" in result.output
