@@ -6,20 +6,71 @@ from typing import Optional
 
 import typer
 
-from fitllm.cli.common import MODEL_HELP, not_built
+from fitllm.cli.common import MODEL_HELP, console, fail
 
 
 def convert(
     model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
     method: str = typer.Option(..., "--method", help="rtn | awq | gptq | fp8"),
     bits: int = typer.Option(4, "--bits", help="Weight bits for rtn/awq/gptq: 4 or 8."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="Input channels per scale; -1 = per channel."),
+    group_size: Optional[int] = typer.Option(None, "--group-size",
+                                             help="Input channels per scale; -1 = per channel. "
+                                                  "Default: 128, else 64, else 32 (whichever divides every input size)."),
     format: str = typer.Option("compressed-tensors", "--format", help="compressed-tensors | autoawq | gptq"),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text: .txt or .jsonl."),
+    calib: Optional[str] = typer.Option(None, "--calib",
+                                        help="Calibration text: .txt or .jsonl ({'text': ...} per line), or "
+                                             "hf:DATASET[:CONFIG[:SPLIT]]. Default: built-in text the model writes itself."),
     output: Path = typer.Option(..., "-o", "--output", help="Output folder (written atomically)."),
+    sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric or asymmetric int grid (default asym)."),
+    act_order: bool = typer.Option(False, "--act-order", help="GPTQ: quantize columns by decreasing activation energy."),
+    static_groups: bool = typer.Option(False, "--static-groups",
+                                       help="GPTQ act-order: keep groups by column index (no g_idx)."),
+    fp8_static: bool = typer.Option(False, "--fp8-static", help="FP8: static per-tensor activation scales from calibration."),
+    calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration sequences."),
+    calib_len: int = typer.Option(512, "--calib-len", help="Tokens per calibration sequence."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda[:N] (default: cuda when present)."),
 ) -> None:
     """Quantize MODEL layer by layer and write a checkpoint fitllm, vLLM and transformers load."""
-    not_built("convert")
+    import torch
+
+    from fitllm.models.errors import FitLLMError
+    from fitllm.models.hub import resolve_model
+    from fitllm.quant.pipeline import quantize_model
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        folder = resolve_model(model)
+        result = quantize_model(folder, output, method, bits=bits, group_size=group_size, sym=sym, fmt=format,
+                                calib=calib, calib_samples=calib_samples, calib_len=calib_len, act_order=act_order,
+                                static_groups=static_groups, fp8_static=fp8_static, force=force, device=device,
+                                log=lambda s: console.print(s, highlight=False))
+    except FitLLMError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail(f"interrupted: nothing was written to {output}", code=130)
+    print_summary(result)
+
+
+def print_summary(r) -> None:
+    from rich.table import Table
+
+    errs = r.layer_errors
+    worst = max(range(len(errs)), key=errs.__getitem__) if errs else 0
+    console.print(f"[bold green]wrote[/] {r.output} ({r.size_bytes / 2**20:.1f} MiB) in {r.seconds:.0f} s, "
+                  f"peak memory {r.peak_memory / 2**30:.2f} GiB, calibration {r.calib_tokens} tokens", highlight=False)
+    table = Table(title="per-layer relative output error (|y_q - y| / |y - x|)", show_lines=False)
+    for col in ("layer", "error", "layer", "error", "layer", "error"):
+        table.add_column(col, justify="right")
+    third = (len(errs) + 2) // 3
+    for i in range(third):
+        cells = []
+        for j in (i, i + third, i + 2 * third):
+            cells += [str(j), f"{errs[j]:.4f}"] if j < len(errs) else ["", ""]
+        table.add_row(*cells)
+    console.print(table)
+    if errs:
+        console.print(f"mean {sum(errs) / len(errs):.4f}, worst layer {worst} ({errs[worst]:.4f})")
 
 
 def register(app: typer.Typer) -> None:

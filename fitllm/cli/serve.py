@@ -1,25 +1,130 @@
 """`quant serve`: the OpenAI-compatible server."""
 from __future__ import annotations
 
+import socket
+from pathlib import Path
 from typing import Optional
 
 import typer
 
-from fitllm.cli.common import MODEL_HELP, not_built
+from fitllm.cli.common import MODEL_HELP, console, fail
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(
     model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
-    host: str = typer.Option("127.0.0.1", "--host"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes the server."),
     port: int = typer.Option(8000, "--port"),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto | bf16 | fp16 | fp8 | int8 | int4"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    max_num_seqs: int = typer.Option(64, "--max-num-seqs"),
-    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FITLLM_API_KEY"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length (prompt + output)."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Requests run at once."),
+    gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization",
+                                                 help="Share of GPU memory fitllm may use."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FITLLM_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on every route but /health."),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cuda:N | cpu"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype (default: bf16 on GPU, fp32 on CPU)."),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens",
+                                               help="Token budget of one step (prefill chunk size)."),
+    num_kv_blocks: Optional[int] = typer.Option(None, "--num-kv-blocks", help="Fix the KV pool size (blocks)."),
+    max_waiting: int = typer.Option(256, "--max-waiting", help="Queued requests before answering 429."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may take."),
+    max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes", help="Largest request body."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="Model name in the API (default: from MODEL)."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
+    log_level: str = typer.Option("info", "--log-level", help="critical | error | warning | info | debug"),
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API."""
-    not_built("serve")
+    _check_options(port, max_num_seqs, gpu_memory_utilization, max_waiting, request_timeout, max_request_bytes)
+    _check_port_free(host, port)
+    engine = _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+                           num_kv_blocks, gpu_memory_utilization, not no_prefix_caching, not no_cuda_graphs)
+    from fitllm.serve.app import ServerConfig, create_app
+
+    name = served_model_name or _default_name(model)
+    config = ServerConfig(served_model_name=name, model_aliases=tuple(a for a in (model,) if a),
+                          api_key=api_key, max_body_bytes=max_request_bytes, max_waiting=max_waiting,
+                          request_timeout=request_timeout)
+    _print_summary(engine, name, host, port, api_key)
+    _run(create_app(engine, config), host, port, log_level, request_timeout)
+
+
+def _check_options(port, max_num_seqs, gpu_mem, max_waiting, timeout, max_bytes) -> None:
+    if not 0 < port < 65536:
+        fail(f"--port {port}: must be between 1 and 65535")
+    if max_num_seqs < 1 or max_waiting < 1:
+        fail("--max-num-seqs and --max-waiting must be at least 1")
+    if not 0 < gpu_mem <= 1:
+        fail(f"--gpu-memory-utilization {gpu_mem}: must be in (0, 1]")
+    if timeout <= 0 or max_bytes < 1024:
+        fail("--request-timeout must be positive and --max-request-bytes at least 1024")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before the minutes of model loading, not after."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            fail(f"cannot listen on {host}:{port} ({exc.strerror or exc})")
+
+
+def _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+                  num_kv_blocks, gpu_memory_utilization, prefix_caching, cuda_graphs):
+    from fitllm.models.errors import FitLLMError
+    from fitllm.serve.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(model=model, device=device, dtype=dtype, kv_dtype=kv_dtype, max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+                          enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs)
+    console.print(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ...", highlight=False)
+    try:
+        return LLMEngine(config)
+    except (FitLLMError, ValueError, OSError) as exc:
+        fail(str(exc))
+    except RuntimeError as exc:  # e.g. CUDA out of memory while sizing the KV cache
+        fail(f"the engine could not start: {exc}")
+
+
+def _default_name(model: Optional[str]) -> str:
+    if model is None:
+        from fitllm.models.hub import EMBEDDED_NAME
+        return EMBEDDED_NAME
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else model)
+
+
+def _print_summary(engine, name: str, host: str, port: int, api_key: Optional[str]) -> None:
+    stats = engine.stats()
+    cfg = engine.config
+    blocks = stats.get("kv_blocks_total")
+    tokens = f"{blocks * cfg.block_size:,} tokens" if blocks is not None else "? tokens"
+    device = getattr(engine, "device", cfg.device)
+    dtype = getattr(engine, "dtype", cfg.dtype)
+    kv = getattr(engine, "kv_dtype", cfg.kv_dtype)
+    console.print(f"model      {name}\ndevice     {device}   dtype {dtype}   kv-dtype {kv}\n"
+                  f"kv cache   {blocks} blocks x {cfg.block_size} = {tokens}\n"
+                  f"context    max_model_len {engine.max_model_len}   max_num_seqs {cfg.max_num_seqs}   "
+                  f"step budget {cfg.max_num_batched_tokens} tokens", highlight=False)
+    if host not in LOCAL_HOSTS and not api_key:
+        console.print(f"[bold yellow]warning:[/] listening on {host} without --api-key: anyone who can reach "
+                      "this port can use the model.", highlight=False)
+    console.print(f"serving    http://{host}:{port}/v1  (auth {'on' if api_key else 'off'})", highlight=False)
+
+
+def _run(app, host: str, port: int, log_level: str, request_timeout: float) -> None:
+    import uvicorn
+
+    # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish (up to the
+    # request timeout), then the app's lifespan drains the engine.
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=log_level.lower() in ("info", "debug"),
+                timeout_graceful_shutdown=int(request_timeout) + 5, timeout_keep_alive=5)
 
 
 def register(app: typer.Typer) -> None:

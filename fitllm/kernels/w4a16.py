@@ -236,21 +236,281 @@ if triton is not None:
         w = _dequant_tile(qj, z, s, True, w_ptr.dtype.element_ty)
         tl.store(w_ptr + offs_k[:, None] * N + offs_n[None, :], w, mask=mask)
 
+    # ----------------------------------------------------------------------- small-M kernels
+    #
+    # Both unpack a [BK/pack, BN] block of words with one broadcast shift-and-mask into a
+    # [BK/pack, pack, BN] tile (element k = row * pack + i, so x is read in its natural order)
+    # and turn the integers into floats with the 2**23 trick: OR the field into the mantissa of
+    # 2**23 and subtract 2**23 + zero in one exact FADD. With SHIFT16 the field is not shifted
+    # down to bit 0: only `w >> 16` is formed (one shift per word), field i keeps its position
+    # 2**(bits * (i % (pack/2))) inside the low half, the zero is scaled by the same power of two
+    # and x by its inverse (all exact), which saves a shift on most elements.
+
+    @triton.jit
+    def _unpack_minus_zero(qw, z, BITS: tl.constexpr, SHIFT16: tl.constexpr):
+        """qw int32 [R, BN], z fp32 [BN] -> (f fp32 [R, PACK, BN] with f = (q - z) * up[i], up[i])."""
+        PACK: tl.constexpr = 32 // BITS
+        HALF: tl.constexpr = PACK // 2
+        QMASK: tl.constexpr = (1 << BITS) - 1
+        i = tl.arange(0, PACK)
+        if SHIFT16:
+            lsh = BITS * (i % HALF)
+            sh = (i // HALF) * 16
+            msk = QMASK << lsh
+            up = (1 << lsh).to(tl.float32)
+            w = ((qw[:, None, :] >> sh[None, :, None]) & msk[None, :, None]) | 0x4B000000
+            zc = z[None, :] * up[:, None] + 8388608.0  # exact: z * 2**lsh < 2**20
+        else:
+            up = tl.full((PACK,), 1.0, tl.float32)
+            w = ((qw[:, None, :] >> (BITS * i)[None, :, None]) & QMASK) | 0x4B000000
+            zc = tl.broadcast_to(z[None, :] + 8388608.0, (PACK, z.shape[0]))
+        f = w.to(tl.float32, bitcast=True) - zc[None, :, :]
+        return f, up
+
+    @triton.jit
+    def _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                    tile_id, split, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr):
+        """_store_output with a runtime split count (one compiled kernel for every split)."""
+        mask = m_mask[:, None] & n_mask[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        if not USE_WS:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+            tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+            if arrived == split - 1:
+                zero = tl.zeros(acc.shape, dtype=tl.float32)
+                total = tl.atomic_add(ws_ptrs, zero, mask=mask)
+                tl.store(ws_ptrs, zero, mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0)
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gemv_rows(xj_ptr, m_off, ok, f, t, INV: tl.constexpr, ROW_OK: tl.constexpr):
+        """t += x[m, k(r, j)] * INV (as [BKP, 1]) * f for one row m of x (no-op for padding rows)."""
+        if ROW_OK:
+            xj = tl.load(xj_ptr + m_off, mask=ok, other=0.0).to(tl.float32)
+            if INV != 1.0:
+                xj = xj * INV
+            t += xj[:, None] * f
+        return t
+
+    @triton.jit
+    def _w4a16_gemv_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT,
+        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+        USE_WS: tl.constexpr, SHIFT16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        """CUDA-core GEMV for M <= 4 (BM in 1, 2, 4; more rows: grid axis 2): program (n, k) owns BN
+        columns and K_ITERS K tiles; each weight word is loaded once and its `pack` fields are
+        unpacked one at a time on the [BK/pack, BN] word tile (every tensor keeps the load's
+        layout: no shared-memory shuffles), FMA'd with the matching x values of every row. Per-row
+        partial sums stay [BK/pack, BN] across the loop (scaled per group tile when groups are
+        used) and are reduced over K once at the end."""
+        PACK: tl.constexpr = 32 // BITS
+        HALF: tl.constexpr = PACK // 2
+        QMASK: tl.constexpr = (1 << BITS) - 1
+        BKP: tl.constexpr = BK // PACK
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        m0 = pid_m * BM
+        offs_r0 = tl.arange(0, BKP)
+        KP = K // PACK
+        if PER_CHANNEL:
+            z = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc0 = tl.zeros((BKP, BN), dtype=tl.float32)
+        acc1 = tl.zeros((BKP, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BKP, BN), dtype=tl.float32)
+        acc3 = tl.zeros((BKP, BN), dtype=tl.float32)
+        for it in range(0, K_ITERS):
+            kt = pid_k * K_ITERS + it
+            offs_r = kt * BKP + offs_r0
+            r_mask = offs_r < KP
+            qw = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
+                         mask=r_mask[:, None] & n_mask[None, :], other=0)
+            if not PER_CHANNEL:
+                g = tl.minimum((kt * BK) // GROUP_SIZE, K // GROUP_SIZE - 1)  # fully masked tail tiles
+                z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if SHIFT16:
+                qhi = qw >> 16
+            t0 = tl.zeros((BKP, BN), dtype=tl.float32)
+            t1 = tl.zeros((BKP, BN), dtype=tl.float32)
+            t2 = tl.zeros((BKP, BN), dtype=tl.float32)
+            t3 = tl.zeros((BKP, BN), dtype=tl.float32)
+            for j in tl.static_range(PACK):
+                if SHIFT16:  # field j stays at bit BITS*(j % HALF) of the low/high half: one shift per word
+                    src = qw if j < HALF else qhi
+                    wj = (src & (QMASK << (BITS * (j % HALF)))) | 0x4B000000
+                    zj = z * (1 << (BITS * (j % HALF))) + 8388608.0
+                    INV: tl.constexpr = 1.0 / (1 << (BITS * (j % HALF)))
+                else:
+                    INV: tl.constexpr = 1.0
+                    wj = ((qw >> (BITS * j)) & QMASK) | 0x4B000000
+                    zj = z + 8388608.0
+                f = wj.to(tl.float32, bitcast=True) - zj[None, :]  # (q - z) * 2**(BITS*(j % HALF)), exact
+                xj_ptr = x_ptr + m0 * stride_xm + offs_r * PACK + j
+                t0 = _gemv_rows(xj_ptr, 0, r_mask & (m0 < M), f, t0, INV, True)
+                t1 = _gemv_rows(xj_ptr, stride_xm, r_mask & (m0 + 1 < M), f, t1, INV, BM > 1)
+                t2 = _gemv_rows(xj_ptr, 2 * stride_xm, r_mask & (m0 + 2 < M), f, t2, INV, BM > 2)
+                t3 = _gemv_rows(xj_ptr, 3 * stride_xm, r_mask & (m0 + 3 < M), f, t3, INV, BM > 3)
+            if PER_CHANNEL:
+                acc0 += t0
+                if BM > 1:
+                    acc1 += t1
+                if BM > 2:
+                    acc2 += t2
+                    acc3 += t3
+            else:
+                acc0 += t0 * s[None, :]
+                if BM > 1:
+                    acc1 += t1 * s[None, :]
+                if BM > 2:
+                    acc2 += t2 * s[None, :]
+                    acc3 += t3 * s[None, :]
+        offs_m = m0 + tl.arange(0, 4)
+        rows = offs_m[:, None] + tl.zeros((1, BN), dtype=tl.int32)
+        out = tl.where(rows == m0, tl.sum(acc0, axis=0)[None, :], 0.0)
+        if BM > 1:
+            out = tl.where(rows == m0 + 1, tl.sum(acc1, axis=0)[None, :], out)
+        if BM > 2:
+            out = tl.where(rows == m0 + 2, tl.sum(acc2, axis=0)[None, :], out)
+            out = tl.where(rows == m0 + 3, tl.sum(acc3, axis=0)[None, :], out)
+        if PER_CHANNEL:
+            out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        m_mask = (offs_m < M) & (offs_m < m0 + BM)
+        _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                    pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
+
+    @triton.jit
+    def _w4a16_tc_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT,
+        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+        USE_WS: tl.constexpr, SHIFT16: tl.constexpr, SWAP: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """Tensor-core tile for small/medium M: the whole [BK, BN] weight tile is unpacked in
+        registers to the exact integers (q - z) (times a power of two with SHIFT16) in the
+        activation dtype, one dot per K tile, the group scale applied to the [BM, BN] result.
+        SWAP computes the transposed tile (weights on the dot's wide M side, tokens on N)."""
+        PACK: tl.constexpr = 32 // BITS
+        BKP: tl.constexpr = BK // PACK
+        DT = x_ptr.dtype.element_ty
+        pid_mn = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BM)
+        pid_m = pid_mn % num_pid_m
+        pid_n = pid_mn // num_pid_m
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        offs_r0 = tl.arange(0, BKP)
+        offs_k0 = tl.arange(0, BK)
+        KP = K // PACK
+        if SHIFT16:  # x is scaled by 2**-(bits * (k % (pack/2))) to undo the unshifted fields
+            HALF: tl.constexpr = PACK // 2
+            x_fac = 1.0 / (1 << (BITS * (offs_k0 % HALF))).to(tl.float32)
+        if PER_CHANNEL:
+            z = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for it in range(0, K_ITERS):
+            kt = pid_k * K_ITERS + it
+            offs_r = kt * BKP + offs_r0
+            r_mask = offs_r < KP
+            qw = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
+                         mask=r_mask[:, None] & n_mask[None, :], other=0)
+            if not PER_CHANNEL:
+                g = tl.minimum((kt * BK) // GROUP_SIZE, K // GROUP_SIZE - 1)
+                z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            f, up = _unpack_minus_zero(qw, z, BITS, SHIFT16)
+            w = tl.reshape(f.to(DT), (BK, BN))
+            offs_k = kt * BK + offs_k0
+            k_mask = offs_k < K
+            if SWAP:
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                             mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+                if SHIFT16:
+                    xt = (xt.to(tl.float32) * x_fac[:, None]).to(DT)
+                part = _dot(tl.trans(w), xt, tl.zeros((BN, BM), dtype=tl.float32), UPCAST)
+                if PER_CHANNEL:
+                    acc += part
+                else:
+                    acc += part * s[:, None]
+            else:
+                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                if SHIFT16:
+                    xt = (xt.to(tl.float32) * x_fac[None, :]).to(DT)
+                part = _dot(xt, w, tl.zeros((BM, BN), dtype=tl.float32), UPCAST)
+                if PER_CHANNEL:
+                    acc += part
+                else:
+                    acc += part * s[None, :]
+        if SWAP:
+            acc = tl.trans(acc)
+        if PER_CHANNEL:
+            acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                    pid_mn, SPLIT, HAS_BIAS, USE_WS)
+
 
 # --------------------------------------------------------------------------- configs and dispatch
 
-def _cfg(bm, bn, bk, split_j, warps, stages, waves=0.0, backend="triton"):
+def _cfg(bm, bn, bk, split_j, warps, stages, waves=0.0, backend="triton", **extra):
     return dict(BM=bm, BN=bn, BK=bk, SPLIT_J=split_j, num_warps=warps, num_stages=stages, waves=waves,
-                backend=backend)
+                backend=backend, **extra)
 
 
-# Tile configs per GPU generation, rows (max M, config), first match wins. The sm90 rows come from
-# the sweep in benchmarks/bench_gemm.py on an H200 (see benchmarks/RESULTS.md); 'waves' sets split-K
-# (programs ~= SMs * waves). 'default' is a safe guess for other cards and the interpreter.
+def _gemv(bn, bk, warps, stages=1, waves=4.0, shift16=True, bm=8):
+    """CUDA-core GEMV (tiny M); bm = most rows of x per program (M is split into blocks beyond)."""
+    return _cfg(bm, bn, bk, False, warps, stages, waves, "gemv", SHIFT16=shift16)
+
+
+def _tc(bm, bn, bk, warps, stages, waves=0.0, swap=False, shift16=True):
+    """Tensor-core tile with the full [BK, BN] weight tile unpacked in registers, one dot per K tile."""
+    return _cfg(bm, bn, bk, False, warps, stages, waves, "tc", SWAP=swap, SHIFT16=shift16)
+
+
+# Tile configs per GPU generation, rows (max M, config), first match wins. 'waves' sets split-K
+# (programs ~= SMs * waves). 'gemv' / 'tc' rows only apply without g_idx, with group sizes that are
+# a multiple of 16 (or per-channel), and ('tc') bf16/fp16 activations; anything else uses the
+# LEGACY rows (split-j kernel for small M, dequant + cuBLAS beyond). 'default' is a safe guess for
+# other cards and the interpreter.
 W4A16_CONFIGS = {
-    # H200 sweep 2026-11-29 (benchmarks/RESULTS.md): split-j Triton wins only for M <= 16 (125 us at
-    # M=1, 213 at M=16 for one Llama-3-8B layer); from there on one dequant pass + cuBLAS beat every
-    # fused tile tried (M=256: 407 us vs 751; M=4096: 2701 vs 9404).
+    "sm90": [
+        (4, _gemv(128, 128, 4, 1, waves=4)),
+        (16, _tc(16, 64, 128, 4, 3, waves=4)),
+        (32, _tc(32, 64, 128, 4, 3, waves=2)),
+        (64, _tc(64, 64, 128, 4, 3, waves=2)),
+        (1 << 62, _cfg(128, 128, 64, False, 8, 4, backend="dequant")),
+    ],
+    "default": [
+        (4, _gemv(64, 128, 4, 1, waves=4)),
+        (64, _tc(16, 64, 64, 4, 2, waves=2)),
+        (1 << 62, _cfg(64, 64, 64, False, 4, 2)),
+    ],
+}
+
+# Where the small-M kernels do not apply (g_idx, odd group sizes, fp32 activations). The sm90 rows
+# are the 2026-11-29 H200 sweep (benchmarks/RESULTS.md): split-j Triton for M <= 16, then one
+# dequant pass + cuBLAS.
+W4A16_LEGACY = {
     "sm90": [
         (16, _cfg(16, 64, 128, True, 4, 4, waves=4)),
         (1 << 62, _cfg(128, 128, 64, False, 8, 4, backend="dequant")),
@@ -276,6 +536,53 @@ def _check(x, qweight, scales, zeros, group_size, bits, g_idx):
         raise ValueError("g_idx must be [K]")
 
 
+def _small_m_block_k(cfg, kind, x, K, group_size, num_groups, bits, g_idx):
+    """BK for the gemv/tc kernels (one group per K tile), or None where they do not apply."""
+    pack = 32 // bits
+    if g_idx is not None or (kind == "tc" and x.dtype not in (torch.bfloat16, torch.float16)):
+        return None
+    bk = cfg["BK"]
+    if num_groups > 1:
+        while bk > pack and group_size % bk:
+            bk //= 2
+        if group_size % bk:
+            return None
+    if bk < (16 if kind == "tc" else pack) or bk % pack:
+        return None
+    return bk
+
+
+def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bias, y, dev) -> bool:
+    kind = cfg["backend"]
+    M, K = x.shape
+    N = qweight.shape[1]
+    num_groups = scales.shape[0]
+    bk = _small_m_block_k(cfg, kind, x, K, group_size, num_groups, bits, g_idx)
+    if bk is None:
+        return False
+    BN = cfg["BN"]
+    BM = min(triton.next_power_of_2(M), cfg["BM"] or 8) if kind == "gemv" else cfg["BM"]
+    m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    tiles_mn = m_blocks * n_blocks
+    k_tiles = triton.cdiv(K, bk)
+    split = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
+    k_iters = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, k_iters)  # no empty splits
+    use_ws = split > 1
+    ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if use_ws else (y, y)
+    args = (x, qweight, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
+            M, N, K, x.stride(0), y.stride(0), k_iters, split)
+    common = dict(BITS=bits, GROUP_SIZE=group_size, PER_CHANNEL=num_groups == 1, HAS_BIAS=bias is not None,
+                  USE_WS=use_ws, BM=BM, BN=BN, BK=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if kind == "gemv":
+        _w4a16_gemv_kernel[(n_blocks, split, m_blocks)](*args, SHIFT16=cfg.get("SHIFT16", True), **common)
+    else:
+        shift16 = cfg.get("SHIFT16", True) and x.dtype == torch.bfloat16  # fp16 x * 2**-12 could go subnormal
+        _w4a16_tc_kernel[(tiles_mn, split)](*args, SHIFT16=shift16, SWAP=cfg.get("SWAP", False),
+                                            UPCAST=interpreting(), **common)
+    return True
+
+
 def w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bits=4, g_idx=None, bias=None, config=None, out=None):
     """The Triton path; `config` overrides the table, `out` receives y (benchmarks, tests)."""
     _check(x, qweight, scales, zeros, group_size, bits, g_idx)
@@ -287,6 +594,11 @@ def w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bits=4, g_idx=None,
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
+
+    if cfg.get("backend") in ("gemv", "tc"):
+        if _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bias, y, dev):
+            return y
+        cfg = dict(pick_config(W4A16_LEGACY, gpu_arch(dev), M))  # g_idx, odd groups, fp32: older paths
 
     if cfg.get("backend") == "dequant":  # large M: one dequant pass, then cuBLAS
         w = torch.empty((K, N), dtype=x.dtype, device=x.device)

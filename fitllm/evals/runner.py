@@ -1,0 +1,168 @@
+"""Which model to evaluate, how to load it, and the one scoring primitive every eval uses.
+
+A model spec is `PATH[@kv=DTYPE]`: PATH is a model folder, a .gguf, a hub id, `embedded` (the
+default model) or empty/`base` (the base model's weights, e.g. `@kv=fp8` = base weights with an
+fp8 KV cache). Scoring runs through `fitllm.models.generate.forward_tokens` over a PagedKVCache
+built with the spec's kv dtype: the same decoder and KV path `quant serve` runs, so a quantized
+KV cache is part of what is measured.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from fitllm.models.errors import FitLLMError
+from fitllm.models.generate import forward_tokens, make_cache
+from fitllm.models.hub import resolve_model
+from fitllm.models.loader import default_dtype, load_model
+from fitllm.models.tokenizer import load_tokenizer
+
+KV_DTYPES = ("auto", "fp8", "int8", "int4")
+
+
+class EvalError(FitLLMError):
+    """A bad eval request (model spec, kv dtype, task); the message says what to change."""
+
+
+@dataclass
+class ModelSpec:
+    name: str  # label in the report
+    path: Optional[str]  # None: the embedded model
+    kv_dtype: str = "auto"
+    # Tests and library users may hand over an already-built model instead of a path.
+    loader: Optional[Callable[[], "LoadedModel"]] = field(default=None, repr=False)
+
+
+def parse_spec(text: Optional[str], base: Optional["ModelSpec"] = None, default_kv: str = "auto") -> ModelSpec:
+    """`PATH[@kv=DTYPE]` -> ModelSpec. PATH empty or `base` means the base's weights."""
+    text = text if text is not None else "embedded"
+    path, _, opts = text.partition("@")
+    kv = default_kv
+    for opt in filter(None, opts.split(",")):
+        key, _, value = opt.partition("=")
+        if key != "kv":
+            raise EvalError(f"{text}: unknown option {key!r} after '@' (supported: kv=auto|fp8|int8|int4)")
+        kv = value
+    if kv not in KV_DTYPES:
+        raise EvalError(f"{text}: kv dtype {kv!r} is not one of {', '.join(KV_DTYPES)}")
+    if path in ("", "base"):
+        if base is None:
+            raise EvalError(f"{text}: '{path or '@'}' refers to the base model, so it cannot be the base itself")
+        path = base.path
+    elif path in ("embedded", "default") and not Path(path).exists():
+        path = None
+    name = Path(path).name if path else "embedded"
+    if kv != "auto":
+        name += f"@kv={kv}"
+    return ModelSpec(name=name, path=path, kv_dtype=kv)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    folder: Optional[Path]
+    method: str  # "dense" or the checkpoint's quantization method
+
+
+def load_for_eval(path: Optional[str], device: str, dtype: Optional[torch.dtype] = None) -> LoadedModel:
+    """Dense folders through models.loader; quantized ones through fitllm.quant when present."""
+    folder = resolve_model(path)
+    config = json.loads((folder / "config.json").read_text())
+    qc = config.get("quantization_config")
+    dtype = dtype or default_dtype(device)
+    if qc:
+        method = str(qc.get("quant_method") or qc.get("format") or "quantized")
+        try:
+            from fitllm.quant import load_quantized_model
+        except ImportError:
+            raise EvalError(f"{folder}: a {method} checkpoint, but this fitllm build has no quantized loader "
+                            "(fitllm.quant.load_quantized_model)") from None
+        model = load_quantized_model(folder, device=device, dtype=dtype)
+    else:
+        method = "dense"
+        model = load_model(folder, device=device, dtype=dtype)
+    return LoadedModel(model.eval(), load_tokenizer(folder), folder, method)
+
+
+class Scorer:
+    """Log-probabilities of token sequences through the paged KV cache, in flat batches.
+
+    Sequences are packed greedily into steps of at most `max_batch_tokens` tokens (a flat batch
+    needs no padding, so packing in input order wastes nothing). One cache is allocated up front
+    and reused: each step overwrites the slots it uses, and attention reads only up to seq_len.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_dtype: str = "auto", max_batch_tokens: int = 4096,
+                 max_seq_len: int = 2048, block_size: int = 16):
+        self.model, self.kv_dtype, self.block_size = model, kv_dtype, block_size
+        self.max_batch_tokens = max(max_batch_tokens, max_seq_len)
+        # One extra block per sequence covers rounding; 64 sequences per step is plenty.
+        self.max_seqs = 64
+        self.cache = self.new_cache(self.max_batch_tokens + self.max_seqs * block_size, 1)
+
+    def new_cache(self, max_tokens: int, num_seqs: int):
+        kwargs = {} if self.kv_dtype == "auto" else {"kv_dtype": self.kv_dtype}
+        try:
+            return make_cache(self.model, max_tokens, num_seqs=num_seqs, block_size=self.block_size, **kwargs)
+        except TypeError as exc:
+            if "kv_dtype" in str(exc):
+                raise EvalError(f"kv dtype {self.kv_dtype!r}: this fitllm build's KV cache has no kv_dtype option yet") from None
+            raise
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(self.cache.bytes_per_token)
+
+    def _batches(self, seqs: Sequence[Sequence[int]]) -> Iterator[list[int]]:
+        batch, tokens = [], 0
+        for i, s in enumerate(seqs):
+            if len(s) > self.max_batch_tokens:
+                raise EvalError(f"a sequence of {len(s)} tokens exceeds the batch budget ({self.max_batch_tokens})")
+            if batch and (tokens + len(s) > self.max_batch_tokens or len(batch) == self.max_seqs):
+                yield batch
+                batch, tokens = [], 0
+            batch.append(i)
+            tokens += len(s)
+        if batch:
+            yield batch
+
+    @torch.inference_mode()
+    def logprobs(self, seqs: Sequence[Sequence[int]], starts: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        """For each sequence i (in order): float32 log-softmax rows [len - starts[i], vocab], row j
+        being the distribution that predicts token seqs[i][starts[i] + j]. starts[i] >= 1."""
+        for batch in self._batches(seqs):
+            tables, next_block = [], 0
+            for i in batch:
+                n = math.ceil(len(seqs[i]) / self.block_size)
+                tables.append(list(range(next_block, next_block + n)))
+                next_block += n
+            chunks = [list(seqs[i]) for i in batch]
+            hidden = forward_tokens(self.model, self.cache, chunks, [len(c) for c in chunks], tables)
+            offset = 0
+            for i, chunk in zip(batch, chunks):
+                # Logits only for the rows needed, one sequence at a time, to bound memory.
+                rows = hidden[offset + starts[i] - 1: offset + len(chunk) - 1]
+                yield i, torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                offset += len(chunk)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the weights occupy in memory (parameters and persistent buffers, packed or not)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def disk_bytes(folder: Optional[Path]) -> Optional[int]:
+    if folder is None or not folder.is_dir():
+        return None
+    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf"))

@@ -1,0 +1,187 @@
+"""Quantized linear layers for the decoder, and the factory that picks them from a checkpoint's
+`quantization_config` (compressed-tensors, AutoAWQ GEMM, GPTQ v1/v2).
+
+Every 4/8-bit layout is repacked at load time into fitllm's one kernel layout (KernelWeight),
+so one GEMM serves them all: fitllm.kernels.w4a16 on a GPU, a torch dequantize + matmul on CPU.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fitllm.models.config import ModelConfig
+from fitllm.models.errors import ModelLoadError
+from fitllm.models.linear import DenseLinear, FusedLinear, LinearFactory, dense_factory
+from fitllm.models.loader import FUSED_SHARDS, load_model
+from fitllm.quant.formats.packing import KernelWeight
+from fitllm.quant.scheme import FP8Weight
+
+FP8_MAX = 448.0
+# fused module -> its checkpoint matrices, in shard order
+SHARD_NAMES = {}
+for _hf, (_fused, _i) in FUSED_SHARDS.items():
+    SHARD_NAMES.setdefault(_fused, {})[_i] = _hf
+
+
+def shard_names(prefix: str, n: int) -> list[str]:
+    """HF names of the matrices a fused module holds: `...qkv_proj` -> [...q_proj, ...k_proj, ...v_proj]."""
+    head, last = prefix.rsplit(".", 1)
+    if last in SHARD_NAMES:
+        return [f"{head}.{SHARD_NAMES[last][i]}" for i in range(n)]
+    return [prefix]
+
+
+Reader = Callable[[dict, str], object]  # (tensors of one checkpoint matrix, its HF name) -> KernelWeight | FP8Weight
+
+
+class QuantLinear(FusedLinear):
+    """Collects each shard's checkpoint tensors, converts them in finalize(), then serves GEMMs."""
+
+    def __init__(self, prefix, in_features, out_sizes, bias, reader: Reader, dtype, device):
+        super().__init__(prefix, in_features, out_sizes, bias)
+        self.reader, self.dtype, self.device = reader, dtype, device
+        self.names = shard_names(prefix, len(self.out_sizes))
+        self.pending: list[dict] = [{} for _ in self.out_sizes]
+        self.bias = torch.zeros(self.out_features, dtype=dtype, device=device) if bias else None
+        self.parts: list = []  # KernelWeight or FP8Weight, one per output slice after finalize
+        self.fp8_mode = "w8a8"  # or "w8a16": weight-only (what a GPU without FP8 tensor cores runs)
+
+    def load(self, shard: int, name: str, tensor: torch.Tensor) -> None:
+        if name == "bias":
+            if self.bias is None:
+                raise ModelLoadError(f"{self.prefix}: unexpected bias")
+            self.bias[self.shard_slice(shard)].copy_(tensor)
+            return
+        self.pending[shard][name] = tensor
+
+    def finalize(self) -> None:
+        parts = []
+        for shard, (tensors, name) in enumerate(zip(self.pending, self.names)):
+            if not tensors:
+                raise ModelLoadError(f"{name}: no quantized tensors in the checkpoint")
+            part = self.reader(tensors, name)
+            n = (part.weight.shape[0] if isinstance(part, FP8Weight) else part.scales.shape[1])
+            k = (part.weight.shape[1] if isinstance(part, FP8Weight) else part.in_features)
+            if (n, k) != (self.out_sizes[shard], self.in_features):
+                raise ModelLoadError(f"{name}: quantized weight is [{n}, {k}], config expects "
+                                     f"[{self.out_sizes[shard]}, {self.in_features}]")
+            parts.append(part)
+        self.pending = []
+        self.parts = [_to_device(p, self.device) for p in _merge(parts)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [self._gemm(x, p) for p in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def _gemm(self, x, p) -> torch.Tensor:
+        if isinstance(p, FP8Weight):
+            return fp8_linear(x, p, self.fp8_mode)
+        if x.is_cuda:
+            from fitllm.kernels.w4a16 import w4a16_gemm  # lazy: kernels may be absent on CPU installs
+
+            return w4a16_gemm(x, p.qweight, p.scales, p.zeros, p.group_size, bits=p.bits, g_idx=p.g_idx)
+        return F.linear(x, p.dequantize(x.dtype))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[N, K] float32 (tests, evaluation tools)."""
+        return torch.cat([p.dequantize(torch.float32) for p in self.parts], dim=0)
+
+
+def fp8_linear(x: torch.Tensor, p: FP8Weight, mode: str) -> torch.Tensor:
+    if x.is_cuda:
+        from fitllm.kernels.fp8 import fp8_gemm
+
+        return fp8_gemm(x, p.weight, p.scale, input_scale=p.input_scale, mode=mode)
+    if mode == "w8a8":  # reference: activations rounded through e4m3 exactly as the kernel would
+        if p.input_scale is None:
+            s = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+        else:
+            s = p.input_scale.float().reshape(1, 1)
+        x = ((x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+    return F.linear(x, p.dequantize(x.dtype))
+
+
+def _merge(parts: list) -> list:
+    """One GEMM for q|k|v when the shards agree on layout (same g_idx); else one per shard."""
+    if len(parts) == 1:
+        return parts
+    if all(isinstance(p, FP8Weight) for p in parts):
+        static = [p.input_scale for p in parts if p.input_scale is not None]
+        return [FP8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.stack([s.reshape(()) for s in static]).max() if static else None)]
+    if all(isinstance(p, KernelWeight) for p in parts):
+        a = parts[0]
+        same = all(p.bits == a.bits and p.group_size == a.group_size and
+                   ((p.g_idx is None and a.g_idx is None) or
+                    (p.g_idx is not None and a.g_idx is not None and torch.equal(p.g_idx, a.g_idx)))
+                   for p in parts)
+        if same:
+            return [KernelWeight(torch.cat([p.qweight for p in parts], 1), torch.cat([p.scales for p in parts], 1),
+                                 torch.cat([p.zeros for p in parts], 1), a.bits, a.group_size, a.g_idx)]
+    return parts
+
+
+def _to_device(p, device):
+    if isinstance(p, FP8Weight):
+        return FP8Weight(p.weight.to(device), p.scale.to(device),
+                         None if p.input_scale is None else p.input_scale.to(device))
+    return KernelWeight(p.qweight.to(device), p.scales.to(device), p.zeros.to(device), p.bits, p.group_size,
+                        None if p.g_idx is None else p.g_idx.to(device))
+
+
+def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = "config.json") -> LinearFactory:
+    """The make_linear factory for a checkpoint whose config.json holds `qc`."""
+    if not qc:
+        return dense_factory(dtype, device)
+    from fitllm.quant.formats import get_format
+
+    method = str(qc.get("quant_method", "")).lower()
+    dense = dense_factory(dtype, device)
+    if method == "compressed-tensors":
+        compressed_tensors = get_format("compressed-tensors")
+
+        def make(prefix, in_features, out_sizes, bias):
+            names = shard_names(prefix, len(out_sizes))
+            groups = [compressed_tensors.scheme_for(qc, n) for n in names]
+            if all(g is None for g in groups):
+                return dense(prefix, in_features, out_sizes, bias)
+            if any(g is None for g in groups):
+                raise ModelLoadError(f"{source}: {prefix} fuses quantized and unquantized matrices ({names})")
+            reader = lambda t, name: compressed_tensors.read(t, compressed_tensors.scheme_for(qc, name), dtype, name)
+            return QuantLinear(prefix, in_features, out_sizes, bias, reader, dtype, device)
+        return make
+    if method == "awq":
+        if str(qc.get("version", "gemm")).lower() != "gemm":
+            raise ModelLoadError(f"{source}: quantization_config.version {qc.get('version')!r}: only AutoAWQ 'gemm' is supported")
+        if int(qc.get("bits", 4)) != 4:
+            raise ModelLoadError(f"{source}: quantization_config.bits must be 4 for AWQ")
+        reader = lambda t, name: get_format("autoawq").read(t, qc, dtype)
+    elif method == "gptq":
+        if qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+            raise ModelLoadError(f"{source}: quantization_config.checkpoint_format {qc.get('checkpoint_format')!r} is not supported")
+        reader = lambda t, name: get_format("gptq").read(t, qc, dtype)
+    else:
+        raise ModelLoadError(f"{source}: quantization_config.quant_method {method!r} is not supported "
+                             "(compressed-tensors, awq, gptq)")
+    skip = set(qc.get("modules_to_not_convert") or [])
+
+    def make(prefix, in_features, out_sizes, bias):
+        if any(s and s in prefix for s in skip):
+            return dense(prefix, in_features, out_sizes, bias)
+        return QuantLinear(prefix, in_features, out_sizes, bias, reader, dtype, device)
+    return make
+
+
+def load_quantized_model(folder: Path, device="cpu", dtype: Optional[torch.dtype] = None):
+    """Load any checkpoint fitllm reads: dense, compressed-tensors, AutoAWQ GEMM or GPTQ."""
+    from fitllm.models.loader import default_dtype
+
+    folder = Path(folder)
+    config = ModelConfig.from_file(folder)
+    dtype = dtype or default_dtype(device)
+    factory = quant_factory(config.quantization_config, dtype, device, source=str(folder / "config.json"))
+    return load_model(folder, device, dtype, make_linear=factory, config=config)

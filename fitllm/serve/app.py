@@ -1,0 +1,812 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over the AsyncEngine.
+
+Request path: ASGI guards (API key, body size) -> JSON parsed and validated by protocol.py ->
+prompt tokenized and checked against the model -> one engine request per choice -> the engine's
+outputs merged and shaped into OpenAI responses or SSE chunks.
+
+Every error a client can cause is a 4xx with OpenAI's body {"error": {message, type, param, code}}.
+A request ends when it finishes, times out, or its client goes away: in every case the engine
+requests behind it are aborted (closing the engine's async iterator aborts it), so KV blocks
+return to the pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import json
+import logging
+import re
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import AsyncIterator, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fitllm.serve import protocol as P
+from fitllm.serve.async_engine import AsyncEngine, EngineOverloaded
+from fitllm.serve.metrics import ServerMetrics
+from fitllm.serve.sampling import SamplingParams
+
+log = logging.getLogger("fitllm.serve")
+
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               499: "client_closed_request", 503: "service_unavailable", 504: "timeout_error"}
+MAX_CHOICES = P.MAX_N  # n x number of prompts: one request may not flood the queue by itself
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    model_aliases: tuple[str, ...] = ()      # other names a request may use for the model
+    api_key: Optional[str] = None
+    max_body_bytes: int = 4 << 20            # a 128k-token prompt as token ids fits in ~1 MiB
+    max_waiting: int = 256                   # engine queue bound; past it, 429
+    request_timeout: float = 600.0           # seconds from arrival to the last token
+    retry_after_s: int = 1
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+def error_body(status: int, message: str, param=None, code=None, type_: Optional[str] = None) -> dict:
+    type_ = type_ or ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return P.ErrorResponse(error=P.ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def sse(payload: Union[BaseModel, dict]) -> str:
+    data = payload.model_dump_json(exclude_none=False) if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def safe_logprob(x: float) -> float:
+    return P.LOGPROB_FLOOR if x != x or x < P.LOGPROB_FLOOR else float(x)  # NaN or -inf: JSON cannot carry them
+
+
+# ---- ASGI guards: run before any parsing, answer with OpenAI error bodies ------------------------
+
+async def send_json(send, status: int, body: dict, headers: Optional[dict] = None) -> None:
+    raw = json.dumps(body).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    hdrs += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": raw})
+
+
+class APIKeyGuard:
+    """`Authorization: Bearer KEY` on every route but /health, compared in constant time."""
+
+    def __init__(self, app, api_key: Optional[str], metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if self.expected is None or scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            self.metrics.errors.labels("invalid_api_key").inc()
+            return await send_json(send, 401, error_body(401, "Invalid or missing API key "
+                                   "(send 'Authorization: Bearer KEY').", code="invalid_api_key"),
+                                   {"www-authenticate": "Bearer"})
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Reads the whole body up front (the JSON parser needs it all anyway) and refuses it past
+    `limit` bytes, whether Content-Length announced it or not (chunked uploads)."""
+
+    def __init__(self, app, limit: int, metrics: ServerMetrics):
+        self.app, self.limit, self.metrics = app, limit, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        body = bytearray()
+        if not declared.isdigit() or int(declared) <= self.limit:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                body += message.get("body", b"")
+                if len(body) > self.limit or not message.get("more_body", False):
+                    break
+        if len(body) > self.limit or (declared.isdigit() and int(declared) > self.limit):
+            self.metrics.errors.labels("request_too_large").inc()
+            return await send_json(send, 413, error_body(413, f"Request body exceeds the server's limit of "
+                                   f"{self.limit} bytes.", code="request_too_large"), {"connection": "close"})
+        await self.app(scope, self._replay(bytes(body), receive), send)
+
+    @staticmethod
+    def _replay(body: bytes, receive):
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls wait for the disconnect, as the server's would
+        return replay
+
+
+class RequestCounter:
+    """Counts every answer by route and status, 401/413 from the guards included."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ROUTES else "other"  # bounded label set
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+        await self.app(scope, receive, counting_send)
+
+
+# ---- per-choice bookkeeping ------------------------------------------------------------------------
+
+@dataclass
+class Choice:
+    """One engine request = one choice of the response."""
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_index: int = 0
+    echo: bool = False
+    # filled as outputs arrive
+    text: str = ""
+    generated: int = 0
+    finish_reason: Optional[str] = None
+    offset: int = 0                         # characters emitted so far (completions text_offset)
+    started: bool = False                   # a token has arrived
+    echoed: bool = False                    # the prompt has been echoed (completions)
+    announced: bool = False                 # the role chunk has been sent (chat streams)
+    last_time: float = 0.0
+    logprob_rows: list = field(default_factory=list)
+
+
+class Server:
+    """The state behind the routes: engine, tokenizer, config, metrics."""
+
+    def __init__(self, engine, config: ServerConfig):
+        self.config = config
+        self.engine = AsyncEngine(engine, max_waiting=config.max_waiting)
+        # The engine thread detokenizes with engine.tokenizer; a Rust tokenizer shared across
+        # threads can fail with "Already borrowed", so the HTTP side encodes with its own copy.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.max_model_len = int(engine.max_model_len)
+        self.vocab_size = int(getattr(engine.model_config, "vocab_size", len(self.tokenizer)))
+        self.metrics = ServerMetrics(self.engine.stats)
+        self._token_text: dict[int, str] = {}
+        self.started_at = int(time.time())
+
+    # -- model and prompt checks --
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is None or name == self.config.served_model_name or name in self.config.model_aliases:
+            return
+        raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                       f"'{self.config.served_model_name}'.", param="model", code="model_not_found")
+
+    def encode(self, prompt: Union[str, list[int]]) -> list[int]:
+        if isinstance(prompt, list):
+            bad = next((t for t in prompt if t >= self.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"Token id {bad} is out of range: the vocabulary has {self.vocab_size} "
+                               "tokens.", param="prompt", code="invalid_token_id")
+            return prompt
+        # Cheap bound before tokenizing: no tokenizer packs more than ~32 characters per token.
+        if len(prompt) > 32 * self.max_model_len:
+            self.too_long(len(prompt) // 32, 0)
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def too_long(self, prompt_len: int, max_tokens: int):
+        raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                       f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                       param="max_tokens" if prompt_len < self.max_model_len else "prompt",
+                       code="context_length_exceeded")
+
+    def token_budget(self, prompt_ids: list[int], requested: Optional[int]) -> int:
+        """max_tokens for this prompt; None means 'up to the context length', as OpenAI does."""
+        if not prompt_ids:
+            raise APIError(400, "The prompt is empty (it has no tokens).", param="prompt", code="empty_prompt")
+        room = self.max_model_len - len(prompt_ids)
+        if requested is None:
+            if room <= 0:
+                self.too_long(len(prompt_ids), 1)
+            return room
+        if requested > room:
+            self.too_long(len(prompt_ids), requested)
+        return requested
+
+    def sampling_params(self, body: P.SamplingFields, max_tokens: int, choice: int, logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        bias = body.logit_bias_ids()
+        bad = next((t for t in list(bias) + list(body.stop_token_ids or []) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"Token id {bad} in logit_bias/stop_token_ids is out of range: the vocabulary "
+                           f"has {self.vocab_size} tokens.", param="logit_bias", code="invalid_token_id")
+        # n > 1 with a seed: each choice gets its own stream, still reproducible.
+        seed = None if body.seed is None else (body.seed + choice) % (2**64)
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=_or(body.temperature, 1.0), top_p=_or(body.top_p, 1.0),
+            top_k=_or(body.top_k, 0), min_p=_or(body.min_p, 0.0), seed=seed,
+            presence_penalty=_or(body.presence_penalty, 0.0), frequency_penalty=_or(body.frequency_penalty, 0.0),
+            repetition_penalty=_or(body.repetition_penalty, 1.0), stop=body.stop_list(),
+            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=bool(body.ignore_eos),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias)
+
+    def chat_prompt_ids(self, body: P.ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages",
+                           code="no_chat_template")
+        messages = [_message_dict(m) for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # the template's own raise_exception(), or odd message orders
+            raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+        if len(text) > 32 * self.max_model_len:
+            self.too_long(len(text) // 32, 0)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's raw bytes (a byte-level BPE token may be half a UTF-8 character)."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        table = _byte_decoder()
+        if isinstance(piece, str) and piece and all(ch in table for ch in piece):
+            return [table[ch] for ch in piece]
+        return list(self.token_text(token_id).encode("utf-8"))
+
+    # -- running requests --
+
+    async def outputs(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, object]]:
+        """(choice, RequestOutput) pairs from all choices as they come. Leaving early (client gone,
+        timeout) cancels the readers, which closes the engine iterators, which abort the requests."""
+        if len(choices) == 1:
+            c = choices[0]
+            stream = self.engine.generate(c.request_id, c.prompt_ids, c.params)
+            try:
+                async for out in stream:
+                    yield c, out
+            finally:
+                await stream.aclose()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def read(c: Choice):
+            stream = self.engine.generate(c.request_id, c.prompt_ids, c.params)
+            try:
+                async for out in stream:
+                    queue.put_nowait((c, out, None))
+            except Exception as exc:
+                queue.put_nowait((c, None, exc))
+            finally:
+                await stream.aclose()
+
+        readers = [asyncio.create_task(read(c)) for c in choices]
+        try:
+            for _ in range(len(choices)):
+                while True:
+                    c, out, exc = await queue.get()
+                    if exc is not None:
+                        raise exc
+                    yield c, out
+                    if out.finished:
+                        break
+        finally:
+            for task in readers:
+                task.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+
+    async def guarded(self, request: Request, awaitable, deadline: float):
+        """Await `awaitable` unless the client disconnects or the deadline passes first."""
+        task = asyncio.ensure_future(awaitable)
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, timeout=max(0.0, deadline - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task in done:
+            return task.result()
+        if watcher in done:
+            raise ClientGone()
+        raise self.timeout_error()
+
+    def timeout_error(self) -> APIError:
+        return APIError(504, f"The request did not finish within the server's {self.config.request_timeout:g} s "
+                        "timeout.", code="request_timeout")
+
+    def record(self, c: Choice, out, arrival: float) -> None:
+        """Per-output bookkeeping and latency metrics."""
+        n_new = len(out.new_token_ids)
+        now = time.monotonic()
+        if n_new:
+            self.metrics.generation_tokens.inc(n_new)
+            if not c.started:
+                self.metrics.ttft.observe(now - arrival)
+            else:
+                for _ in range(n_new):
+                    self.metrics.itl.observe((now - c.last_time) / n_new)
+            c.started, c.last_time = True, now
+        c.generated = out.num_generated_tokens
+        if out.finished:
+            self.metrics.e2e.observe(now - arrival)
+            if out.finish_reason == "error":
+                self.metrics.errors.labels("engine_error").inc()
+                raise APIError(500, f"The engine failed on this request: {out.error or 'unknown error'}",
+                               code="engine_error")
+            c.finish_reason = "length" if out.finish_reason == "abort" else out.finish_reason
+
+    def admitted(self, choices: list[Choice]) -> None:
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in {c.prompt_index: c.prompt_ids for c in choices}.values()))
+
+    def usage(self, choices: list[Choice]) -> P.Usage:
+        prompt = sum(len(p) for p in {c.prompt_index: c.prompt_ids for c in choices}.values())
+        completion = sum(c.generated for c in choices)
+        return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def respond(self, request: Request, choices: list[Choice], stream: bool, arrival: float,
+                      collect, chunks):
+        """Run the choices; answer at once (collect) or as SSE (chunks). Errors before the first
+        output become HTTP errors; errors after the headers become a final SSE error event."""
+        if len(choices) > MAX_CHOICES:
+            raise APIError(400, f"n times the number of prompts is {len(choices)}; at most {MAX_CHOICES} "
+                           "choices per request.", param="n")
+        self.admitted(choices)
+        deadline = arrival + self.config.request_timeout
+        outputs = self.outputs(choices)
+        if not stream:
+            async def run():
+                async for c, out in outputs:
+                    self.record(c, out, arrival)
+                    collect(c, out)
+            await self.guarded(request, run(), deadline)
+            return None
+        first = await self.guarded(request, outputs.__anext__(), deadline)
+        return StreamingResponse(self.sse_events(first, outputs, choices, arrival, deadline, chunks),
+                                 media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    async def sse_events(self, first, outputs, choices, arrival, deadline, chunks) -> AsyncIterator[str]:
+        try:
+            async with asyncio.timeout_at(_loop_deadline(deadline)):
+                item = first
+                while item is not None:
+                    c, out = item
+                    self.record(c, out, arrival)
+                    for chunk in chunks(c, out):
+                        yield sse(chunk)
+                    item = await anext(outputs, None)
+            for chunk in chunks(None, None):  # the final usage chunk, when asked for
+                yield sse(chunk)
+        except TimeoutError:
+            self.metrics.errors.labels("request_timeout").inc()
+            err = self.timeout_error()
+            yield sse(error_body(err.status, err.message, code=err.code))
+        except APIError as err:
+            yield sse(error_body(err.status, err.message, err.param, err.code))
+        except Exception as exc:  # mid-stream the status is already 200: report in-band
+            log.exception("stream failed")
+            self.metrics.errors.labels("server_error").inc()
+            yield sse(error_body(500, f"Internal error: {exc.__class__.__name__}", code="server_error"))
+        finally:
+            await outputs.aclose()
+        yield "data: [DONE]\n\n"
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2's byte-to-unicode table, inverted: byte-level BPE spells every byte as one character.
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return {ch: b for b, ch in enumerate(chars)}
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _message_dict(m: P.ChatMessage) -> dict:
+    d = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.name:
+        d["name"] = m.name
+    return d
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _loop_deadline(deadline_monotonic: float) -> float:
+    loop = asyncio.get_running_loop()
+    return loop.time() + (deadline_monotonic - time.monotonic())
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_api_error(exc) from None
+
+
+def validation_api_error(exc: ValidationError) -> APIError:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"The request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}",
+                        code="invalid_json")
+    if first["type"] in ("model_type", "model_attributes_type") and not first["loc"]:
+        return APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    parts = []
+    for e in errors[:3]:
+        where = _error_param(e)
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    param = _error_param(first)
+    code = "unknown_parameter" if first["type"] == "extra_forbidden" else "invalid_value"
+    return APIError(400, "; ".join(parts) + more, param=param, code=code)
+
+
+# ---- response shaping ----------------------------------------------------------------------------
+
+class CompletionShaper:
+    """/v1/completions: text (with the echoed prompt) and logprobs in the legacy OpenAI shape."""
+
+    def __init__(self, server: Server, body: P.CompletionRequest, rid: str, choices: list[Choice],
+                 echo_texts: list[str]):
+        self.server, self.body, self.rid, self.choices, self.echo_texts = server, body, rid, choices, echo_texts
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def delta(self, c: Choice, out) -> tuple[str, Optional[P.CompletionLogprobs]]:
+        lp = P.CompletionLogprobs() if self.body.logprobs is not None else None
+        text = ""
+        if c.echo and not c.echoed:
+            c.echoed = True
+            text = self.echo_texts[c.prompt_index]
+            if lp is not None:
+                rows = out.prompt_logprobs or [None] * len(c.prompt_ids)
+                for tid, entry in zip(c.prompt_ids, rows):
+                    self.add_row(c, lp, tid, entry)
+        text += out.new_text
+        if lp is not None:
+            for entry in out.logprobs:
+                self.add_row(c, lp, entry.token_id, entry)
+        return text, lp
+
+    def add_row(self, c: Choice, lp: P.CompletionLogprobs, token_id: int, entry) -> None:
+        token = self.server.token_text(token_id)
+        lp.tokens.append(token)
+        lp.text_offset.append(c.offset)
+        c.offset += len(token)
+        if entry is None:  # the first prompt token has no logprob
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            return
+        top = {self.server.token_text(t): safe_logprob(x) for t, x in entry.top}
+        top.setdefault(token, safe_logprob(entry.logprob))
+        lp.token_logprobs.append(safe_logprob(entry.logprob))
+        lp.top_logprobs.append(top)
+
+    def collect(self, c: Choice, out) -> None:
+        text, lp = self.delta(c, out)
+        c.text += text
+        if lp is not None:
+            c.logprob_rows.append(lp)
+
+    def chunks(self, c: Optional[Choice], out):
+        if c is None:
+            if self.include_usage:
+                yield P.CompletionResponse(id=self.rid, model=self.model, choices=[],
+                                           usage=self.server.usage(self.choices))
+            return
+        text, lp = self.delta(c, out)
+        if text or lp is not None or out.finished:
+            choice = P.CompletionChoice(index=c.index, text=text, logprobs=lp,
+                                        finish_reason=c.finish_reason if out.finished else None)
+            yield P.CompletionResponse(id=self.rid, model=self.model, choices=[choice])
+
+    @property
+    def model(self) -> str:
+        return self.server.config.served_model_name
+
+    def final(self) -> P.CompletionResponse:
+        choices = [P.CompletionChoice(index=c.index, text=c.text, logprobs=_merge_logprobs(c.logprob_rows)
+                                      if self.body.logprobs is not None else None,
+                                      finish_reason=c.finish_reason) for c in self.choices]
+        return P.CompletionResponse(id=self.rid, model=self.model, choices=choices,
+                                    usage=self.server.usage(self.choices))
+
+
+def _merge_logprobs(rows: list[P.CompletionLogprobs]) -> P.CompletionLogprobs:
+    merged = P.CompletionLogprobs()
+    for r in rows:
+        merged.tokens += r.tokens
+        merged.token_logprobs += r.token_logprobs
+        merged.top_logprobs += r.top_logprobs
+        merged.text_offset += r.text_offset
+    return merged
+
+
+class ChatShaper:
+    """/v1/chat/completions: assistant message, per-token logprobs with bytes, chunk deltas."""
+
+    def __init__(self, server: Server, body: P.ChatCompletionRequest, rid: str, choices: list[Choice]):
+        self.server, self.body, self.rid, self.choices = server, body, rid, choices
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.top_n = body.top_logprobs or 0
+
+    def logprobs(self, out) -> Optional[P.ChatLogprobs]:
+        if not self.body.logprobs:
+            return None
+        return P.ChatLogprobs(content=[self.token_logprob(e) for e in out.logprobs])
+
+    def token_logprob(self, entry) -> P.ChatTokenLogprob:
+        s = self.server
+        top = [P.TopLogprob(token=s.token_text(t), logprob=safe_logprob(x), bytes=s.token_bytes(t))
+               for t, x in entry.top[:self.top_n]]
+        return P.ChatTokenLogprob(token=s.token_text(entry.token_id), logprob=safe_logprob(entry.logprob),
+                                  bytes=s.token_bytes(entry.token_id), top_logprobs=top)
+
+    def collect(self, c: Choice, out) -> None:
+        c.text += out.new_text
+        if self.body.logprobs:
+            c.logprob_rows += [self.token_logprob(e) for e in out.logprobs]
+
+    def chunk(self, c: Choice, delta: P.ChatDelta, logprobs=None, finish=None) -> P.ChatCompletionChunk:
+        choice = P.ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish)
+        return P.ChatCompletionChunk(id=self.rid, model=self.model, choices=[choice])
+
+    def chunks(self, c: Optional[Choice], out):
+        if c is None:
+            if self.include_usage:
+                yield P.ChatCompletionChunk(id=self.rid, model=self.model, choices=[],
+                                            usage=self.server.usage(self.choices))
+            return
+        if not c.announced:  # OpenAI opens each choice with the role
+            c.announced = True
+            yield self.chunk(c, P.ChatDelta(role="assistant", content=""))
+        logprobs = self.logprobs(out)
+        if out.new_text or (logprobs and logprobs.content):
+            yield self.chunk(c, P.ChatDelta(content=out.new_text), logprobs)
+        if out.finished:
+            yield self.chunk(c, P.ChatDelta(), finish=c.finish_reason)
+
+    @property
+    def model(self) -> str:
+        return self.server.config.served_model_name
+
+    def final(self) -> P.ChatCompletionResponse:
+        choices = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
+                                logprobs=P.ChatLogprobs(content=c.logprob_rows) if self.body.logprobs else None,
+                                finish_reason=c.finish_reason) for c in self.choices]
+        return P.ChatCompletionResponse(id=self.rid, model=self.model, choices=choices,
+                                        usage=self.server.usage(self.choices))
+
+
+# ---- endpoints -----------------------------------------------------------------------------------
+
+async def completions(server: Server, request: Request):
+    arrival = time.monotonic()
+    body = await parse_body(request, P.CompletionRequest)
+    server.check_model(body.model)
+    n, prompts = body.n or 1, body.prompts()
+    _check_choice_count(n * len(prompts))
+    rid = P.new_id("cmpl")
+    choices, echo_texts = [], []
+    for p_idx, prompt in enumerate(prompts):
+        ids = server.encode(prompt)
+        max_tokens = server.token_budget(ids, body.max_tokens)
+        echo_texts.append(prompt if isinstance(prompt, str) else server.tokenizer.decode(ids, clean_up_tokenization_spaces=False))
+        prompt_lp = body.logprobs if body.echo else None
+        for j in range(n):
+            params = server.sampling_params(body, max_tokens, j, body.logprobs, prompt_lp)
+            idx = p_idx * n + j
+            choices.append(Choice(idx, f"{rid}-{idx}", ids, params, p_idx, echo=bool(body.echo)))
+    shaper = CompletionShaper(server, body, rid, choices, echo_texts)
+    streamed = await server.respond(request, choices, bool(body.stream), arrival, shaper.collect, shaper.chunks)
+    return streamed or _json(shaper.final())
+
+
+async def chat_completions(server: Server, request: Request):
+    arrival = time.monotonic()
+    body = await parse_body(request, P.ChatCompletionRequest)
+    server.check_model(body.model)
+    n = body.n or 1
+    _check_choice_count(n)
+    ids = server.chat_prompt_ids(body)
+    max_tokens = server.token_budget(ids, body.token_limit())
+    rid = P.new_id("chatcmpl")
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    choices = [Choice(j, f"{rid}-{j}", ids, server.sampling_params(body, max_tokens, j, top)) for j in range(n)]
+    shaper = ChatShaper(server, body, rid, choices)
+    streamed = await server.respond(request, choices, bool(body.stream), arrival, shaper.collect, shaper.chunks)
+    return streamed or _json(shaper.final())
+
+
+def _check_choice_count(count: int) -> None:
+    if count > MAX_CHOICES:
+        raise APIError(400, f"n times the number of prompts is {count}; at most {MAX_CHOICES} choices "
+                       "per request.", param="n", code="too_many_choices")
+
+
+def _json(model: BaseModel) -> Response:
+    # pydantic writes the JSON (NaN/inf would become null, never an invalid document).
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+# ---- the application -----------------------------------------------------------------------------
+
+def create_app(engine, config: ServerConfig) -> FastAPI:
+    """The FastAPI app over an LLMEngine. The engine thread starts and drains with the app's
+    lifespan, so uvicorn's graceful shutdown (SIGTERM) finishes in-flight requests first."""
+    server = Server(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine.start()
+        try:
+            yield
+        finally:
+            await server.engine.shutdown(drain=True)
+
+    app = FastAPI(title="fitllm", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    app.state.server = server
+    _install_error_handlers(app, server)
+    # Added last = outermost: count every answer, then check the key, then the body size.
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes, metrics=server.metrics)
+    app.add_middleware(APIKeyGuard, api_key=config.api_key, metrics=server.metrics)
+    app.add_middleware(RequestCounter, metrics=server.metrics)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        content, media_type = server.metrics.render()
+        return Response(content, media_type=media_type)
+
+    @app.get("/v1/models", response_model=P.ModelList)
+    async def models():
+        card = P.ModelCard(id=config.served_model_name, created=server.started_at,
+                           max_model_len=server.max_model_len)
+        return P.ModelList(data=[card])
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(P.CompletionRequest),
+              responses={200: {"model": P.CompletionResponse}, 400: {"model": P.ErrorResponse}})
+    async def v1_completions(request: Request):
+        return await completions(server, request)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(P.ChatCompletionRequest),
+              responses={200: {"model": P.ChatCompletionResponse}, 400: {"model": P.ErrorResponse}})
+    async def v1_chat_completions(request: Request):
+        return await chat_completions(server, request)
+
+    _publish_request_schemas(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI, server: Server) -> None:
+    count = server.metrics.errors.labels
+
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        count(exc.code or ERROR_TYPES.get(exc.status, "server_error")).inc()
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(EngineOverloaded)
+    async def overloaded(request, exc):
+        count("overloaded").inc()
+        return error_response(429, "The server is at capacity (its waiting queue is full); retry shortly.",
+                              code="overloaded", headers={"retry-after": str(server.config.retry_after_s)})
+
+    @app.exception_handler(ValueError)
+    async def engine_rejected(request, exc: ValueError):
+        # LLMEngine.add_request raises ValueError for input it cannot serve.
+        count("invalid_request").inc()
+        return error_response(400, f"Invalid request: {exc}", code="invalid_request")
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request, exc):
+        count("client_disconnected").inc()
+        return Response(status_code=499)  # nobody reads it; logged and counted
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        count(f"http_{exc.status_code}").inc()
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc: RequestValidationError):
+        count("invalid_value").inc()
+        e = (exc.errors() or [{}])[0]
+        where = ".".join(str(x) for x in e.get("loc", ()))
+        return error_response(400, f"{where}: {e.get('msg', 'invalid request')}", param=where or None,
+                              code="invalid_value")
+
+    @app.exception_handler(Exception)
+    async def internal(request, exc: Exception):
+        log.exception("unhandled error")
+        count("server_error").inc()
+        return error_response(500, f"Internal server error ({exc.__class__.__name__}).", code="server_error")
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _publish_request_schemas(app: FastAPI) -> None:
+    """The routes parse their bodies themselves (for exact error messages and any content type);
+    this puts the request models in the OpenAPI document so clients and fuzzers still see them."""
+    build = app.openapi
+
+    def openapi():
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = build()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (P.CompletionRequest, P.ChatCompletionRequest):
+            s = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(s.pop("$defs", {}))
+            components[model.__name__] = s
+        return schema
+    app.openapi = openapi
+
+
+def _error_param(error: dict) -> Optional[str]:
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, P.ParamError):
+        return cause.param
+    # Drop pydantic's union-member tags ("str", "list[str]", "function-after[...]") from the path.
+    path = [str(x) for x in error["loc"] if isinstance(x, int) or not _UNION_TAG.match(str(x))]
+    return ".".join(path) or None
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|.*-.*|.*\[.*\])$")

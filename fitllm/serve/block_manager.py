@@ -1,0 +1,230 @@
+"""The KV block pool: fixed-size blocks, per-sequence block tables, ref counts, prefix caching.
+
+Prefix caching is always on. A block that is full of computed tokens is registered under a
+chained hash (hash of the previous block's hash and this block's tokens), so a new prompt that
+starts with the same tokens finds the same blocks. When a sequence lets go of a block whose
+content is cached, the block is not wiped: it joins an LRU list of evictable blocks and is only
+reused (and forgotten) when no never-cached block is free. Cost when nothing is shared: one hash
+per 16 tokens.
+
+A block is in exactly one place: `_free` (ref 0, no content worth keeping), `_evictable`
+(ref 0, cached content, LRU order) or referenced by at least one sequence (ref > 0).
+
+Copy-on-write: sequences can share a partially filled last block (`fork`). The first one to
+write into it gets a private copy; the copy (src, dst) is queued in `pending_copies` and the
+model runner performs it before the step's forward pass.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Hashable, Optional, Sequence
+
+
+@dataclass
+class Block:
+    id: int
+    ref: int = 0
+    hash: Optional[int] = None  # set while the block is registered in the prefix cache
+    parent: Optional[int] = None  # the hash it was chained on (collision check)
+    tokens: tuple[int, ...] = ()  # its tokens (collision check: a 64-bit hash is not a proof)
+
+
+@dataclass
+class SeqBlocks:
+    """What the pool knows about one sequence."""
+
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of its first full blocks
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
+
+
+def chain_hash(parent: Optional[int], tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._cached: dict[int, int] = {}  # chain hash -> block id
+        self.seqs: dict[Hashable, SeqBlocks] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self.query_tokens = 0  # prefix-cache statistics, in tokens
+        self.hit_tokens = 0
+
+    # ---- the scheduler's interface ------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take right now (free or evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def table(self, seq_id: Hashable) -> list[int]:
+        return self.seqs[seq_id].table
+
+    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Cached blocks holding the longest prefix of `token_ids` (whole blocks, at most
+        `max_tokens` tokens). Takes nothing: pass the result to `allocate`."""
+        seq = self.seqs.setdefault(seq_id, SeqBlocks())
+        self._extend_hashes(seq, token_ids, max_tokens // self.block_size)
+        hits: list[int] = []
+        for i, h in enumerate(seq.hashes[: max_tokens // self.block_size]):
+            block_id = self._cached.get(h)
+            if block_id is None or not self._same_content(block_id, seq.hashes[i - 1] if i else None,
+                                                          token_ids, i):
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.query_tokens += num_tokens
+        self.hit_tokens += num_hit_tokens
+
+    def can_allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = ()) -> bool:
+        needed = self._blocks_needed(seq_id, num_computed, num_new, prefix)
+        return needed <= self.num_free_blocks - self._evictable_in(prefix)
+
+    def allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = ()) -> bool:
+        """Make the sequence's table cover `num_computed + num_new` tokens, where the K/V of the
+        `num_new` tokens from position `num_computed` on are about to be written. `prefix` (from
+        `match_prefix`, for a sequence holding no blocks yet; then `num_computed` counts its
+        tokens) is shared rather than allocated. False, changing nothing, when the pool is short."""
+        if not self.can_allocate(seq_id, num_computed, num_new, prefix):
+            return False
+        seq = self.seqs.setdefault(seq_id, SeqBlocks())
+        if prefix:
+            assert not seq.table and num_computed == len(prefix) * self.block_size
+            seq.table.extend(self._take(b) for b in prefix)
+            seq.num_registered = len(prefix)
+        if self._needs_copy(seq, num_computed, num_new):
+            self._copy_on_write(seq, num_computed // self.block_size)
+        while len(seq.table) * self.block_size < num_computed + num_new:
+            seq.table.append(self._take(self._pop_free()))
+        return True
+
+    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Offer the sequence's blocks that are now full of computed tokens to the prefix cache.
+        Call after the forward pass: a block is shareable only once its K/V are written."""
+        seq = self.seqs[seq_id]
+        num_full = min(num_computed // self.block_size, len(seq.table))
+        self._extend_hashes(seq, token_ids, num_full)
+        for i in range(seq.num_registered, num_full):
+            block = self.blocks[seq.table[i]]
+            if block.hash is None and seq.hashes[i] not in self._cached:
+                # (Same content already cached under another block: keep ours private; it
+                # returns to the free list when released.)
+                block.hash, block.parent = seq.hashes[i], seq.hashes[i - 1] if i else None
+                block.tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+                self._cached[block.hash] = block.id
+        seq.num_registered = max(seq.num_registered, num_full)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release all of a sequence's blocks. Tail first, so that under LRU a sequence's later
+        blocks (less likely to be shared) are evicted before its earlier ones."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            for block_id in reversed(seq.table):
+                self._release(block_id)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """The child shares every block of the parent (e.g. parallel samples of one prompt)."""
+        parent = self.seqs[parent_id]
+        assert child_id not in self.seqs or not self.seqs[child_id].table
+        for block_id in parent.table:
+            self.blocks[block_id].ref += 1
+        self.seqs[child_id] = SeqBlocks(list(parent.table), list(parent.hashes), parent.num_registered)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens (rejected draft tokens are rolled back)."""
+        seq = self.seqs[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.table) > keep:
+            self._release(seq.table.pop())
+        full = num_tokens // self.block_size
+        del seq.hashes[full:]
+        seq.num_registered = min(seq.num_registered, full)
+        if keep > full:  # the last kept block will be written again: its cached content goes stale
+            block = self.blocks[seq.table[-1]]
+            if block.hash is not None and block.ref == 1:
+                self._forget(block)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _blocks_needed(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int]) -> int:
+        seq = self.seqs.get(seq_id)
+        held = (len(seq.table) if seq else 0) + len(prefix)
+        needed = max(0, -(-(num_computed + num_new) // self.block_size) - held)
+        return needed + (1 if seq is not None and self._needs_copy(seq, num_computed, num_new) else 0)
+
+    def _evictable_in(self, prefix: Sequence[int]) -> int:
+        """Prefix hits sitting in the evictable list stop being available once taken."""
+        return sum(1 for b in prefix if b in self._evictable)
+
+    def _needs_copy(self, seq: SeqBlocks, num_computed: int, num_new: int) -> bool:
+        """The first block written to is shared: writing would change what the others read."""
+        i = num_computed // self.block_size
+        return num_new > 0 and i < len(seq.table) and self.blocks[seq.table[i]].ref > 1
+
+    def _copy_on_write(self, seq: SeqBlocks, i: int) -> None:
+        src = seq.table[i]
+        dst = self._take(self._pop_free())
+        self.pending_copies.append((src, dst))
+        self._release(src)
+        seq.table[i] = dst
+
+    def _extend_hashes(self, seq: SeqBlocks, token_ids: Sequence[int], num_full: int) -> None:
+        num_full = min(num_full, len(token_ids) // self.block_size)
+        bs = self.block_size
+        while len(seq.hashes) < num_full:
+            i = len(seq.hashes)
+            seq.hashes.append(chain_hash(seq.hashes[-1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs])))
+
+    def _same_content(self, block_id: int, parent: Optional[int], token_ids: Sequence[int], i: int) -> bool:
+        block = self.blocks[block_id]
+        return block.parent == parent and block.tokens == tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def _pop_free(self) -> int:
+        """A block to overwrite: a never-cached one if any, else the least recently used cached one."""
+        if self._free:
+            return self._free.popleft()
+        block_id, _ = self._evictable.popitem(last=False)
+        self._forget(self.blocks[block_id])
+        return block_id
+
+    def _take(self, block_id: int) -> int:
+        block = self.blocks[block_id]
+        if block.ref == 0:
+            self._evictable.pop(block_id, None)
+        block.ref += 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref > 0, f"block {block_id} freed twice"
+        block.ref -= 1
+        if block.ref == 0:
+            if block.hash is not None:
+                self._evictable[block_id] = None  # most recently used end
+            else:
+                self._free.append(block_id)
+
+    def _forget(self, block: Block) -> None:
+        """Drop a block from the prefix cache (it is about to be overwritten)."""
+        if block.hash is not None and self._cached.get(block.hash) == block.id:
+            del self._cached[block.hash]
+        block.hash, block.parent, block.tokens = None, None, ()

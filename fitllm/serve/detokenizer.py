@@ -1,0 +1,90 @@
+"""Incremental detokenization with stop strings.
+
+Text for new tokens is the difference between decoding a short window of recent tokens with and
+without them (the offsets scheme of TGI and vLLM): tokenizers merge bytes and spaces across
+token boundaries, so tokens cannot be decoded one by one. While the window's text ends in U+FFFD
+a multi-byte character is still incomplete and nothing is emitted, so a client never sees
+half of a character.
+
+Stop strings: text that could be the start of a stop string is held back until the next tokens
+decide; a stop string found (possibly spanning many tokens) ends the text just before it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+# Prompt tokens to decode in front of the first generated ones: SentencePiece tokenizers drop a
+# leading space when a token is decoded at the start of a text.
+PROMPT_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special = tokenizer, skip_special_tokens
+        self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.stop = [s for s in stop if s]
+        self.text = ""  # all decoded output text, including what is held back
+        self.sent = 0  # characters of `text` already returned
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token; return the text that is now safe to emit."""
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        self.text += self._decode_new()
+        if self.stop:
+            return self._emit(self._check_stop())
+        return self._emit(len(self.text))
+
+    def flush(self) -> str:
+        """At the end of generation (not by a stop string): whatever is held back."""
+        if self.stopped:
+            return ""
+        tail = self._decode(self.ids[self.prefix_offset:])
+        prev = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        if len(tail) > len(prev):  # an incomplete character at the very end
+            self.text += tail[len(prev):]
+            self.read_offset = len(self.ids)
+        return self._emit(len(self.text))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def _decode_new(self) -> str:
+        prev = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prev) or full.endswith("\ufffd"):
+            return ""  # nothing yet, or a character still incomplete: wait for more bytes
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prev):]
+
+    def _check_stop(self) -> int:
+        """How much of `text` may be emitted; truncates `text` at a stop string."""
+        # A stop string cannot start in text already sent (it would have been held back),
+        # but may start up to len(stop) - 1 characters before the newly decoded text.
+        window = max(0, self.sent)
+        hits = [(self.text.find(s, window), s) for s in self.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)[0]]
+            self.stopped = True
+            return len(self.text)
+        return len(self.text) - self._held_back()
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of `text` that begins some stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text) - self.sent), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _emit(self, upto: int) -> str:
+        out = self.text[self.sent:upto]
+        self.sent = max(self.sent, upto)
+        return out

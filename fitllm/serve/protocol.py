@@ -1,0 +1,359 @@
+"""OpenAI wire format: requests (validated), responses, stream chunks and error bodies.
+
+Requests reject unknown fields (as OpenAI does: "Unrecognized request argument"), so a typo in
+a parameter name is a 400, not a silently ignored option. A few non-OpenAI sampling options that
+vLLM users pass through `extra_body` (top_k, min_p, repetition_penalty, ...) are accepted by name.
+Checks that need the model (vocabulary size, context length, chat template) live in the app.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_serializer, model_validator
+
+MAX_N = 128          # OpenAI's limit on choices per request
+MAX_LOGPROBS = 20    # top-n logprobs per token
+MAX_STOP = 4         # stop sequences per request
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: an impossible token reports this instead
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class ParamError(ValueError):
+    """A whole-request check that names the offending parameter (pydantic cannot place it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _check_utf8(value: str, what: str) -> str:
+    # JSON can carry lone surrogates ("\ud800") that Python accepts but a tokenizer cannot encode.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid UTF-8 (lone surrogate)") from None
+    return value
+
+
+class Request(BaseModel):
+    """Base of the request bodies: unknown fields and NaN/inf numbers are errors."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class SamplingFields(Request):
+    """The sampling options both endpoints share, with OpenAI's ranges."""
+    model: Optional[StrictStr] = None  # optional: one server serves one model
+    max_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = None
+    temperature: Optional[StrictFloat] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[StrictFloat] = Field(None, ge=0.0, le=1.0)
+    n: Optional[Annotated[StrictInt, Field(ge=1, le=MAX_N)]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    presence_penalty: Optional[StrictFloat] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[StrictFloat] = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, StrictFloat]] = None
+    seed: Optional[Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)]] = None
+    user: Optional[StrictStr] = None
+    # Extensions (vLLM names), reachable through the openai client's extra_body.
+    top_k: Optional[Annotated[StrictInt, Field(ge=0)]] = None
+    min_p: Optional[StrictFloat] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[StrictFloat] = Field(None, gt=0.0, le=10.0)
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=64)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
+        for s in stops:
+            if not s:
+                raise ValueError("stop sequences must be non-empty strings")
+            _check_utf8(s, "stop")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is None:
+            return v
+        if len(v) > 300:  # OpenAI's own limit; bounds the work a request can ask for
+            raise ValueError("logit_bias may hold at most 300 entries")
+        for key, bias in v.items():
+            if not key.isdigit() or not key.isascii():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+
+def _is_token_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+Prompt = Union[StrictStr, list[StrictStr], list[TokenId], list[list[TokenId]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = 16  # OpenAI's default here
+    echo: Optional[bool] = False
+    logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    best_of: Optional[Annotated[StrictInt, Field(ge=1, le=MAX_N)]] = None
+    suffix: Optional[StrictStr] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        # One clear sentence instead of pydantic's error per union member.
+        ok = isinstance(v, str) or (isinstance(v, list) and (
+            all(isinstance(x, str) for x in v) or all(_is_token_id(x) for x in v)
+            or all(isinstance(x, list) and all(_is_token_id(t) for t in x) for x in v)))
+        if not ok:
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                             "(non-negative integers) or a list of token-id lists")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        items = [v] if isinstance(v, str) else v
+        for item in items:
+            if isinstance(item, str):
+                _check_utf8(item, "prompt")
+            elif isinstance(item, list) and not item:
+                raise ValueError("token-id prompts must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.suffix:
+            raise ParamError("suffix", "suffix is not supported (no fill-in-the-middle models are served)")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ParamError("best_of", "best_of different from n is not supported")
+        return self
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt as a list: one entry per prompt, each text or token ids."""
+        v = self.prompt
+        if isinstance(v, str):
+            return [v]
+        if all(isinstance(x, int) for x in v):
+            return [list(v)]
+        return list(v)
+
+
+class ChatMessage(Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[StrictStr, list[dict[str, Any]]]] = None
+    name: Optional[StrictStr] = None
+    tool_call_id: Optional[StrictStr] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    refusal: Optional[StrictStr] = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                if part.get("type") != "text":
+                    raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+                if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    raise ValueError("a text content part is {\"type\": \"text\", \"text\": STRING}")
+        return v
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part["text"] for part in self.content)
+        return self.content or ""
+
+    @model_validator(mode="after")
+    def _utf8(self):
+        _check_utf8(self.text(), "message content")
+        return self
+
+
+class ResponseFormat(Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    # Accepted and ignored: they change nothing about the tokens.
+    metadata: Optional[dict[str, StrictStr]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[StrictStr] = None
+
+    @model_validator(mode="after")
+    def _consistency(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.tools:
+            raise ParamError("tools", "tools are not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            raise ParamError("tool_choice", "tool_choice is not supported by this server")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ParamError("response_format", f"response_format {self.response_format.type!r} is not supported (only 'text')")
+        return self
+
+    def token_limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- responses ----------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Response(BaseModel):
+    model_config = ConfigDict(ser_json_inf_nan="null")
+
+
+class Usage(Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(Response):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatResponseMessage(Response):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+
+
+class ChatChoice(Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(Response):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        # OpenAI's deltas carry only what changed: {"content": "..."}, and {} at the end.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(Response):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "fitllm"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(Response):
+    error: ErrorDetail

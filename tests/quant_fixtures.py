@@ -1,0 +1,46 @@
+"""A tiny random Llama in HF layout (the embedded model's tokenizer) for the quant tests."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fitllm.models.hub import resolve_model
+
+TINY = dict(hidden=128, inter=256, layers=2, heads=4, kv_heads=2)
+
+
+def make_tiny_model(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    h, i, n = TINY["hidden"], TINY["inter"], TINY["layers"]
+    hd = h // TINY["heads"]
+    kv = TINY["kv_heads"] * hd
+    t = {"model.embed_tokens.weight": torch.randn(vocab, h) * 0.5, "model.norm.weight": torch.ones(h)}
+    for layer in range(n):
+        p = f"model.layers.{layer}."
+        shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                  "self_attn.o_proj": (h, h), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+        for name, shape in shapes.items():
+            t[p + name + ".weight"] = torch.randn(shape) / shape[1] ** 0.5
+        t[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(h)
+        t[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(folder / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": i, "num_hidden_layers": n, "num_attention_heads": TINY["heads"],
+              "num_key_value_heads": TINY["kv_heads"], "head_dim": hd, "vocab_size": vocab,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+              "tie_word_embeddings": True, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps(config))
+    src = resolve_model(None)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, folder / f)
+    return folder
+
+
+CALIB_TEXT = " ".join(
+    f"Line {k}: the quick brown fox {k % 7} jumps over {k * 3} lazy dogs while numbers {k ** 2} grow."
+    for k in range(400))

@@ -1,0 +1,401 @@
+"""Bad input to the HTTP API: every case is a 4xx with OpenAI's error body, never a 500.
+
+The app runs in-process over a fake engine with LLMEngine's interface (instant tokens) and the
+embedded model's real tokenizer, so validation, tokenization and context checks are the real
+ones while a fuzzed request that happens to be valid costs microseconds, not a forward pass.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+VOCAB = 49152
+MAX_LEN = 128
+KEY = "sk-test-0123456789"
+
+
+class FakeEngine:
+    """LLMEngine's interface: each step gives every running request token 42 (':')."""
+
+    def __init__(self, tokenizer, step_delay: float = 0.0, max_running: int = 1024):
+        self.tokenizer = tokenizer
+        self.model_config = SimpleNamespace(vocab_size=VOCAB)
+        self.max_model_len = MAX_LEN
+        self.step_delay, self.max_running = step_delay, max_running
+        self.requests: dict[str, list] = {}  # id -> [prompt, params, generated]
+        self.scheduler = SimpleNamespace(waiting=deque(), running=[])
+        self.outbox = []
+
+    def validate_request(self, request_id, prompt_token_ids, params):
+        if not prompt_token_ids or len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError("bad prompt length")
+        params.validate(VOCAB)
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        self.validate_request(request_id, prompt_token_ids, params)
+        self.requests[request_id] = [list(prompt_token_ids), params, 0]
+        self.scheduler.waiting.append(request_id)
+
+    def abort_request(self, request_id):
+        from fitllm.serve.engine import RequestOutput
+
+        state = self.requests.pop(request_id, None)
+        if state is not None:  # like LLMEngine: the abort output comes with the next step
+            self.outbox.append(RequestOutput(request_id, [], "", True, "abort", len(state[0]), state[2], [], None))
+
+    def has_unfinished_requests(self):
+        return bool(self.requests or self.outbox)
+
+    def step(self):
+        from fitllm.serve.engine import RequestOutput
+        from fitllm.serve.sampling import TokenLogprob
+
+        time.sleep(self.step_delay)
+        outs, self.outbox = self.outbox, []
+        sched = self.scheduler
+        sched.running = [r for r in sched.running if r in self.requests]
+        sched.waiting = deque(r for r in sched.waiting if r in self.requests)
+        while sched.waiting and len(sched.running) < self.max_running:
+            sched.running.append(sched.waiting.popleft())
+        for rid in list(sched.running):
+            prompt, params, done = state = self.requests[rid]
+            first = done == 0
+            new = [] if params.max_tokens == 0 else [42]
+            state[2] = done = done + len(new)
+            finished = done >= params.max_tokens
+            lp = [TokenLogprob(42, -0.5, [(42, -0.5), (7, -1.5)][:params.logprobs or 0])] \
+                if params.logprobs is not None and new else []
+            plp = None
+            if first and params.prompt_logprobs is not None:
+                plp = [None] + [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in prompt[1:]]
+            outs.append(RequestOutput(rid, new, self.tokenizer.decode(new), finished, "length" if finished else None,
+                                      len(prompt), done, lp, plp))
+            if finished:
+                del self.requests[rid]
+        return outs
+
+    def stats(self):
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_total": 64, "kv_blocks_used": len(self.requests), "prefix_cache_hit_rate": 0.0,
+                "preemptions": 0}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_tokenizer):
+    return embedded_tokenizer
+
+
+def make_client(tokenizer, **config) -> TestClient:
+    from fitllm.serve.app import ServerConfig, create_app
+
+    engine = FakeEngine(tokenizer, config.pop("step_delay", 0.0), config.pop("max_running", 1024))
+    app = create_app(engine, ServerConfig(served_model_name="tiny", **config))
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def client(tokenizer):
+    with make_client(tokenizer) as c:
+        yield c
+
+
+def assert_openai_error(r, status: int, param: str | None = None, code: str | None = None):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+OK_COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+OK_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+BAD_COMPLETIONS = [  # (body patch, expected param, expected code)
+    ({"max_tokens": "5"}, "max_tokens", None),
+    ({"max_tokens": -1}, "max_tokens", None),
+    ({"max_tokens": 10**9}, "max_tokens", "context_length_exceeded"),
+    ({"max_tokens": 2**70}, "max_tokens", "context_length_exceeded"),
+    ({"max_tokens": 1.5}, "max_tokens", None),
+    ({"n": 0}, "n", None),
+    ({"n": 129}, "n", None),
+    ({"n": 2, "best_of": 5}, None, None),
+    ({"best_of": 100}, "best_of", None),
+    ({"prompt": ""}, "prompt", "empty_prompt"),
+    ({"prompt": []}, "prompt", None),
+    ({"prompt": [[]]}, "prompt", None),
+    ({"prompt": [1, "a"]}, "prompt", None),
+    ({"prompt": [True]}, "prompt", None),
+    ({"prompt": [-1]}, "prompt", None),
+    ({"prompt": [VOCAB]}, "prompt", "invalid_token_id"),
+    ({"prompt": None}, "prompt", None),
+    ({"prompt": "word " * 4000}, None, "context_length_exceeded"),
+    ({"prompt": list(range(MAX_LEN + 1))}, None, "context_length_exceeded"),
+    ({"prompt": ["a"] * 100, "n": 2}, "n", "too_many_choices"),
+    ({"temperature": 2.5}, "temperature", None),
+    ({"temperature": "hot"}, "temperature", None),
+    ({"top_p": 1.5}, "top_p", None),
+    ({"logprobs": 21}, "logprobs", None),
+    ({"logprobs": -1}, "logprobs", None),
+    ({"presence_penalty": 3}, "presence_penalty", None),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", None),
+    ({"stop": ""}, "stop", None),
+    ({"stop": 5}, "stop", None),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", None),
+    ({"logit_bias": {"-3": 1}}, "logit_bias", None),
+    ({"logit_bias": {"5": 101}}, "logit_bias", None),
+    ({"logit_bias": {"5": "x"}}, None, None),
+    ({"logit_bias": {str(VOCAB + 5): 1}}, "logit_bias", "invalid_token_id"),
+    ({"logit_bias": [1, 2]}, "logit_bias", None),
+    ({"stop_token_ids": [VOCAB]}, "logit_bias", "invalid_token_id"),
+    ({"suffix": "end"}, None, None),
+    ({"stream_options": {"include_usage": True}}, None, None),
+    ({"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}, "stream_options.bogus", "unknown_parameter"),
+    ({"unknown_field": 1}, "unknown_field", "unknown_parameter"),
+    ({"seed": 2**80}, "seed", None),
+    ({"echo": "yes please"}, "echo", None),
+]
+
+
+@pytest.mark.parametrize("patch,param,code", BAD_COMPLETIONS, ids=[json.dumps(p)[:40] for p, _, _ in BAD_COMPLETIONS])
+def test_bad_completion_requests(client, patch, param, code):
+    r = client.post("/v1/completions", json={**OK_COMPLETION, **patch})
+    assert_openai_error(r, 404 if code == "model_not_found" else 400, param, code)
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages", None),
+    ({"messages": "hi"}, "messages", None),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, None, None),
+    ({"messages": [{"role": "user"}], "extra": 1}, "extra", "unknown_parameter"),
+    ({"messages": [{"role": "user", "content": "hi", "mood": "happy"}]}, "messages.0.mood", "unknown_parameter"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
+     "messages.0.content", None),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, None, None),
+    ({"tool_choice": "required"}, None, None),
+    ({"top_logprobs": 3}, None, None),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+    ({"response_format": {"type": "json_object"}}, None, None),
+    ({"max_completion_tokens": -5}, "max_completion_tokens", None),
+    ({"max_completion_tokens": 10**6}, "max_tokens", "context_length_exceeded"),
+    ({"n": 1000}, "n", None),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, None, "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("patch,param,code", BAD_CHATS, ids=[json.dumps(p)[:40] for p, _, _ in BAD_CHATS])
+def test_bad_chat_requests(client, patch, param, code):
+    r = client.post("/v1/chat/completions", json={**OK_CHAT, **patch})
+    assert_openai_error(r, 400, param, code)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "hi"',                      # truncated JSON
+    b"",                                      # no body
+    b"[1, 2]",                                # not an object
+    b'"just a string"',
+    b'{"prompt": "\xff\xfe bad utf-8"}',       # invalid UTF-8 bytes
+    b'{"prompt": "\\ud800 lone surrogate"}',  # valid JSON escape, not encodable text
+    b'{"prompt": "hi", "temperature": NaN}',  # JSON extension Python accepts
+    b'{"prompt": "hi", "temperature": Infinity}',
+    b"\x00\x01\x02",
+    b'{"prompt": "hi", "prompt": 5}',         # duplicate key: the last one wins, then fails
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_malformed_bodies(client, raw, path):
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+def test_form_content_type_still_parsed_as_json(client):
+    # curl -d sends application/x-www-form-urlencoded; the body is JSON all the same.
+    r = client.post("/v1/completions", content=json.dumps(OK_COMPLETION),
+                    headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_model_is_404(client):
+    err = assert_openai_error(client.post("/v1/completions", json={**OK_COMPLETION, "model": "gpt-9"}), 404,
+                              "model", "model_not_found")
+    assert "gpt-9" in err["message"]
+    assert_openai_error(client.post("/v1/chat/completions", json={**OK_CHAT, "model": "../etc/passwd"}), 404)
+
+
+def test_unknown_route_and_method(client):
+    assert_openai_error(client.get("/v1/nothing"), 404)
+    assert_openai_error(client.get("/v1/completions"), 405)
+    assert_openai_error(client.post("/../../etc/passwd", json={}), 404)
+
+
+def test_valid_requests_work(client):
+    r = client.post("/v1/completions", json={**OK_COMPLETION, "echo": True, "logprobs": 1, "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    lp = body["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(lp["text_offset"])
+    r = client.post("/v1/chat/completions", json={**OK_CHAT, "logprobs": True, "top_logprobs": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"][0]["logprob"] == -0.5
+
+
+def test_body_size_limit(tokenizer):
+    with make_client(tokenizer, max_body_bytes=2048) as c:
+        big = {**OK_COMPLETION, "prompt": "x" * 4096}
+        assert_openai_error(c.post("/v1/completions", json=big), 413, code="request_too_large")
+
+        def chunked():  # no Content-Length: the limit must hold on the bytes actually read
+            yield json.dumps(big).encode()
+        assert_openai_error(c.post("/v1/completions", content=chunked(),
+                                   headers={"content-type": "application/json"}), 413)
+        assert c.post("/v1/completions", json=OK_COMPLETION).status_code == 200
+
+
+def test_api_key(tokenizer):
+    with make_client(tokenizer, api_key=KEY) as c:
+        assert c.get("/health").status_code == 200  # probes need no key
+        for method, path in [("get", "/v1/models"), ("get", "/metrics"), ("post", "/v1/completions"),
+                             ("get", "/openapi.json"), ("get", "/docs"), ("get", "/no/such/route")]:
+            assert_openai_error(getattr(c, method)(path), 401, code="invalid_api_key")
+            for header in [f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", KEY, f"bearer {KEY}", ""]:
+                assert_openai_error(getattr(c, method)(path, headers={"authorization": header}), 401)
+        good = {"authorization": f"Bearer {KEY}"}
+        assert c.get("/v1/models", headers=good).status_code == 200
+        assert c.post("/v1/completions", json=OK_COMPLETION, headers=good).status_code == 200
+        assert c.get("/metrics", headers=good).status_code == 200
+
+
+def test_api_key_uses_constant_time_compare(tokenizer, monkeypatch):
+    import hmac
+
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    with make_client(tokenizer, api_key=KEY) as c:
+        c.get("/v1/models", headers={"authorization": "Bearer nope"})
+    assert calls, "the API key must be checked with hmac.compare_digest"
+
+
+def test_overload_answers_429_with_retry_after(tokenizer):
+    import concurrent.futures as cf
+
+    with make_client(tokenizer, max_waiting=2, step_delay=0.05, max_running=2) as c:
+        body = {**OK_COMPLETION, "max_tokens": 20}
+        with cf.ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(lambda _: c.post("/v1/completions", json=body), range(12)))
+        codes = sorted(r.status_code for r in results)
+        assert 429 in codes and 200 in codes, codes
+        limited = next(r for r in results if r.status_code == 429)
+        assert_openai_error(limited, 429, code="overloaded")
+        assert int(limited.headers["retry-after"]) >= 1
+        assert c.post("/v1/completions", json=OK_COMPLETION).status_code == 200  # still serving
+        metrics = c.get("/metrics").text
+        assert 'fitllm_request_errors_total{type="overloaded"}' in metrics
+
+
+def test_timeout_is_504_and_aborts(tokenizer):
+    with make_client(tokenizer, request_timeout=0.3, step_delay=0.05) as c:
+        r = c.post("/v1/completions", json={**OK_COMPLETION, "max_tokens": 100})
+        assert_openai_error(r, 504, code="request_timeout")
+        engine = c.app.state.server.engine
+        deadline = time.monotonic() + 5
+        while engine.stats()["kv_blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.stats()["kv_blocks_used"] == 0
+
+
+# ---- fuzzing the OpenAPI schema --------------------------------------------------------------------
+
+def _json_values():
+    scalars = st.none() | st.booleans() | st.integers(-2**64, 2**64) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+                        max_leaves=8)
+
+
+def from_schema(schema: dict, components: dict, depth: int = 0):
+    """Values that follow `schema` (an OpenAPI/JSON-schema fragment), mostly; bounded in size."""
+    if "$ref" in schema:
+        return from_schema(components[schema["$ref"].rsplit("/", 1)[1]], components, depth)
+    if "anyOf" in schema:
+        return st.one_of([from_schema(s, components, depth) for s in schema["anyOf"]])
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    kind = schema.get("type")
+    if kind == "integer":
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+        return st.integers(lo, hi if hi is not None else (lo or 0) + 300) | st.integers(-5, 5)
+    if kind == "number":
+        return st.floats(schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum"),
+                         allow_nan=False, allow_infinity=False) | st.floats(-3, 3)
+    if kind == "string":
+        return st.text(max_size=24)
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    if kind == "array":
+        item = from_schema(schema.get("items", {}), components, depth + 1) if depth < 3 else st.none()
+        return st.lists(item, min_size=schema.get("minItems", 0), max_size=min(schema.get("maxItems", 4), 4))
+    if kind == "object" and schema.get("properties") and depth < 4:
+        props = {k: from_schema(v, components, depth + 1) for k, v in schema["properties"].items()}
+        required = {k: props.pop(k) for k in schema.get("required", [])}
+        return st.fixed_dictionaries(required, optional=props)
+    return _json_values()
+
+
+def fuzz_bodies(schema: dict, components: dict):
+    """Schema-following bodies, plus the same with one field broken or an unknown field added."""
+    valid = from_schema(schema, components)
+
+    def mutate(body, key, junk):
+        return {**body, key: junk}
+    broken = st.builds(mutate, valid, st.sampled_from(list(schema["properties"]) + ["bogus"]), _json_values())
+    return valid | broken | _json_values()
+
+
+@pytest.fixture(scope="module")
+def openapi(client):
+    doc = client.get("/openapi.json").json()
+    return doc, doc["components"]["schemas"]
+
+
+@pytest.mark.parametrize("path,schema_name", [("/v1/completions", "CompletionRequest"),
+                                              ("/v1/chat/completions", "ChatCompletionRequest")])
+def test_fuzz_openapi_schema_never_5xx(client, openapi, path, schema_name):
+    doc, components = openapi
+    ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref.endswith(schema_name)
+    seen = {}
+
+    @settings(max_examples=150, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(body=fuzz_bodies(components[schema_name], components))
+    def check(body):
+        r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            assert_openai_error(r, r.status_code)
+        elif isinstance(body, dict) and body.get("stream"):
+            assert r.text.rstrip().endswith("data: [DONE]"), r.text[-200:]
+        else:
+            assert r.json()["choices"] is not None
+    check()
+    print(f"{path}: status counts {seen}")
+    assert seen.get(200, 0) > 0 and sum(v for k, v in seen.items() if k >= 400) > 0, seen

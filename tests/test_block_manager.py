@@ -1,0 +1,191 @@
+"""Block pool invariants under random allocate / compute / fork / truncate / free sequences."""
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fitllm.serve.block_manager import BlockManager
+
+BS = 4
+
+
+def check_invariants(bm: BlockManager) -> None:
+    refs = [0] * bm.num_blocks
+    for seq in bm.seqs.values():
+        for b in seq.table:
+            refs[b] += 1
+    free, evictable = list(bm._free), list(bm._evictable)
+    assert len(set(free)) == len(free) and not set(free) & set(evictable), "a block is free twice"
+    for block in bm.blocks:
+        assert block.ref == refs[block.id], f"block {block.id}: ref {block.ref}, held {refs[block.id]} times"
+        in_free, in_evictable = block.id in bm._free, block.id in bm._evictable
+        assert (block.ref == 0) == (in_free or in_evictable), f"block {block.id} leaked or double-booked"
+        if in_evictable:
+            assert block.hash is not None
+        if in_free:
+            assert block.hash is None
+    for h, b in bm._cached.items():
+        assert bm.blocks[b].hash == h
+    assert bm.num_free_blocks + sum(1 for r in refs if r) == bm.num_blocks
+
+
+class Sim:
+    """Drives the pool like the scheduler does, tracking what each sequence holds."""
+
+    def __init__(self, num_blocks: int):
+        self.bm = BlockManager(num_blocks, BS)
+        self.seqs: dict[int, dict] = {}  # id -> {"tokens": [...], "computed": n}
+        self.next_id = 0
+        self.kv = [[None] * BS for _ in range(num_blocks)]  # what the "cache" holds, per slot
+
+    def write(self, sid: int, tokens: list[int], start: int) -> None:
+        """What the model runner does: pending copies first, then the new tokens' K/V."""
+        for src, dst in self.bm.take_copies():
+            self.kv[dst] = list(self.kv[src])
+        table = self.bm.table(sid)
+        for pos in range(start, len(tokens)):
+            self.kv[table[pos // BS]][pos % BS] = tokens[pos]
+
+    def check_contents(self) -> None:
+        for sid, s in self.seqs.items():
+            table = self.bm.table(sid)
+            seen = [self.kv[table[p // BS]][p % BS] for p in range(s["computed"])]
+            assert seen == s["tokens"][: s["computed"]], f"seq {sid} reads wrong K/V"
+
+    def new(self, tokens: list[int]) -> None:
+        sid, self.next_id = self.next_id, self.next_id + 1
+        prefix = self.bm.match_prefix(sid, tokens, len(tokens) - 1)
+        computed = len(prefix) * BS
+        n = len(tokens) - computed
+        if self.bm.allocate(sid, computed, n, prefix):
+            self.write(sid, tokens, computed)
+            self.bm.cache_full_blocks(sid, tokens, computed + n)
+            self.seqs[sid] = {"tokens": list(tokens), "computed": computed + n}
+        else:
+            self.bm.seqs.pop(sid, None)  # match_prefix left hashes only
+
+    def step(self, sid: int, token: int) -> None:
+        s = self.seqs[sid]
+        if self.bm.allocate(sid, s["computed"], 1):
+            s["tokens"].append(token)
+            self.write(sid, s["tokens"], s["computed"])
+            s["computed"] += 1
+            self.bm.cache_full_blocks(sid, s["tokens"], s["computed"])
+
+    def fork(self, sid: int) -> None:
+        child, self.next_id = self.next_id, self.next_id + 1
+        self.bm.fork(sid, child)
+        self.seqs[child] = {"tokens": list(self.seqs[sid]["tokens"]), "computed": self.seqs[sid]["computed"]}
+
+    def truncate(self, sid: int, keep: int) -> None:
+        s = self.seqs[sid]
+        keep = max(1, min(keep, s["computed"]))
+        self.bm.truncate(sid, keep)
+        s["tokens"], s["computed"] = s["tokens"][:keep], keep
+
+    def free(self, sid: int) -> None:
+        self.bm.free(sid)
+        del self.seqs[sid]
+
+
+op = st.one_of(
+    st.tuples(st.just("new"), st.lists(st.integers(0, 2), min_size=1, max_size=14)),
+    st.tuples(st.just("step"), st.integers(0, 2)),
+    st.tuples(st.just("fork"), st.integers(0, 0)),
+    st.tuples(st.just("truncate"), st.integers(1, 12)),
+    st.tuples(st.just("free"), st.integers(0, 0)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(4, 24), st.lists(st.tuples(op, st.integers(0, 1000)), max_size=60))
+def test_random_operations_keep_the_pool_consistent(num_blocks, ops):
+    sim = Sim(num_blocks)
+    for (kind, arg), pick in ops:
+        ids = sorted(sim.seqs)
+        if kind == "new":
+            sim.new(arg)
+        elif ids:
+            sid = ids[pick % len(ids)]
+            getattr(sim, kind)(sid, arg) if kind in ("step", "truncate") else getattr(sim, kind)(sid)
+        check_invariants(sim.bm)
+        sim.check_contents()
+        # Each sequence's table covers exactly its computed tokens.
+        for sid, s in sim.seqs.items():
+            assert len(sim.bm.table(sid)) == -(-s["computed"] // BS)
+    for sid in list(sim.seqs):
+        sim.free(sid)
+    check_invariants(sim.bm)
+    assert sim.bm.num_free_blocks == num_blocks and not sim.bm.seqs
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 10_000), st.integers(8, 24))
+def test_recently_used_prefix_survives_eviction_of_others(seed, num_blocks):
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks, BS)
+    # Fill the cache with other prompts' blocks, then use prompt P last.
+    for i in range(rng.randint(1, 6)):
+        toks = [100 + i] + [rng.randint(0, 50) for _ in range(rng.randint(4, 16))]
+        if bm.allocate(("other", i), 0, len(toks)):
+            bm.cache_full_blocks(("other", i), toks, len(toks))
+            bm.free(("other", i))
+    prompt = [7] * (BS * 3) + [8]
+    assert bm.allocate("p", 0, len(prompt))
+    bm.cache_full_blocks("p", prompt, len(prompt))
+    bm.free("p")
+    # New, unrelated work that needs every block except P's three.
+    held = []
+    for i in range(num_blocks - 3):
+        toks = [200 + i] * BS
+        assert bm.allocate(("new", i), 0, BS)
+        bm.cache_full_blocks(("new", i), toks, BS)
+        held.append(("new", i))
+    assert len(bm.match_prefix("q", prompt, len(prompt) - 1)) == 3
+    # One more block evicts P's least useful block first: its last.
+    for sid in held:
+        bm.free(sid)
+    check_invariants(bm)
+
+
+def test_prefix_hit_shares_blocks_and_copy_on_write_after_fork():
+    bm = BlockManager(16, BS)
+    a = list(range(10))  # 2 full blocks + 2 tokens
+    assert bm.allocate("a", 0, len(a))
+    bm.cache_full_blocks("a", a, len(a))
+    hits = bm.match_prefix("b", a + [99], len(a))
+    assert hits == bm.table("a")[:2]
+    assert bm.allocate("b", 8, 3, hits)
+    assert bm.table("b")[:2] == bm.table("a")[:2] and bm.table("b")[2] != bm.table("a")[2]
+    # Fork: the child shares the partial last block; its first write copies it.
+    bm.fork("a", "c")
+    shared = bm.table("a")[2]
+    assert bm.allocate("c", 10, 1)
+    assert bm.table("c")[2] != shared and bm.take_copies() == [(shared, bm.table("c")[2])]
+    assert bm.allocate("a", 10, 1) and bm.table("a")[2] == shared and bm.take_copies() == []
+    for s in ("a", "b", "c"):
+        bm.free(s)
+    check_invariants(bm)
+    assert bm.num_free_blocks == 16
+
+
+def test_allocation_fails_cleanly_when_short():
+    bm = BlockManager(3, BS)
+    assert bm.allocate("a", 0, 8)
+    assert not bm.allocate("b", 0, 8)
+    assert "b" not in bm.seqs or not bm.table("b")
+    check_invariants(bm)
+    assert bm.num_free_blocks == 1
+
+
+def test_truncate_forgets_stale_cached_block():
+    bm = BlockManager(8, BS)
+    toks = list(range(8))
+    assert bm.allocate("a", 0, 8)
+    bm.cache_full_blocks("a", toks, 8)
+    bm.truncate("a", 6)  # block 1 will be rewritten: no longer a valid cache entry
+    assert len(bm.match_prefix("x", toks + [1], 8)) == 1
+    bm.free("a")
+    check_invariants(bm)

@@ -1,0 +1,205 @@
+"""The engine end to end on the embedded model (CPU, fp32): batching must not change results."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from fitllm.models.generate import generate, prompt_logits
+from fitllm.serve.async_engine import AsyncEngine, EngineOverloaded
+from fitllm.serve.engine import EngineConfig, LLMEngine
+from fitllm.serve.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(model, tokenizer, **kw) -> LLMEngine:
+    cfg = dict(max_num_batched_tokens=32, block_size=8, num_kv_blocks=128, max_model_len=512)
+    return LLMEngine(EngineConfig(**{**cfg, **kw}), model=model, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded_tokenizer):
+    """16 prompts of mixed lengths; most share a 21-token prefix (two full 8-token blocks)."""
+    enc = lambda s: embedded_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    shared = enc("You are a helpful assistant. Answer briefly and precisely, in plain English.")
+    tails = ["What is the capital of France?", "Name a prime number.", "2+2=", "Why is the sky blue?",
+             "Translate 'cat' to German.", "List three fruits.", "Who wrote Hamlet?", "Hello",
+             "Define entropy in one sentence.", "What is 7 times 8?", "Spell 'banana'.", "Is water wet?"]
+    out = [shared + enc(" " + t) for t in tails]
+    out += [enc("Once upon a time"), enc("The quick brown fox jumps over the lazy dog. " * 3),
+            enc("1, 2, 3, 4,"), shared + enc(" What is the capital of France?")]  # a duplicate too
+    assert len(out) == 16
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(embedded_model, prompts):
+    return generate(embedded_model, prompts, GREEDY.max_tokens)
+
+
+def test_greedy_alone_equals_generate(embedded_model, embedded_tokenizer, prompts, reference):
+    eng = make_engine(embedded_model, embedded_tokenizer)
+    out = eng.generate([prompts[0]], GREEDY)[0]
+    assert out.new_token_ids == reference[0] and out.finish_reason == "length"
+    assert out.new_text == embedded_tokenizer.decode(reference[0], skip_special_tokens=True)
+
+
+def test_greedy_batch_of_16_with_chunked_prefill_and_prefix_cache(embedded_model, embedded_tokenizer, prompts,
+                                                                  reference):
+    eng = make_engine(embedded_model, embedded_tokenizer)
+    # Staggered arrivals: the later ones find the shared prefix already cached.
+    for i in range(4):
+        eng.add_request(str(i), prompts[i], GREEDY)
+    results: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        steps += 1
+        if steps == 3:
+            for i in range(4, 16):
+                eng.add_request(str(i), prompts[i], GREEDY)
+        for o in eng.step():
+            results.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [results[str(i)] for i in range(16)] == reference
+    stats = eng.stats()
+    assert stats["prefix_cache_hit_rate"] > 0.2 and stats["kv_blocks_used"] == 0
+
+
+def test_preemption_and_recompute_give_the_same_tokens(embedded_model, embedded_tokenizer, prompts, reference):
+    # 5 blocks of 8 tokens for four requests of 15-36 tokens: the newest keep being preempted.
+    eng = make_engine(embedded_model, embedded_tokenizer, num_kv_blocks=5)
+    picks = [13, 0, 3, 14]
+    outs = eng.generate([prompts[i] for i in picks], GREEDY)
+    assert [o.new_token_ids for o in outs] == [reference[i] for i in picks]
+    stats = eng.stats()
+    assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def test_aborts_and_finishes_return_every_block(embedded_model, embedded_tokenizer, prompts):
+    eng = make_engine(embedded_model, embedded_tokenizer)
+    for i in range(4):
+        eng.add_request(str(i), prompts[i], SamplingParams(max_tokens=50, temperature=0.0))
+    eng.step()
+    eng.abort_request("0")  # running
+    eng.abort_request("3")  # still waiting for budget
+    eng.abort_request("nope")  # unknown: ignored
+    finals = {}
+    for _ in range(2):
+        for o in eng.step():
+            finals[o.request_id] = o
+    assert finals["0"].finish_reason == "abort" and finals["3"].finish_reason == "abort"
+    eng.abort_request("1")
+    eng.abort_request("2")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.stats()["kv_blocks_used"] == 0 and not eng.block_manager.seqs
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(embedded_model, embedded_tokenizer, prompts):
+    seeded = SamplingParams(max_tokens=5, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    eng = make_engine(embedded_model, embedded_tokenizer)
+    alone = eng.generate([prompts[5]], seeded)[0].new_token_ids
+    others = [SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True) for _ in range(3)]
+    mixed = eng.generate([prompts[7], prompts[5], prompts[13], prompts[14]], [others[0], seeded, others[1], others[2]])
+    assert mixed[1].new_token_ids == alone
+
+
+def test_stop_conditions_and_prompt_logprobs(embedded_model, embedded_tokenizer, prompts, reference):
+    eng = make_engine(embedded_model, embedded_tokenizer)
+    text = embedded_tokenizer.decode(reference[0])
+    stop_at = text[len(text) // 2:][:3]  # a stop string somewhere inside the greedy text
+    prompt = prompts[13]  # 34 tokens: prefilled in two chunks
+    outs = eng.generate([prompts[0], prompts[0], prompt], [
+        SamplingParams(max_tokens=5, temperature=0.0, stop=[stop_at]),
+        SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[reference[0][1]], logprobs=2),
+        SamplingParams(max_tokens=0, prompt_logprobs=1)])
+    assert outs[0].finish_reason == "stop" and outs[0].new_text == text[: text.index(stop_at)]
+    assert outs[1].finish_reason == "stop" and outs[1].new_token_ids == reference[0][:2]
+    assert [lp.token_id for lp in outs[1].logprobs] == reference[0][:2] and len(outs[1].logprobs[0].top) == 2
+    scored = outs[2]
+    assert scored.finish_reason == "length" and scored.new_token_ids == []
+    lps = torch.log_softmax(prompt_logits(embedded_model, prompt), -1)
+    expected = [lps[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    assert scored.prompt_logprobs[0] is None
+    got = [lp.logprob for lp in scored.prompt_logprobs[1:]]
+    assert torch.allclose(torch.tensor(got), torch.tensor(expected), atol=1e-4)
+
+
+def test_nan_logits_fail_only_that_request(embedded_model, embedded_tokenizer, prompts, reference):
+    eng = make_engine(embedded_model, embedded_tokenizer)
+    broken = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    sampler = eng.sampler
+
+    def poisoned(logits, rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.params is broken:
+                logits[i, 0] = float("nan")
+        return sampler(logits, rows)
+
+    eng.sampler = poisoned
+    outs = eng.generate([prompts[0], prompts[1]], [broken, GREEDY])
+    assert outs[0].finish_reason == "error" and outs[0].error
+    assert outs[1].new_token_ids == reference[1]
+    assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_request_validation(embedded_model, embedded_tokenizer):
+    eng = make_engine(embedded_model, embedded_tokenizer, max_model_len=64)
+    with pytest.raises(ValueError, match="maximum context length"):
+        eng.add_request("long", [1] * 64, GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("empty", [], GREEDY)
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.add_request("vocab", [10**6], GREEDY)
+    eng.add_request("ok", [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match="in use"):
+        eng.add_request("ok", [1, 2, 3], GREEDY)
+
+
+def test_async_engine_streams_and_aborts_on_disconnect(embedded_model, embedded_tokenizer, prompts, reference):
+    eng = make_engine(embedded_model, embedded_tokenizer)
+
+    async def main():
+        aeng = AsyncEngine(eng)
+        aeng.start()
+
+        async def collect(rid, prompt, limit=None):
+            toks = []
+            async for out in aeng.generate(rid, prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+                                           if limit else GREEDY):
+                toks += out.new_token_ids
+                if limit and len(toks) >= limit:
+                    break  # the client goes away
+            return toks
+
+        full, cut = await asyncio.gather(collect("a", prompts[2]), collect("b", prompts[3], limit=2))
+        with pytest.raises(ValueError):
+            async for _ in aeng.generate("c", [], GREEDY):
+                pass
+        overloaded = AsyncEngine(eng, max_waiting=0)
+        with pytest.raises(EngineOverloaded):
+            async for _ in overloaded.generate("d", prompts[0], GREEDY):
+                pass
+        await aeng.shutdown(drain=True)
+        return full, cut, aeng.stats()
+
+    full, cut, stats = asyncio.run(main())
+    assert full == reference[2] and len(cut) >= 2
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and not eng.requests
+
+
+def test_decode_graph_path_emulated_on_cpu(embedded_model, embedded_tokenizer, prompts, reference):
+    """The CUDA-graph path's static buffers, padding to captured sizes, scratch block and padded
+    attention, run eagerly: greedy tokens must not change."""
+    eng = make_engine(embedded_model, embedded_tokenizer, max_num_seqs=8, max_model_len=128)
+    assert eng.runner.capture_graphs(8, eng.max_model_len, emulate_on_cpu=True)
+    assert eng.runner.graphs.sizes == [1, 2, 4, 8]
+    used = []
+    run = eng.runner.graphs.run
+    eng.runner.graphs.run = lambda seqs: used.append(len(seqs)) or run(seqs)
+    picks = [0, 4, 12, 13, 14]  # 5 decodes pad to 8; later 4 and fewer
+    outs = eng.generate([prompts[i] for i in picks], GREEDY)
+    assert [o.new_token_ids for o in outs] == [reference[i] for i in picks]
+    assert used and max(used) == 5

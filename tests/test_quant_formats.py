@@ -1,0 +1,83 @@
+"""Pack/unpack and format round trips against hand-built examples of each documented layout."""
+import torch
+
+from fitllm.quant.formats import autoawq, compressed_tensors, gptq
+from fitllm.quant.formats.packing import AWQ_ORDER, pack_dim0, pack_dim1, to_kernel, unpack_dim0, unpack_dim1
+from fitllm.quant.rtn import rtn_quantize
+from fitllm.quant.scheme import QuantizedWeight, QuantScheme
+
+
+def as_u32(x: torch.Tensor) -> int:
+    return int(x) & 0xFFFFFFFF
+
+
+def test_gptq_qweight_packs_k_low_bits_first():
+    q = torch.arange(8).reshape(8, 1)  # column 0 holds k = 0..7
+    assert as_u32(pack_dim0(q, 4)[0, 0]) == 0x76543210
+    q8 = torch.tensor([[0x11], [0x22], [0x33], [0xF4]])
+    assert as_u32(pack_dim0(q8, 8)[0, 0]) == 0xF4332211
+    assert torch.equal(unpack_dim0(pack_dim0(q8, 8), 8), q8.int())
+
+
+def test_awq_interleaved_nibble_order():
+    row = torch.arange(8).reshape(1, 8)  # columns 0..7 of one input row
+    # AutoAWQ GEMM: slot j holds column (0, 2, 4, 6, 1, 3, 5, 7)[j]
+    assert as_u32(pack_dim1(row, 4, AWQ_ORDER)[0, 0]) == 0x75316420
+    assert torch.equal(unpack_dim1(torch.tensor([[0x75316420]], dtype=torch.int64).to(torch.int32), 4, AWQ_ORDER), row.int())
+
+
+def test_gptq_zero_point_offset_and_g_idx():
+    # 8 output columns, zero point 8 everywhere (symmetric): v1 stores 7s
+    n, k = 8, 16
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    g_idx = torch.tensor([1, 0] * 8, dtype=torch.int32)  # act-order: interleaved groups
+    qw = QuantizedWeight(q, torch.rand(n, 2) + 0.5, torch.full((n, 2), 8, dtype=torch.int32), 4, 8, True, g_idx)
+    t = gptq.write(qw)
+    assert as_u32(t["qzeros"][0, 0]) == 0x77777777
+    assert torch.equal(t["g_idx"], g_idx)
+    kw = gptq.read(t, {"bits": 4, "group_size": 8}, torch.float32)
+    assert torch.equal(kw.zeros, torch.full((2, n), 8.0))
+    assert torch.equal(kw.g_idx, g_idx)
+    scales16 = qw.scale.half().float()
+    expect = (q.float() - 8) * scales16[:, g_idx.long()]
+    assert torch.equal(kw.dequantize(), expect)
+    # gptq_v2 keeps the zero point as is
+    v2 = dict(t, qzeros=pack_dim1(torch.full((2, n), 8), 4))
+    assert torch.equal(gptq.read(v2, {"bits": 4, "group_size": 8, "checkpoint_format": "gptq_v2"}, torch.float32).zeros, kw.zeros)
+
+
+def test_autoawq_write_read_bit_identical():
+    torch.manual_seed(0)
+    scheme = QuantScheme("awq", group_size=32, scale_dtype=torch.float16)
+    qw = rtn_quantize(torch.randn(64, 128), scheme)
+    kw = autoawq.read(autoawq.write(qw), autoawq.quantization_config(scheme), torch.float32)
+    assert torch.equal(kw.dequantize(), qw.dequantize())
+    assert torch.equal(to_kernel(qw).qweight, kw.qweight)
+
+
+def test_compressed_tensors_hand_built_and_round_trip():
+    # unsigned 1..8 are signed -7..0; the package packs value+8 along K, low bits first
+    qw = QuantizedWeight(torch.arange(1, 9, dtype=torch.uint8).repeat(8, 1), torch.ones(8, 1),
+                         torch.full((8, 1), 3, dtype=torch.int32), 4, -1, False)
+    t = compressed_tensors.write(qw)
+    assert as_u32(t["weight_packed"][0, 0]) == 0x87654321
+    assert as_u32(t["weight_zero_point"][0, 0]) == 0x33333333  # zero points packed along N
+    torch.manual_seed(1)
+    for sym in (False, True):
+        scheme = QuantScheme("rtn", group_size=32, sym=sym)
+        qw = rtn_quantize(torch.randn(24, 96), scheme)
+        group = compressed_tensors.quantization_config(scheme)["config_groups"]["group_0"]
+        kw = compressed_tensors.read(compressed_tensors.write(qw), group, torch.float32)
+        assert torch.equal(kw.dequantize(), qw.dequantize())
+
+
+def test_compressed_tensors_fp8_round_trip():
+    from fitllm.quant.fp8 import fp8_quantize
+
+    w = torch.randn(16, 32)
+    f = fp8_quantize(w)
+    scheme = QuantScheme("fp8")
+    group = compressed_tensors.quantization_config(scheme)["config_groups"]["group_0"]
+    back = compressed_tensors.read(compressed_tensors.write(f), group, torch.float32)
+    assert torch.equal(back.dequantize(), f.dequantize())
+    assert (f.dequantize() - w).abs().max() / w.abs().max() < 0.07
