@@ -9,6 +9,9 @@ fitllm fp8 times include the per-token activation quantization kernel (the peer'
 fitllm/kernels/*.py offline). Writes $OUT/bench_gemm.json; prints a table at the end.
 
   python3 benchmarks/bench_gemm.py --out $OUT [--no-sweep]
+  python3 benchmarks/bench_gemm.py --out $OUT --w4-small [--budget-s 300]
+      (w4a16 only, M in W4_SMALL_M: correctness of the table and of every swept config at the real
+      shapes, then bf16 cuBLAS / tinygemm / fitllm per M and a sweep of the small-M kernels)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from fitllm.kernels.fp8 import FP8_CONFIGS, fp8_gemm_triton, quantize_fp8_per_to
 from fitllm.kernels.fp8 import _cfg as f8cfg  # noqa: E402
 from fitllm.kernels.w4a16 import W4A16_CONFIGS, dequantize_packed, pack_int, w4a16_gemm_triton  # noqa: E402
 from fitllm.kernels.w4a16 import _cfg as w4cfg  # noqa: E402
+from fitllm.kernels.w4a16 import _gemv, _tc  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 CHECK_M = [1, 3, 16, 33, 128, 1000, 4096]
@@ -184,14 +188,14 @@ def graph_time(fn, target_ms=60.0):
 class Layer:
     """Two copies of one layer's weights in every format."""
 
-    def __init__(self, dev):
+    def __init__(self, dev, fp8=True):
         self.copies = []
         for _ in range(2):
             c = {}
             for name, (K, N) in SHAPES.items():
                 w16 = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
                 w4 = make_w4(K, N, dev)
-                f8 = make_fp8(K, N, dev)
+                f8 = make_fp8(K, N, dev) if fp8 else None
                 tg = None
                 try:  # torch's tinygemm: uint8 [N, K/2] packed, innerKTiles=8; scales_and_zeros [G, N, 2]
                     q = torch.randint(0, 16, (N, K), device=dev, dtype=torch.int32)
@@ -279,6 +283,146 @@ def time_all(dev, layer, results, sweep, deadline):
     return timing
 
 
+# --------------------------------------------------------------------------- small-M w4a16 mode
+
+W4_SMALL_M = [1, 3, 16, 33, 64]
+
+
+def w4_small_candidates(M):
+    g, t, c = _gemv, _tc, w4cfg
+    if M <= 4:
+        return [g(128, 64, 4, waves=4), g(128, 64, 4, waves=8), g(64, 128, 2, waves=4), g(128, 128, 4, waves=4),
+                g(256, 64, 4, waves=4), g(64, 64, 2, waves=8), t(16, 64, 128, 4, 3, 4, swap=True, unpack=2),
+                t(16, 64, 128, 4, 3, 4, unpack=1), t(16, 64, 64, 4, 3, 8, swap=True, unpack=2)]
+    if M <= 16:
+        return [t(16, 64, 128, 4, 3, 4, swap=True, unpack=2), t(16, 64, 128, 4, 3, 4, unpack=2),
+                t(16, 64, 128, 4, 3, 4, unpack=1), t(16, 64, 64, 4, 3, 8, unpack=1), t(16, 64, 64, 4, 3, 8, swap=True, unpack=2),
+                t(16, 128, 128, 4, 3, 4, swap=True, unpack=3), t(16, 128, 64, 4, 3, 4, swap=True, unpack=2),
+                t(16, 64, 128, 4, 3, 2, swap=True, unpack=2), c(16, 64, 128, True, 4, 4, waves=4)]
+    return [t(64, 64, 128, 4, 3, 2, unpack=2), t(64, 64, 128, 8, 3, 2, unpack=2), t(64, 64, 64, 4, 3, 4, unpack=1),
+            t(32, 64, 128, 4, 3, 2, unpack=2), t(64, 64, 128, 4, 3, 2, swap=True, unpack=2),
+            t(64, 128, 64, 8, 3, 2, unpack=1), t(64, 64, 128, 4, 3, 1, unpack=2),
+            c(128, 128, 64, False, 8, 4, backend="dequant")]
+
+
+def w4_small(dev, results, budget_s):
+    """Correctness (table path, real shapes, M in W4_SMALL_M, plus group/bits variants) and timing
+    against bf16 cuBLAS and tinygemm, then a sweep whose every config is also checked."""
+    deadline = T0 + budget_s
+    log("w4a16 small-M mode; table:", json.dumps(W4A16_CONFIGS.get("sm90"), default=str)[:400])
+    layer = Layer(dev, fp8=False)
+    ref_w = {name: dequantize_packed(**{k: v for k, v in layer.copies[0][name]["w4"].items()}, dtype=torch.float32)
+             for name in SHAPES}  # [K, N] fp32, exact values of the bf16 (q - z) * s formula up to rounding
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows, worst = [], 0.0
+
+    def check_cfg(M, cfg=None, x=None):
+        errs = []
+        for name, (K, N) in SHAPES.items():
+            xx = x[K] if x is not None else torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
+            w4a16_gemm_triton(xx, **layer.copies[0][name]["w4"], config=cfg, out=y)
+            errs.append(rel_err(y, xx.float() @ ref_w[name]))
+        return max(errs)
+
+    for M in W4_SMALL_M:  # the table path, fresh x each time
+        e = check_cfg(M)
+        rows.append(dict(M=M, err=e))
+        worst = max(worst, e)
+        log(f"  check table path M={M}: worst rel err over the 4 shapes {e:.2e}")
+    K, N = EXTRA_KN
+    extras = []
+    for M in (1, 3, 16, 33):
+        for kw in (dict(gs=32), dict(gs=64), dict(gs=K), dict(gidx=True), dict(bits=8), dict(dtype=torch.float16)):
+            dt = kw.pop("dtype", torch.bfloat16)
+            try:
+                w4 = make_w4(K, N, dev, dtype=dt, **kw)
+                x = torch.randn(M, K, device=dev, dtype=dt)
+                bias = torch.randn(N, device=dev, dtype=dt)
+                y = torch.full((M, N), float("nan"), device=dev, dtype=dt)
+                w4a16_gemm_triton(x, **w4, bias=bias, out=y)
+                ref = x.double() @ dequantize_packed(w4["qweight"], w4["scales"], w4["zeros"], w4["group_size"],
+                                                     w4["bits"], w4["g_idx"], dtype=torch.float64) + bias.double()
+                e = rel_err(y, ref)
+            except Exception as ex:  # noqa: BLE001
+                log(f"  variant {kw} M={M} raised {ex!r:.200}")
+                e = float("inf")
+            extras.append(dict(M=M, **{k: str(v) for k, v in kw.items()}, dtype=str(dt), err=e))
+            worst = max(worst, e)
+    ws, cnt = _utils.splitk_workspace(torch.device(dev), 0, 0)
+    clean = bool((ws == 0).all().item() and (cnt == 0).all().item())
+    results["correctness"] = dict(rows=rows, extras=extras, worst=worst, splitk_workspace_clean=clean)
+    bad = [r for r in extras if not r["err"] < 1e-2]
+    log(f"worst rel err {worst:.2e} (variants: {len(extras)}, failing {bad}); workspace clean {clean}")
+    results["correct"] = worst < 1e-2 and clean
+
+    timing = []
+    cands = {M: w4_small_candidates(M)[: (4 if M in (3, 33) else None)] for M in W4_SMALL_M}
+    for mi, M in enumerate(W4_SMALL_M):
+        left = sum(len(cands[m]) for m in W4_SMALL_M[mi:])
+        m_deadline = time.time() + max(0.0, deadline - time.time()) * len(cands[M]) / max(left, 1)
+        x = {K: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for K in (4096, 14336)}
+        outs = {name: torch.empty(M, N, device=dev, dtype=torch.bfloat16) for name, (K, N) in SHAPES.items()}
+
+        def run(per_linear):
+            def fn():
+                for c in layer.copies:
+                    for name, (K, N) in SHAPES.items():
+                        per_linear(c[name], x[K], outs[name])
+            return fn
+
+        row = {"M": M}
+        for key, f in (("bf16", lambda w, a, o: torch.mm(a, w["w16"].t(), out=o)),
+                       ("tinygemm", lambda w, a, o: torch.ops.aten._weight_int4pack_mm(a, w["tg"][0], GS, w["tg"][1])),
+                       ("w4a16", lambda w, a, o: w4a16_gemm_triton(a, **w["w4"], out=o))):
+            try:
+                row[key] = graph_time(run(f))
+            except Exception as e:  # noqa: BLE001
+                log(f"M={M} {key} failed: {repr(e)[:300]}")
+                row[key] = None
+        log("M=%d " % M + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "M"))
+        row["sweep_w4a16"] = []
+        for cfg in cands[M]:
+            if time.time() > m_deadline:
+                log("  sweep budget spent")
+                break
+            try:
+                e = check_cfg(M, cfg, x)
+                t = graph_time(run(lambda w, a, o, cfg=cfg: w4a16_gemm_triton(a, **w["w4"], config=cfg, out=o)),
+                               target_ms=20)
+            except Exception as ex:  # noqa: BLE001
+                e, t = None, None
+                log(f"  {cfg} failed: {repr(ex)[:300]}")
+            row["sweep_w4a16"].append(dict(cfg=cfg, us=t, err=e))
+            log(f"  M={M} {t if t is None else round(t, 1)} us err {e if e is None else f'{e:.1e}'} {cfg}")
+        ok = [r for r in row["sweep_w4a16"] if r["us"] is not None and r["err"] is not None and r["err"] < 1e-2]
+        if ok:
+            b = min(ok, key=lambda r: r["us"])
+            row["best_sweep"] = b
+            log(f"  best M={M}: {b['us']:.1f} us {b['cfg']}")
+        timing.append(row)
+        results["timing"] = timing
+    return timing
+
+
+def table_w4(timing):
+    lines = ["| M | bf16 cuBLAS | tinygemm | fitllm w4a16 table (x bf16, x tinygemm, % floor) | best swept config (x bf16, % floor) |",
+             "|---|---|---|---|---|"]
+    for r in timing:
+        fl = floors(r["M"])["int4"]
+        b, tg, w = r.get("bf16"), r.get("tinygemm"), r.get("w4a16")
+        best = r.get("best_sweep") or {}
+        bu = best.get("us")
+        lines.append(f"| {r['M']} | {b:.0f} | {tg:.0f} | " if b and tg else f"| {r['M']} | {b} | {tg} | ")
+        lines[-1] += (f"{w:.1f} ({b / w:.2f}x, {tg / w:.2f}x, {100 * fl / w:.0f}%)" if w and b and tg else "-") + " | "
+        lines[-1] += (f"{bu:.1f} ({b / bu:.2f}x, {100 * fl / bu:.0f}%) {best['cfg']['backend']} "
+                      f"BM{best['cfg']['BM']} BN{best['cfg']['BN']} BK{best['cfg']['BK']} w{best['cfg']['num_warps']} "
+                      f"s{best['cfg']['num_stages']} waves{best['cfg']['waves']} "
+                      + " ".join(f"{k}={v}" for k, v in best['cfg'].items() if k in ('SWAP', 'UNPACK', 'SHIFT16'))
+                      if bu and b else "-") + " |"
+    return "\n".join(lines)
+
+
 def w4_candidates(M):
     c = w4cfg
     if M <= 16:
@@ -338,6 +482,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--budget-s", type=float, default=230, help="stop sweeping after this many seconds")
+    ap.add_argument("--w4-small", action="store_true", help="w4a16 small-M mode (see the module docstring)")
     args = ap.parse_args()
     dev = "cuda"
     torch.manual_seed(int(time.time()))
@@ -351,6 +496,15 @@ def main():
     def dump():
         with open(path, "w") as fh:
             json.dump(results, fh, indent=1, default=str)
+
+    if args.w4_small:
+        try:
+            w4_small(dev, results, args.budget_s)
+        finally:
+            results["floors_us"] = {M: round(floors(M)["int4"], 1) for M in W4_SMALL_M}
+            dump()
+        print("\nµs per layer (4 linears), CUDA-graph replay\n" + table_w4(results.get("timing", [])))
+        return
 
     try:
         results["correct"] = check(dev, results)

@@ -173,10 +173,10 @@ def main() -> int:
     print(f"{name}  torch {torch.__version__}", flush=True)
     all_ok = True
     for shape in args.shapes.split(","):
-        print(f"== {shape} (random weights, bf16)", flush=True)
+        print(f"== {shape} (random weights)", flush=True)
         t = time.perf_counter()
         model = random_model(shape, args.device)
-        print(f"    built in {time.perf_counter() - t:.1f}s", flush=True)
+        print(f"    built in {time.perf_counter() - t:.1f}s, {model.dtype}", flush=True)
         all_ok &= run_parity(model, args)
         if not args.skip_speed:
             for graphs in (False, True):

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 VOCAB = 49152
 MAX_LEN = 128
 KEY = "sk-test-0123456789"
+POISON = 666  # a prompt holding this token id fails in the fake engine
 
 
 class FakeEngine:
@@ -75,6 +76,10 @@ class FakeEngine:
             plp = None
             if first and params.prompt_logprobs is not None:
                 plp = [None] + [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in prompt[1:]]
+            if POISON in prompt:  # what LLMEngine reports for NaN/inf logits
+                outs.append(RequestOutput(rid, [], "", True, "error", len(prompt), done, [], None, "NaN logits"))
+                del self.requests[rid]
+                continue
             outs.append(RequestOutput(rid, new, self.tokenizer.decode(new), finished, "length" if finished else None,
                                       len(prompt), done, lp, plp))
             if finished:
@@ -271,12 +276,13 @@ def test_api_key(tokenizer):
         for method, path in [("get", "/v1/models"), ("get", "/metrics"), ("post", "/v1/completions"),
                              ("get", "/openapi.json"), ("get", "/docs"), ("get", "/no/such/route")]:
             assert_openai_error(getattr(c, method)(path), 401, code="invalid_api_key")
-            for header in [f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", KEY, f"bearer {KEY}", ""]:
+            for header in [f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", KEY, f"Basic {KEY}", f"Bearer{KEY}", ""]:
                 assert_openai_error(getattr(c, method)(path, headers={"authorization": header}), 401)
         good = {"authorization": f"Bearer {KEY}"}
         assert c.get("/v1/models", headers=good).status_code == 200
         assert c.post("/v1/completions", json=OK_COMPLETION, headers=good).status_code == 200
         assert c.get("/metrics", headers=good).status_code == 200
+        assert c.get("/v1/models", headers={"authorization": f"bearer {KEY}"}).status_code == 200  # RFC 7235
 
 
 def test_api_key_uses_constant_time_compare(tokenizer, monkeypatch):
@@ -399,3 +405,26 @@ def test_fuzz_openapi_schema_never_5xx(client, openapi, path, schema_name):
     check()
     print(f"{path}: status counts {seen}")
     assert seen.get(200, 0) > 0 and sum(v for k, v in seen.items() if k >= 400) > 0, seen
+
+
+def test_stream_timeout_ends_with_error_event(tokenizer):
+    with make_client(tokenizer, request_timeout=0.4, step_delay=0.05) as c:
+        r = c.post("/v1/completions", json={**OK_COMPLETION, "max_tokens": 100, "stream": True})
+        assert r.status_code == 200  # the headers went out with the first token
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+        assert 1 <= len(events) - 2 < 100
+
+
+def test_engine_error_is_reported_not_propagated(client):
+    import concurrent.futures as cf
+
+    poisoned = {**OK_COMPLETION, "prompt": [1, POISON, 2]}
+    with cf.ThreadPoolExecutor(4) as pool:
+        bad, good, bad_stream = pool.map(lambda b: client.post("/v1/completions", json=b),
+                                         [poisoned, OK_COMPLETION, {**poisoned, "stream": True}])
+    err = assert_openai_error(bad, 500, code="engine_error")
+    assert "NaN" in err["message"]
+    assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
+    assert bad_stream.status_code == 500  # the error came before the first token: a plain HTTP error

@@ -97,11 +97,11 @@ def test_aborts_and_finishes_return_every_block(embedded_model, embedded_tokeniz
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(embedded_model, embedded_tokenizer, prompts):
-    seeded = SamplingParams(max_tokens=5, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     eng = make_engine(embedded_model, embedded_tokenizer)
-    alone = eng.generate([prompts[5]], seeded)[0].new_token_ids
-    others = [SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True) for _ in range(3)]
-    mixed = eng.generate([prompts[7], prompts[5], prompts[13], prompts[14]], [others[0], seeded, others[1], others[2]])
+    alone = eng.generate([prompts[12]], seeded)[0].new_token_ids
+    others = [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True) for _ in range(2)]
+    mixed = eng.generate([prompts[14], prompts[12], prompts[7]], [others[0], seeded, others[1]])
     assert mixed[1].new_token_ids == alone
 
 

@@ -32,6 +32,8 @@ from fitllm.kernels.fp8 import (  # noqa: E402
 )
 from fitllm.kernels.w4a16 import (  # noqa: E402
     _cfg as w4cfg,
+    _gemv,
+    _tc,
     dequantize_packed,
     pack_int,
     unpack_int,
@@ -101,12 +103,17 @@ CASES = [  # (M, K, N, bits, group_size, gidx, dtype)
 CONFIGS = [
     w4cfg(16, 32, 128, True, 4, 2, waves=4),  # split-j unpack, split-K serial reduction
     w4cfg(16, 32, 64, False, 4, 2, waves=0),  # full-tile unpack, one program per tile
+    _gemv(32, 128, 4, waves=4),  # CUDA-core GEMV (SHIFT16 fields), split-K, blocks of 4 rows
+    _tc(16, 32, 128, 4, 2, waves=4, swap=True, unpack=2),  # tensor-core tile, 16-bit magic, swapped
 ]
+IDS = ["splitj-splitk", "full", "gemv", "tc-swap-magic16"]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["splitj-splitk", "full"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("M,K,N,bits,gs,gidx,dtype", CASES)
 def test_w4a16_triton_vs_float64(cfg, M, K, N, bits, gs, gidx, dtype):
+    if cfg["backend"] == "gemv" and M > 8:
+        pytest.skip("GEMV is for tiny M (the interpreter is slow on many row blocks)")
     _, w = rand_w4(K, N, bits, gs, gidx, dtype)
     x = torch.randn(M, K, generator=GEN).to(dtype)
     bias = torch.randn(N, generator=GEN).to(dtype) if M % 2 else None
@@ -118,6 +125,27 @@ def test_w4a16_triton_vs_float64(cfg, M, K, N, bits, gs, gidx, dtype):
     assert rel_err(y, ref) < 1e-2
     ws, cnt = _utils.splitk_workspace(torch.device("cpu"), 0, 0)
     assert not ws.any() and not cnt.any(), "split-K workspace must be left zeroed"
+
+
+SMALL_M_VARIANTS = [  # the remaining unpack variants of the small-M kernels, odd M, K tail, groups
+    _gemv(32, 64, 4, waves=0, shift16=False),
+    _tc(16, 32, 64, 4, 2, waves=4, unpack=0),
+    _tc(16, 32, 128, 4, 2, waves=0, swap=True, unpack=1),
+    _tc(16, 32, 64, 4, 2, waves=0, unpack=3),  # 16-bit magic with interleaved K order, no split
+]
+
+
+@pytest.mark.parametrize("cfg", SMALL_M_VARIANTS, ids=["gemv-plain", "tc-fp32trick", "tc-shift16", "tc-interleave"])
+@pytest.mark.parametrize("M,K,gs", [(3, 576, 64), (2, 256, 128), (5, 576, 576)])
+def test_w4a16_small_m_variants(cfg, M, K, gs):
+    _, w = rand_w4(K, 48, 4, gs)
+    x = torch.randn(M, K, generator=GEN).to(torch.bfloat16)
+    ref = x.double() @ dequantize_packed(**w, dtype=torch.float64)
+    y = torch.full((M, 48), float("nan"), dtype=torch.bfloat16)
+    w4a16_gemm_triton(x, **w, config=cfg, out=y)
+    assert rel_err(y, ref) < 1e-2
+    ws, cnt = _utils.splitk_workspace(torch.device("cpu"), 0, 0)
+    assert not ws.any() and not cnt.any()
 
 
 def test_w4a16_dequant_backend():

@@ -81,3 +81,15 @@ def test_compressed_tensors_fp8_round_trip():
     back = compressed_tensors.read(compressed_tensors.write(f), group, torch.float32)
     assert torch.equal(back.dequantize(), f.dequantize())
     assert (f.dequantize() - w).abs().max() / w.abs().max() < 0.07
+
+
+def test_kernel_layout_matches_kernels_module():
+    """fitllm's repack target is exactly what fitllm.kernels.w4a16 consumes."""
+    w4a16 = __import__("pytest").importorskip("fitllm.kernels.w4a16")
+    torch.manual_seed(2)
+    qw = rtn_quantize(torch.randn(16, 64), QuantScheme("rtn", group_size=32))
+    kw = to_kernel(qw)
+    assert torch.equal(kw.qweight, w4a16.pack_int(qw.q.t().int(), 4))
+    x = torch.randn(3, 64)
+    ref = x @ qw.dequantize().t()
+    assert torch.allclose(w4a16.w4a16_gemm(x, kw.qweight, kw.scales, kw.zeros, kw.group_size), ref, atol=1e-5)

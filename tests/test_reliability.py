@@ -69,7 +69,7 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: dict
     if chat:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": f"Say {rng.randint(0, 99)}"}]
     else:
-        path, body["prompt"] = "/v1/completions", [rng.randrange(100, 40000) for _ in range(rng.randint(2, 6))]
+        path, body["prompt"] = "/v1/completions", [rng.randrange(100, 40000) for _ in range(rng.randint(1, 4))]
     cancel = rng.random() < 0.25
     try:
         if body["stream"]:

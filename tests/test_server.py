@@ -38,7 +38,10 @@ class LiveServer:
         cmd = [sys.executable, "-m", "fitllm.cli.main", "serve", "--port", str(self.port), *options]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        # One torch thread by default: the test process runs beside it on 2 cores, and torch's
+        # OpenMP threads slow down several-fold when they must share cores with other work.
+        threads = os.environ.get("FITLLM_TEST_SERVER_THREADS", "1")
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": threads}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      cwd=Path(__file__).resolve().parents[1])
         self._wait_healthy(startup_timeout)
@@ -113,6 +116,15 @@ def server():
     s = LiveServer(*SERVER_OPTIONS, api_key=KEY)
     yield s
     assert s.stop() in (0, -signal.SIGTERM), s.output()  # uvicorn re-raises SIGTERM after a clean drain
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The reference model runs here while the server computes: keep to one core each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ def eval_command(
     tasks: Optional[str] = typer.Option(None, "--tasks", help=TASKS_HELP),
     text: Optional[Path] = typer.Option(None, "--text", help="Perplexity on any UTF-8 plain-text file."),
     limit: Optional[int] = typer.Option(None, "--limit", help="First N windows / questions / prompts per task."),
-    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype for candidates: auto | fp8 | int8 | int4"),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV cache dtype for candidates: auto | fp8 | int8 | int4 (also bf16, fp16, fp32)"),
     ctx: int = typer.Option(512, "--ctx", help="Perplexity window length in tokens."),
     stride: Optional[int] = typer.Option(None, "--stride", help="Sliding-window stride (default: ctx, no overlap)."),
     data_dir: Optional[List[Path]] = typer.Option(

@@ -17,7 +17,8 @@ import torch
 
 from fitllm.evals import stats
 from fitllm.evals.data import ALL_TASKS, MC_TASKS, DataError, load_task, load_text
-from fitllm.evals.runner import EvalError, LoadedModel, ModelSpec, Scorer, disk_bytes, load_for_eval, weight_bytes
+from fitllm.evals.runner import (EvalError, LoadedModel, ModelSpec, Scorer, cache_kwargs, disk_bytes, load_for_eval,
+                                 weight_bytes)
 from fitllm.evals.tasks import (DEFAULT_PROMPTS, generation_agreement, greedy_generations, lambada, make_windows,
                                 multiple_choice, perplexity)
 
@@ -80,21 +81,22 @@ def run_ab(base: ModelSpec, candidates: list[ModelSpec], settings: EvalSettings,
     for k, spec in enumerate(specs):
         loaded = _load(spec, settings, loaded_cache)
         t0 = time.time()
-        scorer = Scorer(loaded.model, spec.kv_dtype, settings.max_batch_tokens,
+        scorer = Scorer(loaded.model, cache_kwargs(loaded, spec.kv_dtype), settings.max_batch_tokens,
                         max(settings.ctx, settings.max_len))
-        out, tokens = {}, 0
+        out, task_seconds, ppl_rate = {}, {}, {}
         base_out = results.get(specs[0].name)
         for task, items in data.items():
             desc = f"{spec.name} · {task}"
+            t_task = time.time()
             if isinstance(items, str):
-                ids = loaded.tokenizer.encode(items, add_special_tokens=False)
+                ids = _tokenize(loaded.tokenizer, items, settings)
                 windows = make_windows(len(ids), settings.ctx, settings.stride)[: settings.limit or None]
                 ref = base_out[task] if base_out and base_out[task]["ids_hash"] == hash(tuple(ids)) else None
                 res = perplexity(scorer, ids, windows, keep_tokens=settings.kl_tokens if k == 0 else 0,
                                  reference=ref["result"] if ref else None,
                                  advance=bars.start(desc, sum(e - b for b, e, _ in windows)))
                 out[task] = {"result": res, "ids_hash": hash(tuple(ids))}
-                tokens += int(sum(e - b for b, e, _ in windows))
+                ppl_rate[task] = sum(e - b for b, e, _ in windows) / max(time.time() - t_task, 1e-9)
             elif task == "lambada":
                 out[task] = {"result": lambada(scorer, loaded.tokenizer, items, settings.max_len,
                                                bars.start(desc, len(items)))}
@@ -102,14 +104,19 @@ def run_ab(base: ModelSpec, candidates: list[ModelSpec], settings: EvalSettings,
                 n = sum(len(ex.choices) for ex in items)
                 out[task] = {"result": multiple_choice(scorer, loaded.tokenizer, items, settings.max_len,
                                                        bars.start(desc, n))}
+            task_seconds[task] = round(time.time() - t_task, 2)
         if len(specs) > 1 and prompts:
+            t_task = time.time()
             out["generation"] = greedy_generations(loaded.model, loaded.tokenizer, prompts, settings.gen_tokens, scorer)
+            task_seconds["generation"] = round(time.time() - t_task, 2)
         seconds = time.time() - t0
         model_info.append({
             "name": spec.name, "path": str(loaded.folder) if loaded.folder else None, "kv_dtype": spec.kv_dtype,
             "method": loaded.method, "disk_bytes": disk_bytes(loaded.folder),
             "weight_bytes": weight_bytes(loaded.model), "kv_bytes_per_token": scorer.kv_bytes_per_token,
-            "eval_seconds": round(seconds, 2), "ppl_tokens_per_second": round(tokens / seconds, 1) if tokens else None,
+            "eval_seconds": round(seconds, 2), "task_seconds": task_seconds,
+            # Tokens read per second by the perplexity windows (on any device: the CPU's speed too).
+            "ppl_tokens_per_second": {t: round(r, 1) for t, r in ppl_rate.items()},
             "speed": measure_speed(loaded.model, scorer) if str(settings.device).startswith("cuda") else None,
         })
         results[spec.name] = out
@@ -124,6 +131,18 @@ def run_ab(base: ModelSpec, candidates: list[ModelSpec], settings: EvalSettings,
         if isinstance(data[task], str):
             base_kept[task]["result"].kept = []
     return build_report(specs, results, model_info, data, settings, time.time() - started)
+
+
+def _tokenize(tokenizer, text: str, settings: EvalSettings) -> list[int]:
+    """Token ids of `text`; with --limit only a prefix long enough for the windows used. BPE
+    tokenization is local (pre-tokenized at whitespace), so the prefix's ids equal the full text's
+    except at the cut, which the margin keeps past the last window."""
+    if settings.limit:
+        needed = (settings.limit - 1) * (settings.stride or settings.ctx) + settings.ctx + 64
+        ids = tokenizer.encode(text[: needed * 16], add_special_tokens=False)
+        if len(ids) >= needed or needed * 16 >= len(text):
+            return ids[: needed - 64] if len(ids) >= needed else ids
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _unique_names(specs: list[ModelSpec]) -> list[ModelSpec]:

@@ -103,12 +103,13 @@ def to_markdown(r: dict) -> str:
         rows.append([m["name"], m["method"], m["kv_dtype"], _bytes(m["disk_bytes"]), _bytes(m["weight_bytes"]),
                      _bytes(m["kv_bytes_per_token"]),
                      str(speed.get("prefill_tokens_per_s", "—")), str(speed.get("decode_tokens_per_s_batch1", "—")),
-                     str(speed.get("decode_tokens_per_s_batch16", "—")), f"{m['eval_seconds']:.1f}"])
+                     str(speed.get("decode_tokens_per_s_batch16", "—")),
+                     str(next(iter((m.get("ppl_tokens_per_second") or {}).values()), "—")), f"{m['eval_seconds']:.1f}"])
     out.append("## Cost\n\n" + _table(
         ["model", "weights", "KV", "disk", "weight memory", "KV bytes/token", "prefill tok/s", "decode tok/s (b=1)",
-         "decode tok/s (b=16)", "eval s"], rows, ["---", "---", "---"] + ["---:"] * 7))
-    if not any(m.get("speed") for m in r["models"]):
-        out.append("Speed columns are measured only on a GPU.\n")
+         "decode tok/s (b=16)", "ppl tok/s", "eval s"], rows, ["---", "---", "---"] + ["---:"] * 8))
+    out.append("prefill/decode: eager-mode GPU measurements (only when a GPU is present); ppl tok/s: tokens read "
+               "per second by the perplexity pass on this run's device; eval s: wall time of all tasks.\n")
     out.append(f"\nTotal time {r['elapsed_seconds']:.0f} s, {r['created']}.\n")
     return "\n".join(out)
 

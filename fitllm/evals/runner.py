@@ -8,6 +8,7 @@ KV cache is part of what is measured.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -19,10 +20,11 @@ import torch
 from fitllm.models.errors import FitLLMError
 from fitllm.models.generate import forward_tokens, make_cache
 from fitllm.models.hub import resolve_model
+from fitllm.models.kv_cache import PagedKVCache
 from fitllm.models.loader import default_dtype, load_model
 from fitllm.models.tokenizer import load_tokenizer
 
-KV_DTYPES = ("auto", "fp8", "int8", "int4")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "int4")
 
 
 class EvalError(FitLLMError):
@@ -46,7 +48,7 @@ def parse_spec(text: Optional[str], base: Optional["ModelSpec"] = None, default_
     for opt in filter(None, opts.split(",")):
         key, _, value = opt.partition("=")
         if key != "kv":
-            raise EvalError(f"{text}: unknown option {key!r} after '@' (supported: kv=auto|fp8|int8|int4)")
+            raise EvalError(f"{text}: unknown option {key!r} after '@' (supported: kv=DTYPE, one of {'/'.join(KV_DTYPES)})")
         kv = value
     if kv not in KV_DTYPES:
         raise EvalError(f"{text}: kv dtype {kv!r} is not one of {', '.join(KV_DTYPES)}")
@@ -68,6 +70,26 @@ class LoadedModel:
     tokenizer: object
     folder: Optional[Path]
     method: str  # "dense" or the checkpoint's quantization method
+    kv_calibration: object = None  # computed once, shared by every quantized-KV variant
+
+
+def cache_kwargs(loaded: LoadedModel, kv_dtype: str) -> dict:
+    """PagedKVCache options for `kv_dtype`. fp8 and int4 need per-channel K/V statistics: computed
+    here once per model with the cache's own data-free default (text the model samples itself), so
+    the eval never sees its test text during calibration."""
+    if kv_dtype == "auto":
+        return {}
+    params = inspect.signature(PagedKVCache).parameters
+    if "kv_dtype" not in params:
+        raise EvalError(f"kv dtype {kv_dtype!r}: this fitllm build's KV cache has no kv_dtype option yet")
+    kwargs = {"kv_dtype": kv_dtype}
+    if kv_dtype in ("fp8", "int4") and "calibration" in params:
+        if loaded.kv_calibration is None:
+            from fitllm.models.kv_cache import calibrate_kv_scales
+
+            loaded.kv_calibration = calibrate_kv_scales(loaded.model)
+        kwargs["calibration"] = loaded.kv_calibration
+    return kwargs
 
 
 def load_for_eval(path: Optional[str], device: str, dtype: Optional[torch.dtype] = None) -> LoadedModel:
@@ -98,22 +120,16 @@ class Scorer:
     and reused: each step overwrites the slots it uses, and attention reads only up to seq_len.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_dtype: str = "auto", max_batch_tokens: int = 4096,
+    def __init__(self, model: torch.nn.Module, cache_options: Optional[dict] = None, max_batch_tokens: int = 4096,
                  max_seq_len: int = 2048, block_size: int = 16):
-        self.model, self.kv_dtype, self.block_size = model, kv_dtype, block_size
+        self.model, self.cache_options, self.block_size = model, dict(cache_options or {}), block_size
         self.max_batch_tokens = max(max_batch_tokens, max_seq_len)
         # One extra block per sequence covers rounding; 64 sequences per step is plenty.
         self.max_seqs = 64
         self.cache = self.new_cache(self.max_batch_tokens + self.max_seqs * block_size, 1)
 
     def new_cache(self, max_tokens: int, num_seqs: int):
-        kwargs = {} if self.kv_dtype == "auto" else {"kv_dtype": self.kv_dtype}
-        try:
-            return make_cache(self.model, max_tokens, num_seqs=num_seqs, block_size=self.block_size, **kwargs)
-        except TypeError as exc:
-            if "kv_dtype" in str(exc):
-                raise EvalError(f"kv dtype {self.kv_dtype!r}: this fitllm build's KV cache has no kv_dtype option yet") from None
-            raise
+        return make_cache(self.model, max_tokens, num_seqs=num_seqs, block_size=self.block_size, **self.cache_options)
 
     @property
     def kv_bytes_per_token(self) -> int:

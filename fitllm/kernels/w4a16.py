@@ -247,7 +247,7 @@ if triton is not None:
     # and x by its inverse (all exact), which saves a shift on most elements.
 
     @triton.jit
-    def _unpack_minus_zero(qw, z, BITS: tl.constexpr, SHIFT16: tl.constexpr):
+    def _unpack_minus_zero(qw, z, MAGIC, BITS: tl.constexpr, SHIFT16: tl.constexpr):
         """qw int32 [R, BN], z fp32 [BN] -> (f fp32 [R, PACK, BN] with f = (q - z) * up[i], up[i])."""
         PACK: tl.constexpr = 32 // BITS
         HALF: tl.constexpr = PACK // 2
@@ -258,11 +258,11 @@ if triton is not None:
             sh = (i // HALF) * 16
             msk = QMASK << lsh
             up = (1 << lsh).to(tl.float32)
-            w = ((qw[:, None, :] >> sh[None, :, None]) & msk[None, :, None]) | 0x4B000000
+            w = ((qw[:, None, :] >> sh[None, :, None]) & msk[None, :, None]) | MAGIC
             zc = z[None, :] * up[:, None] + 8388608.0  # exact: z * 2**lsh < 2**20
         else:
             up = tl.full((PACK,), 1.0, tl.float32)
-            w = ((qw[:, None, :] >> (BITS * i)[None, :, None]) & QMASK) | 0x4B000000
+            w = ((qw[:, None, :] >> (BITS * i)[None, :, None]) & QMASK) | MAGIC
             zc = tl.broadcast_to(z[None, :] + 8388608.0, (PACK, z.shape[0]))
         f = w.to(tl.float32, bitcast=True) - zc[None, :, :]
         return f, up
@@ -292,19 +292,19 @@ if triton is not None:
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _gemv_rows(xj_ptr, m_off, ok, f, t, INV: tl.constexpr, ROW_OK: tl.constexpr):
-        """t += x[m, k(r, j)] * INV (as [BKP, 1]) * f for one row m of x (no-op for padding rows)."""
+    def _gemv_rows(xj_ptr, m_off, ok, f, t, LSH: tl.constexpr, ROW_OK: tl.constexpr):
+        """t += x[m, k(r, j)] * 2**-LSH (as [BKP, 1]) * f for one row m of x (no-op for padding rows)."""
         if ROW_OK:
             xj = tl.load(xj_ptr + m_off, mask=ok, other=0.0).to(tl.float32)
-            if INV != 1.0:
-                xj = xj * INV
+            if LSH > 0:
+                xj = xj * (1.0 / (1 << LSH))
             t += xj[:, None] * f
         return t
 
     @triton.jit
     def _w4a16_gemv_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-        M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT,
+        M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC,
         BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_WS: tl.constexpr, SHIFT16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):
@@ -351,19 +351,17 @@ if triton is not None:
             for j in tl.static_range(PACK):
                 if SHIFT16:  # field j stays at bit BITS*(j % HALF) of the low/high half: one shift per word
                     src = qw if j < HALF else qhi
-                    wj = (src & (QMASK << (BITS * (j % HALF)))) | 0x4B000000
+                    wj = (src & (QMASK << (BITS * (j % HALF)))) | MAGIC
                     zj = z * (1 << (BITS * (j % HALF))) + 8388608.0
-                    INV: tl.constexpr = 1.0 / (1 << (BITS * (j % HALF)))
                 else:
-                    INV: tl.constexpr = 1.0
-                    wj = ((qw >> (BITS * j)) & QMASK) | 0x4B000000
+                    wj = ((qw >> (BITS * j)) & QMASK) | MAGIC
                     zj = z + 8388608.0
                 f = wj.to(tl.float32, bitcast=True) - zj[None, :]  # (q - z) * 2**(BITS*(j % HALF)), exact
                 xj_ptr = x_ptr + m0 * stride_xm + offs_r * PACK + j
-                t0 = _gemv_rows(xj_ptr, 0, r_mask & (m0 < M), f, t0, INV, True)
-                t1 = _gemv_rows(xj_ptr, stride_xm, r_mask & (m0 + 1 < M), f, t1, INV, BM > 1)
-                t2 = _gemv_rows(xj_ptr, 2 * stride_xm, r_mask & (m0 + 2 < M), f, t2, INV, BM > 2)
-                t3 = _gemv_rows(xj_ptr, 3 * stride_xm, r_mask & (m0 + 3 < M), f, t3, INV, BM > 3)
+                t0 = _gemv_rows(xj_ptr, 0, r_mask & (m0 < M), f, t0, BITS * (j % HALF) * SHIFT16, True)
+                t1 = _gemv_rows(xj_ptr, stride_xm, r_mask & (m0 + 1 < M), f, t1, BITS * (j % HALF) * SHIFT16, BM > 1)
+                t2 = _gemv_rows(xj_ptr, 2 * stride_xm, r_mask & (m0 + 2 < M), f, t2, BITS * (j % HALF) * SHIFT16, BM > 2)
+                t3 = _gemv_rows(xj_ptr, 3 * stride_xm, r_mask & (m0 + 3 < M), f, t3, BITS * (j % HALF) * SHIFT16, BM > 3)
             if PER_CHANNEL:
                 acc0 += t0
                 if BM > 1:
@@ -393,20 +391,46 @@ if triton is not None:
                     pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
 
     @triton.jit
+    def _unpack_pairs16(qw, MAGIC2, BITS: tl.constexpr, DT: tl.constexpr, INTERLEAVE: tl.constexpr):
+        """qw int32 [R, BN] -> [R * PACK, BN] in DT holding MAGICF + q exactly (MAGICF = 128 for
+        bf16, 1024 for fp16): one shift and one AND|OR per PAIR of fields (fields i and i + PACK/2
+        land in the two 16-bit halves of one word, each with the 16-bit float's magic exponent)."""
+        PACK: tl.constexpr = 32 // BITS
+        HALFP: tl.constexpr = PACK // 2
+        QMASK: tl.constexpr = (1 << BITS) - 1
+        PAIRMASK: tl.constexpr = QMASK | (QMASK << 16)
+        i = tl.arange(0, HALFP)
+        v = ((qw[:, None, :] >> (BITS * i)[None, :, None]) & PAIRMASK) | MAGIC2
+        lo = v.to(tl.int16).to(DT, bitcast=True)  # fields i
+        hi = (v >> 16).to(tl.int16).to(DT, bitcast=True)  # fields i + HALFP
+        w4 = tl.join(lo, hi)  # [R, HALFP, BN, 2]
+        if INTERLEAVE:  # tile row r * PACK + 2 * i + h holds field i + h * HALFP: the two halves of
+            # one word stay neighbours (one 32-bit register of the dot operand); x is permuted to match
+            w4 = tl.permute(w4, (0, 1, 3, 2))  # [R, HALFP, 2, BN]
+        else:
+            w4 = tl.permute(w4, (0, 3, 1, 2))  # [R, 2, HALFP, BN]: field h * HALFP + i
+        return tl.reshape(w4, (qw.shape[0] * PACK, qw.shape[1]))
+
+    @triton.jit
     def _w4a16_tc_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-        M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT,
+        M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC, MAGIC2, MAGICF,
         BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-        USE_WS: tl.constexpr, SHIFT16: tl.constexpr, SWAP: tl.constexpr,
+        USE_WS: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """Tensor-core tile for small/medium M: the whole [BK, BN] weight tile is unpacked in
-        registers to the exact integers (q - z) (times a power of two with SHIFT16) in the
-        activation dtype, one dot per K tile, the group scale applied to the [BM, BN] result.
+        registers, one dot per K tile, the group scale applied to the [BM, BN] result. UNPACK:
+          0: (q - z) via the fp32 2**23 trick, rounded (exactly) to the activation dtype;
+          1: the same with SHIFT16 (x scaled by powers of two; bf16 only);
+          2: MAGICF + q straight in the 16-bit dtype (two fields per shift and AND|OR), the
+             MAGICF + z part removed from the [BM, BN] result with the row sums of x;
+          3: as 2 with the tile's K order interleaved so each word's two halves are neighbours
+             (x is gathered in the same order).
         SWAP computes the transposed tile (weights on the dot's wide M side, tokens on N)."""
         PACK: tl.constexpr = 32 // BITS
         BKP: tl.constexpr = BK // PACK
-        DT = x_ptr.dtype.element_ty
+        DT: tl.constexpr = x_ptr.dtype.element_ty
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_pid_m = tl.cdiv(M, BM)
@@ -419,9 +443,13 @@ if triton is not None:
         offs_r0 = tl.arange(0, BKP)
         offs_k0 = tl.arange(0, BK)
         KP = K // PACK
-        if SHIFT16:  # x is scaled by 2**-(bits * (k % (pack/2))) to undo the unshifted fields
-            HALF: tl.constexpr = PACK // 2
+        HALF: tl.constexpr = PACK // 2
+        if UNPACK == 1:  # x is scaled by 2**-(bits * (k % (pack/2))) to undo the unshifted fields
             x_fac = 1.0 / (1 << (BITS * (offs_k0 % HALF))).to(tl.float32)
+        if UNPACK == 3:  # tile row kk holds field (kk % PACK) // 2 + HALF * (kk % 2) of word kk // PACK
+            offs_kx0 = (offs_k0 // PACK) * PACK + (offs_k0 % PACK) // 2 + HALF * (offs_k0 % 2)
+        else:
+            offs_kx0 = offs_k0
         if PER_CHANNEL:
             z = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if SWAP:
@@ -438,16 +466,22 @@ if triton is not None:
                 g = tl.minimum((kt * BK) // GROUP_SIZE, K // GROUP_SIZE - 1)
                 z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                 s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            f, up = _unpack_minus_zero(qw, z, BITS, SHIFT16)
-            w = tl.reshape(f.to(DT), (BK, BN))
-            offs_k = kt * BK + offs_k0
+            if UNPACK >= 2:
+                w = _unpack_pairs16(qw, MAGIC2, BITS, DT, UNPACK == 3)
+            else:
+                f, up = _unpack_minus_zero(qw, z, MAGIC, BITS, UNPACK == 1)
+                w = tl.reshape(f.to(DT), (BK, BN))
+            offs_k = kt * BK + offs_kx0
             k_mask = offs_k < K
             if SWAP:
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
                              mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-                if SHIFT16:
+                if UNPACK == 1:
                     xt = (xt.to(tl.float32) * x_fac[:, None]).to(DT)
                 part = _dot(tl.trans(w), xt, tl.zeros((BN, BM), dtype=tl.float32), UPCAST)
+                if UNPACK >= 2:
+                    xsum = tl.sum(xt.to(tl.float32), axis=0)
+                    part -= (z + MAGICF)[:, None] * xsum[None, :]
                 if PER_CHANNEL:
                     acc += part
                 else:
@@ -455,9 +489,12 @@ if triton is not None:
             else:
                 xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                              mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                if SHIFT16:
+                if UNPACK == 1:
                     xt = (xt.to(tl.float32) * x_fac[None, :]).to(DT)
                 part = _dot(xt, w, tl.zeros((BM, BN), dtype=tl.float32), UPCAST)
+                if UNPACK >= 2:
+                    xsum = tl.sum(xt.to(tl.float32), axis=1)
+                    part -= xsum[:, None] * (z + MAGICF)[None, :]
                 if PER_CHANNEL:
                     acc += part
                 else:
@@ -469,7 +506,6 @@ if triton is not None:
         _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     pid_mn, SPLIT, HAS_BIAS, USE_WS)
 
-
 # --------------------------------------------------------------------------- configs and dispatch
 
 def _cfg(bm, bn, bk, split_j, warps, stages, waves=0.0, backend="triton", **extra):
@@ -477,14 +513,15 @@ def _cfg(bm, bn, bk, split_j, warps, stages, waves=0.0, backend="triton", **extr
                 backend=backend, **extra)
 
 
-def _gemv(bn, bk, warps, stages=1, waves=4.0, shift16=True, bm=8):
+def _gemv(bn, bk, warps, stages=1, waves=4.0, shift16=True, bm=4):
     """CUDA-core GEMV (tiny M); bm = most rows of x per program (M is split into blocks beyond)."""
     return _cfg(bm, bn, bk, False, warps, stages, waves, "gemv", SHIFT16=shift16)
 
 
-def _tc(bm, bn, bk, warps, stages, waves=0.0, swap=False, shift16=True):
-    """Tensor-core tile with the full [BK, BN] weight tile unpacked in registers, one dot per K tile."""
-    return _cfg(bm, bn, bk, False, warps, stages, waves, "tc", SWAP=swap, SHIFT16=shift16)
+def _tc(bm, bn, bk, warps, stages, waves=0.0, swap=False, unpack=2):
+    """Tensor-core tile with the full [BK, BN] weight tile unpacked in registers, one dot per K tile.
+    unpack: 0 fp32 trick, 1 fp32 trick + SHIFT16, 2 16-bit magic pairs (see _w4a16_tc_kernel)."""
+    return _cfg(bm, bn, bk, False, warps, stages, waves, "tc", SWAP=swap, UNPACK=unpack)
 
 
 # Tile configs per GPU generation, rows (max M, config), first match wins. 'waves' sets split-K
@@ -493,15 +530,18 @@ def _tc(bm, bn, bk, warps, stages, waves=0.0, swap=False, shift16=True):
 # LEGACY rows (split-j kernel for small M, dequant + cuBLAS beyond). 'default' is a safe guess for
 # other cards and the interpreter.
 W4A16_CONFIGS = {
+    # H200 sweep 2026-11-29 (small-M follow-up, benchmarks/RESULTS.md), µs per Llama-3-8B layer:
+    # M=1 GEMV 85 (tc 126-137); M=16 tc swap/magic16 128 (split-j 213); M=33 214 and M=64 195 with
+    # BM64 tc (dequant + cuBLAS 351; BM32 tiles 690). The tc kernel does the same work for every
+    # M <= 16, so 2..16 use it (GEMV with 4 rows measured 173-212 at M=3).
     "sm90": [
-        (4, _gemv(128, 128, 4, 1, waves=4)),
-        (16, _tc(16, 64, 128, 4, 3, waves=4)),
-        (32, _tc(32, 64, 128, 4, 3, waves=2)),
-        (64, _tc(64, 64, 128, 4, 3, waves=2)),
+        (1, _gemv(128, 128, 4, 1, waves=4)),
+        (16, _tc(16, 64, 128, 4, 3, waves=4, swap=True, unpack=2)),
+        (64, _tc(64, 64, 128, 4, 3, waves=2, unpack=2)),
         (1 << 62, _cfg(128, 128, 64, False, 8, 4, backend="dequant")),
     ],
     "default": [
-        (4, _gemv(64, 128, 4, 1, waves=4)),
+        (1, _gemv(64, 128, 4, 1, waves=4)),
         (64, _tc(16, 64, 64, 4, 2, waves=2)),
         (1 << 62, _cfg(64, 64, 64, False, 4, 2)),
     ],
@@ -536,6 +576,11 @@ def _check(x, qweight, scales, zeros, group_size, bits, g_idx):
         raise ValueError("g_idx must be [K]")
 
 
+# 0x4B000000 (2**23) as a runtime argument: as an immediate, ptxas cannot merge `(w & mask) | 2**23`
+# into one LOP3 (one immediate slot); from a register it can.
+_MAGIC = 0x4B000000
+
+
 def _small_m_block_k(cfg, kind, x, K, group_size, num_groups, bits, g_idx):
     """BK for the gemv/tc kernels (one group per K tile), or None where they do not apply."""
     pack = 32 // bits
@@ -561,7 +606,7 @@ def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bia
     if bk is None:
         return False
     BN = cfg["BN"]
-    BM = min(triton.next_power_of_2(M), cfg["BM"] or 8) if kind == "gemv" else cfg["BM"]
+    BM = min(triton.next_power_of_2(M), cfg["BM"] or 4, 4) if kind == "gemv" else cfg["BM"]
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
     tiles_mn = m_blocks * n_blocks
     k_tiles = triton.cdiv(K, bk)
@@ -571,14 +616,19 @@ def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bia
     use_ws = split > 1
     ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if use_ws else (y, y)
     args = (x, qweight, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
-            M, N, K, x.stride(0), y.stride(0), k_iters, split)
+            M, N, K, x.stride(0), y.stride(0), k_iters, split, _MAGIC)
     common = dict(BITS=bits, GROUP_SIZE=group_size, PER_CHANNEL=num_groups == 1, HAS_BIAS=bias is not None,
                   USE_WS=use_ws, BM=BM, BN=BN, BK=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if kind == "gemv":
         _w4a16_gemv_kernel[(n_blocks, split, m_blocks)](*args, SHIFT16=cfg.get("SHIFT16", True), **common)
     else:
-        shift16 = cfg.get("SHIFT16", True) and x.dtype == torch.bfloat16  # fp16 x * 2**-12 could go subnormal
-        _w4a16_tc_kernel[(tiles_mn, split)](*args, SHIFT16=shift16, SWAP=cfg.get("SWAP", False),
+        unpack = cfg.get("UNPACK", 2)
+        if unpack == 1 and x.dtype != torch.bfloat16:  # fp16 x * 2**-12 could go subnormal
+            unpack = 0
+        if unpack >= 2 and x.dtype == torch.bfloat16 and bits == 8:  # 128 + q is exact only for q < 128
+            unpack = 0
+        magic2, magicf = (0x43004300, 128.0) if x.dtype == torch.bfloat16 else (0x64006400, 1024.0)
+        _w4a16_tc_kernel[(tiles_mn, split)](*args, magic2, magicf, UNPACK=unpack, SWAP=cfg.get("SWAP", False),
                                             UPCAST=interpreting(), **common)
     return True
 

@@ -65,47 +65,274 @@ class AttentionMetadata:
         )
 
 
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "int4")
+_FLOAT_KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class KVCalibration:
+    """Per-channel statistics of every layer's keys and values (after RoPE): [L, kv_heads, D] each.
+    From them the cache derives fp8 scales and the smoothing of keys/values (see PagedKVCache)."""
+
+    k_mean: torch.Tensor
+    k_min: torch.Tensor
+    k_max: torch.Tensor
+    v_mean: torch.Tensor
+    v_min: torch.Tensor
+    v_max: torch.Tensor
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_state_dict(cls, d: dict) -> "KVCalibration":
+        return cls(**{k: d[k].float().cpu() for k in ("k_mean", "k_min", "k_max", "v_mean", "v_min", "v_max")})
+
+    @classmethod
+    def from_scales(cls, k_scales, v_scales, num_kv_heads: int, head_dim: int) -> "KVCalibration":
+        """From a checkpoint's fp8 scales (vLLM's k_scale/v_scale: amax / 448, one per layer or per
+        layer and head). No means: keys and values are then stored unsmoothed."""
+        def bounds(s):
+            s = torch.as_tensor(s, dtype=torch.float32).reshape(len(s), -1)
+            return (s * 448.0).expand(-1, num_kv_heads)[..., None].expand(-1, -1, head_dim).contiguous()
+        ka, va = bounds(k_scales), bounds(v_scales)
+        zero = torch.zeros_like(ka)
+        return cls(zero, -ka, ka, zero.clone(), -va, va)
+
+
+class _Stats:
+    """A NoCacheContext that records per-channel K/V statistics on the way."""
+
+    def __init__(self, inner: "NoCacheContext", store: dict):
+        self.inner, self.store = inner, store
+
+    def attend(self, layer, q, k, v, scale):
+        s = self.store.setdefault(layer, {"n": 0})
+        for name, x in (("k", k), ("v", v)):
+            x = x.double()
+            s[name + "_sum"] = s.get(name + "_sum", 0) + x.sum(0)
+            lo, hi = x.amin(0), x.amax(0)
+            s[name + "_min"] = torch.minimum(s[name + "_min"], lo) if name + "_min" in s else lo
+            s[name + "_max"] = torch.maximum(s[name + "_max"], hi) if name + "_max" in s else hi
+        s["n"] += k.shape[0]
+        return self.inner.attend(layer, q, k, v, scale)
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(model, token_batches: Optional[list[list[int]]] = None) -> KVCalibration:
+    """Run token sequences through the model and record each layer's per-channel key/value mean,
+    min and max. A few thousand tokens of ordinary text suffice. Without `token_batches` the model
+    samples its own text from BOS (data-free; real text from the target domain is better)."""
+    if token_batches is None:
+        token_batches = _self_generated(model)
+    store: dict = {}
+    for ids in token_batches:
+        t = torch.tensor(ids, dtype=torch.long, device=model.device)
+        model(t, torch.arange(len(ids), device=model.device), _Stats(NoCacheContext([len(ids)]), store))
+    layers = [store[i] for i in range(model.config.num_layers)]
+
+    def stack(key, fn=lambda s, x: x):
+        return torch.stack([fn(s, s[key]) for s in layers]).float().cpu()
+
+    mean = lambda s, x: x / s["n"]  # noqa: E731
+    return KVCalibration(stack("k_sum", mean), stack("k_min"), stack("k_max"),
+                         stack("v_sum", mean), stack("v_min"), stack("v_max"))
+
+
+def _self_generated(model, num_seqs: int = 4, length: int = 256, seed: int = 0) -> list[list[int]]:
+    from fitllm.models.generate import generate
+
+    bos = getattr(model.config, "bos_token_id", None)
+    bos = 1 if bos is None else int(bos)
+    return [[bos] + out for out in generate(model, [[bos]] * num_seqs, length - 1, temperature=1.0, seed=seed)]
+
+
 class PagedKVCache:
-    """K/V blocks for every layer. Subclasses (quantized dtypes, Triton kernels) override
-    `write` and `attention`; the decoder only ever calls `ForwardContext.attend`."""
+    """K/V blocks for every layer, optionally quantized. The decoder only calls
+    `ForwardContext.attend`, which calls `write` then `attention`.
+
+    kv_dtype: "auto" (the `dtype` argument), "bf16", "fp16", "fp32", "fp8" (e4m3), "int8"
+    (symmetric, one fp16 scale per token and head), "int4" (asymmetric, fp16 scale and zero per
+    `int4_group` values of a token's head).
+
+    Quantized caches store keys and values *smoothed* by per-channel statistics from `calibration`
+    (required for fp8 and int4; see calibrate_kv_scales):
+      k' = (k - k_mean) / lam      v' = v - v_mean     (lam = per-channel key range ** 0.5, int4 only)
+    Attention is unchanged by this: q.(k - k_mean) differs from q.k by a constant per query, which
+    softmax ignores, and (q * lam).k' = q.(k - k_mean); the weights sum to one, so adding v_mean
+    to the output restores the values. Subtracting the mean removes the large constant offsets
+    keys carry in a few channels, which is most of fp8's and int4's error; lam evens the channels'
+    ranges so a per-token int4 scale fits them all (the static form of KIVI's per-channel keys).
+    fp8 then divides by a calibrated scale per tensor (fp8_scales="tensor") or per kv head ("head");
+    it is folded into q and the output the same way.
+
+    bytes_per_token = 2 (K and V) * num_layers * num_kv_heads * row, where row is
+      float: head_dim * element size;  fp8: head_dim;  int8: head_dim + 2 (fp16 scale);
+      int4: head_dim / 2 + 4 * head_dim / int4_group (fp16 scale and zero per group).
+    That is every byte the per-token storage uses; the per-layer constants (means, lam, fp8
+    scales: a few KB) are not per token and not counted.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 sliding_window: Optional[int] = None):
+                 sliding_window: Optional[int] = None, kv_dtype: str = "auto",
+                 calibration: Optional[KVCalibration] = None, fp8_scales: str = "tensor",
+                 int4_group: int = 32, smooth: bool = True):
+        from fitllm.kernels import paged_attention as pa
+
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        if kv_dtype in ("fp8", "int4") and calibration is None:
+            raise ValueError(f"kv_dtype={kv_dtype} needs calibrated K/V statistics (never a silent scale of 1.0): "
+                             "pass calibration=calibrate_kv_scales(model, token_batches) or KVCalibration.from_scales(...)")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.sliding_window = sliding_window
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_kv_heads, self.head_dim, self.sliding_window = num_kv_heads, head_dim, sliding_window
+        self.kv_dtype = kv_dtype
+        self.compute_dtype = dtype
+        self.device = torch.device(device)
+        self.kind = {"fp8": pa.KIND_FP8, "int8": pa.KIND_INT8, "int4": pa.KIND_INT4}.get(kv_dtype, pa.KIND_FLOAT)
+        self.group = {"int8": head_dim, "int4": int4_group}.get(kv_dtype, head_dim)
+        if head_dim % self.group or (self.kind == pa.KIND_INT4 and self.group % 2):
+            raise ValueError(f"int4_group={int4_group} must be even and divide head_dim={head_dim}")
+        storage = {pa.KIND_FP8: torch.float8_e4m3fn, pa.KIND_INT8: torch.int8, pa.KIND_INT4: torch.uint8}.get(
+            self.kind, _FLOAT_KV.get(kv_dtype, dtype))
+        self.dtype = storage
+        codes = head_dim // 2 if self.kind == pa.KIND_INT4 else head_dim
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, codes)
+        self.k = torch.zeros(shape, dtype=storage, device=device)
+        self.v = torch.zeros(shape, dtype=storage, device=device)
+        self.k_scales = self.v_scales = self.k_zeros = self.v_zeros = None
+        if self.kind in (pa.KIND_INT8, pa.KIND_INT4):
+            meta = (num_layers, num_blocks, block_size, num_kv_heads, head_dim // self.group)
+            self.k_scales = torch.zeros(meta, dtype=torch.float16, device=device)
+            self.v_scales = torch.zeros(meta, dtype=torch.float16, device=device)
+            if self.kind == pa.KIND_INT4:
+                self.k_zeros = torch.zeros(meta, dtype=torch.float16, device=device)
+                self.v_zeros = torch.zeros(meta, dtype=torch.float16, device=device)
+        self._setup_transform(calibration if self.kind != pa.KIND_FLOAT else None, smooth, fp8_scales)
+        self.supports_cuda_graphs = self.device.type == "cuda"
+
+    def _setup_transform(self, cal: Optional[KVCalibration], smooth: bool, fp8_scales: str) -> None:
+        """Per-layer affine maps between model space and cache space (all [L, kv_heads, D] fp32):
+        stored k' = (k - k_shift) * k_mul, stored v' = (v - v_shift) * v_mul;
+        attention uses q' = q / k_mul and out = out' / v_mul + v_shift."""
+        self.transformed = cal is not None
+        if cal is None:
+            return
+        from fitllm.kernels import paged_attention as pa
+
+        shape = cal.k_mean.shape
+        if tuple(shape) != (self.num_layers, self.num_kv_heads, self.head_dim):
+            raise ValueError(f"calibration shape {tuple(shape)} does not match the cache's "
+                             f"{(self.num_layers, self.num_kv_heads, self.head_dim)}")
+        zero = torch.zeros(shape)
+        k_shift = cal.k_mean if smooth else zero
+        v_shift = cal.v_mean if smooth else zero
+        k_amax = torch.maximum(cal.k_max - k_shift, k_shift - cal.k_min).clamp_min(1e-6)
+        v_amax = torch.maximum(cal.v_max - v_shift, v_shift - cal.v_min).clamp_min(1e-6)
+        k_mul, v_mul = torch.ones(shape), torch.ones(shape)
+        if self.kind == pa.KIND_INT4 and smooth:
+            lam = k_amax.sqrt()
+            k_mul, k_amax = 1 / lam, k_amax / lam
+        if self.kind == pa.KIND_FP8:
+            # Scale so the calibrated range maps to half of e4m3's 448: headroom for unseen
+            # outliers costs fp8 nothing but a little range at the bottom.
+            dims = (1, 2) if fp8_scales == "tensor" else (2,)
+            if fp8_scales not in ("tensor", "head"):
+                raise ValueError(f"fp8_scales must be 'tensor' or 'head', not {fp8_scales!r}")
+            self.k_scale = (2 * k_amax.amax(dim=dims, keepdim=True) / pa.FP8_MAX).expand(shape)[..., 0].contiguous()
+            self.v_scale = (2 * v_amax.amax(dim=dims, keepdim=True) / pa.FP8_MAX).expand(shape)[..., 0].contiguous()
+            k_mul, v_mul = k_mul / self.k_scale[..., None], v_mul / self.v_scale[..., None]
+        dev = self.device
+        self.k_shift, self.k_mul = k_shift.float().to(dev), k_mul.float().to(dev)
+        self.v_shift, self.v_mul = v_shift.float().to(dev), v_mul.float().to(dev)
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
+        row = self.k.shape[-1] * self.k.element_size()
+        if self.k_scales is not None:
+            row += self.k_scales.shape[-1] * 2 * (2 if self.k_zeros is not None else 1)
+        return 2 * self.num_layers * self.num_kv_heads * row
 
+    # ---- model space <-> cache space --------------------------------------------------------------
+    def _to_cache_space(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if not self.transformed:
+            return k, v
+        return ((k.float() - self.k_shift[layer]) * self.k_mul[layer],
+                (v.float() - self.v_shift[layer]) * self.v_mul[layer])
+
+    def _query_to_cache_space(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        # Quantized K/V are dequantized to fp16 inside the kernels (fp8 and int codes convert to it
+        # exactly or nearly; on the GPU fp8 -> fp16 is one instruction, fp8 -> bf16 is several),
+        # so queries go in as fp16 with half-precision models and as fp32 otherwise.
+        dt = torch.float16 if self.compute_dtype in (torch.float16, torch.bfloat16) else torch.float32
+        if not self.transformed:
+            return q if self.kind == 0 else q.to(dt)
+        t, hq, d = q.shape
+        q = q.float().view(t, self.num_kv_heads, hq // self.num_kv_heads, d) / self.k_mul[layer][:, None, :]
+        return q.reshape(t, hq, d).to(dt)
+
+    def _output_to_model_space(self, layer: int, out: torch.Tensor) -> torch.Tensor:
+        if not self.transformed:
+            return out
+        t, hq, d = out.shape
+        out = out.float().view(t, self.num_kv_heads, hq // self.num_kv_heads, d)
+        out = out / self.v_mul[layer][:, None, :] + self.v_shift[layer][:, None, :]
+        return out.reshape(t, hq, d).to(self.compute_dtype)
+
+    def _use_triton(self) -> bool:
+        from fitllm.kernels._utils import backend_for
+
+        return backend_for(self.k) == "triton"
+
+    # ---- the two operations the decoder's step needs ----------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        flat_k = self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, slot_mapping, k.to(self.dtype))
-        flat_v.index_copy_(0, slot_mapping, v.to(self.dtype))
+        """Store the step's new K/V [T, kv_heads, D] at their slots (quantizing on the way)."""
+        from fitllm.kernels import paged_attention as pa
 
-    def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's first `length` keys and values, contiguous: [length, kv_heads, head_dim]."""
-        blocks = table[: math.ceil(length / self.block_size)].long()
-        k = self.k[layer, blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:length]
-        v = self.v[layer, blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:length]
-        return k, v
+        k, v = self._to_cache_space(layer, k, v)
+        fn = pa.cache_write if self._use_triton() else pa.cache_write_ref
+        fn(k.contiguous(), v.contiguous(), self.k[layer], self.v[layer], self._m(self.k_scales, layer),
+           self._m(self.v_scales, layer), self._m(self.k_zeros, layer), self._m(self.v_zeros, layer),
+           slot_mapping, self.kind, self.group)
 
     def attention(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Reference paged attention: each sequence's queries over its cached keys, causal."""
-        out = torch.empty_like(q)
-        for i in range(meta.num_seqs):
-            q_lo, q_hi = meta.query_start_list[i], meta.query_start_list[i + 1]
-            if q_hi == q_lo:
-                continue
-            k, v = self.gather(layer, meta.block_tables[i], meta.seq_lens_list[i])
-            out[q_lo:q_hi] = causal_attention(q[q_lo:q_hi], k.to(q.dtype), v.to(q.dtype), scale, self.sliding_window)
-        return out
+        """Each sequence's new queries over its cached keys (including this step's), causal."""
+        from fitllm.kernels import paged_attention as pa
+
+        qc = self._query_to_cache_space(layer, q)
+        out_dtype = q.dtype if not self.transformed else torch.float32
+        args = (qc, self.k[layer], self.v[layer], self._m(self.k_scales, layer), self._m(self.v_scales, layer),
+                self._m(self.k_zeros, layer), self._m(self.v_zeros, layer), meta.block_tables)
+        if self._use_triton():
+            # Device tensors only (graph-capturable); the host maxima pick tile sizes and splits.
+            out = pa.paged_attention(*args, meta.query_start, meta.seq_lens, scale, self.kind, self.group,
+                                     self.sliding_window, out_dtype, max_query_len=meta.max_query_len,
+                                     max_seq_len=meta.max_seq_len)
+        else:
+            out = pa.paged_attention_ref(*args, meta.query_start_list, meta.seq_lens_list, scale, self.kind,
+                                         self.group, self.sliding_window, out_dtype)
+        return self._output_to_model_space(layer, out)
+
+    @staticmethod
+    def _m(t: Optional[torch.Tensor], layer: int) -> Optional[torch.Tensor]:
+        return None if t is None else t[layer]
+
+    def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's first `length` keys and values in model space (dequantized, smoothing
+        undone): [length, kv_heads, head_dim] float32 (the cache's dtype when unquantized)."""
+        from fitllm.kernels import paged_attention as pa
+
+        k = pa.gather_ref(self.k[layer], self._m(self.k_scales, layer), self._m(self.k_zeros, layer), table,
+                          length, self.kind, self.group)
+        v = pa.gather_ref(self.v[layer], self._m(self.v_scales, layer), self._m(self.v_zeros, layer), table,
+                          length, self.kind, self.group)
+        if self.transformed:
+            k = k / self.k_mul[layer] + self.k_shift[layer]
+            v = v / self.v_mul[layer] + self.v_shift[layer]
+        elif self.kind == pa.KIND_FLOAT:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        return k, v
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -80,11 +80,13 @@ class QuantLinear(FusedLinear):
     def _gemm(self, x, p) -> torch.Tensor:
         if isinstance(p, FP8Weight):
             return fp8_linear(x, p, self.fp8_mode)
-        if x.is_cuda:
-            from fitllm.kernels.w4a16 import w4a16_gemm  # lazy: kernels may be absent on CPU installs
-
-            return w4a16_gemm(x, p.qweight, p.scales, p.zeros, p.group_size, bits=p.bits, g_idx=p.g_idx)
-        return F.linear(x, p.dequantize(x.dtype))
+        try:  # Triton on CUDA, its torch reference on CPU
+            from fitllm.kernels.w4a16 import w4a16_gemm
+        except ImportError:
+            return F.linear(x, p.dequantize(x.dtype))
+        shape = x.shape
+        y = w4a16_gemm(x.reshape(-1, shape[-1]), p.qweight, p.scales, p.zeros, p.group_size, bits=p.bits, g_idx=p.g_idx)
+        return y.reshape(*shape[:-1], y.shape[-1])
 
     def dequantized_weight(self) -> torch.Tensor:
         """[N, K] float32 (tests, evaluation tools)."""

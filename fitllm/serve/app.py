@@ -98,13 +98,14 @@ class APIKeyGuard:
 
     def __init__(self, app, api_key: Optional[str], metrics: ServerMetrics):
         self.app, self.metrics = app, metrics
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if self.expected is None or scope["type"] != "http" or scope["path"] == "/health":
+        if self.key is None or scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        # compare_digest first and always: its time does not depend on where the bytes differ.
+        if not (hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"):
             self.metrics.errors.labels("invalid_api_key").inc()
             return await send_json(send, 401, error_body(401, "Invalid or missing API key "
                                    "(send 'Authorization: Bearer KEY').", code="invalid_api_key"),
@@ -185,6 +186,7 @@ class Choice:
     generated: int = 0
     finish_reason: Optional[str] = None
     offset: int = 0                         # characters emitted so far (completions text_offset)
+    admitted: bool = False                  # an output has arrived
     started: bool = False                   # a token has arrived
     echoed: bool = False                    # the prompt has been echoed (completions)
     announced: bool = False                 # the role chunk has been sent (chat streams)
@@ -257,7 +259,8 @@ class Server:
         # n > 1 with a seed: each choice gets its own stream, still reproducible.
         seed = None if body.seed is None else (body.seed + choice) % (2**64)
         return SamplingParams(
-            max_tokens=max_tokens, temperature=_or(body.temperature, 1.0), top_p=_or(body.top_p, 1.0),
+            max_tokens=max_tokens, temperature=_or(body.temperature, 1.0),
+            top_p=max(_or(body.top_p, 1.0), 1e-6),  # OpenAI allows 0 (= the top token); the sampler wants > 0
             top_k=_or(body.top_k, 0), min_p=_or(body.min_p, 0.0), seed=seed,
             presence_penalty=_or(body.presence_penalty, 0.0), frequency_penalty=_or(body.frequency_penalty, 0.0),
             repetition_penalty=_or(body.repetition_penalty, 1.0), stop=body.stop_list(),
@@ -319,14 +322,13 @@ class Server:
 
         readers = [asyncio.create_task(read(c)) for c in choices]
         try:
-            for _ in range(len(choices)):
-                while True:
-                    c, out, exc = await queue.get()
-                    if exc is not None:
-                        raise exc
-                    yield c, out
-                    if out.finished:
-                        break
+            unfinished = len(choices)  # every engine stream ends with a finished output or raises
+            while unfinished:
+                c, out, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                unfinished -= out.finished
+                yield c, out
         finally:
             for task in readers:
                 task.cancel()
@@ -358,6 +360,9 @@ class Server:
         """Per-output bookkeeping and latency metrics."""
         n_new = len(out.new_token_ids)
         now = time.monotonic()
+        if not c.admitted:  # the engine took the request: count its prompt once
+            c.admitted = True
+            self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
         if n_new:
             self.metrics.generation_tokens.inc(n_new)
             if not c.started:
@@ -375,9 +380,6 @@ class Server:
                                code="engine_error")
             c.finish_reason = "length" if out.finish_reason == "abort" else out.finish_reason
 
-    def admitted(self, choices: list[Choice]) -> None:
-        self.metrics.prompt_tokens.inc(sum(len(p) for p in {c.prompt_index: c.prompt_ids for c in choices}.values()))
-
     def usage(self, choices: list[Choice]) -> P.Usage:
         prompt = sum(len(p) for p in {c.prompt_index: c.prompt_ids for c in choices}.values())
         completion = sum(c.generated for c in choices)
@@ -386,34 +388,42 @@ class Server:
     async def respond(self, request: Request, choices: list[Choice], stream: bool, arrival: float,
                       collect, chunks):
         """Run the choices; answer at once (collect) or as SSE (chunks). Errors before the first
-        output become HTTP errors; errors after the headers become a final SSE error event."""
-        if len(choices) > MAX_CHOICES:
-            raise APIError(400, f"n times the number of prompts is {len(choices)}; at most {MAX_CHOICES} "
-                           "choices per request.", param="n")
-        self.admitted(choices)
+        output (overload, bad input the engine found, timeout) become HTTP errors; errors after
+        the headers went out become a final SSE error event."""
         deadline = arrival + self.config.request_timeout
         outputs = self.outputs(choices)
         if not stream:
             async def run():
-                async for c, out in outputs:
-                    self.record(c, out, arrival)
-                    collect(c, out)
+                try:
+                    async for c, out in outputs:
+                        self.record(c, out, arrival)
+                        collect(c, out)
+                finally:  # an error in one choice must stop the others too
+                    await outputs.aclose()
             await self.guarded(request, run(), deadline)
             return None
-        first = await self.guarded(request, outputs.__anext__(), deadline)
-        return StreamingResponse(self.sse_events(first, outputs, choices, arrival, deadline, chunks),
+        first = await self.guarded(request, anext(outputs), deadline)
+        try:
+            self.record(*first, arrival)  # an engine error before any token is a plain HTTP error
+        except APIError:
+            await outputs.aclose()
+            raise
+        return StreamingResponse(self.sse_events(first, outputs, arrival, deadline, chunks),
                                  media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
-    async def sse_events(self, first, outputs, choices, arrival, deadline, chunks) -> AsyncIterator[str]:
+    async def sse_events(self, first, outputs, arrival, deadline, chunks) -> AsyncIterator[str]:
+        """SSE lines. A client that hangs up cancels this generator (Starlette watches for the
+        disconnect); closing `outputs` then aborts the engine requests."""
         try:
-            async with asyncio.timeout_at(_loop_deadline(deadline)):
-                item = first
-                while item is not None:
-                    c, out = item
-                    self.record(c, out, arrival)
-                    for chunk in chunks(c, out):
-                        yield sse(chunk)
+            item = first
+            while item is not None:
+                for chunk in chunks(*item):
+                    yield sse(chunk)
+                # The timeout covers the wait for the engine only, never a yield.
+                async with asyncio.timeout_at(_loop_deadline(deadline)):
                     item = await anext(outputs, None)
+                if item is not None:
+                    self.record(*item, arrival)
             for chunk in chunks(None, None):  # the final usage chunk, when asked for
                 yield sse(chunk)
         except TimeoutError:

@@ -6,6 +6,13 @@
 
 A request whose prompt is still being prefilled in chunks produces no output until its last
 chunk; a preempted request simply waits and is recomputed, its generated tokens included.
+
+Speculative decoding (issue 11) fits this loop without new machinery: append k draft tokens to
+`req.token_ids` before scheduling (the scheduler then gives the request 1 + k tokens, like a
+prompt chunk), ask for `num_logits = 1 + k` rows in `_step_seq`, accept/reject in `_process`,
+then drop rejected tokens from `token_ids`, lower `num_computed`, and call
+`block_manager.truncate` (blocks past the kept tokens go back; a cached block that will be
+rewritten is forgotten).
 """
 from __future__ import annotations
 
@@ -44,6 +51,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass

@@ -49,7 +49,7 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("fitllm_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("fitllm_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.prompt_tokens = Counter("fitllm_prompt_tokens", "Prompt tokens of requests the engine took (once per choice)", registry=r)
         self.generation_tokens = Counter("fitllm_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("fitllm_time_to_first_token_seconds", "Request arrival to first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)

@@ -31,6 +31,9 @@ from fitllm.models.kv_cache import AttentionMetadata, ForwardContext, PagedKVCac
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU default: 1 GiB of KV (~23k tokens of SmolLM2 in fp32)
+FALLBACK_GRAPH_GATHER_BYTES = 512 << 20
+FLOAT_KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                   "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -110,12 +113,13 @@ class ModelRunner:
 
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
         c, kwargs = self.model.config, {}
-        if self.kv_dtype != "auto":
+        dtype = FLOAT_KV_DTYPES.get(self.kv_dtype, self.model.dtype)  # auto: the model's dtype
+        if self.kv_dtype not in FLOAT_KV_DTYPES and self.kv_dtype != "auto":  # fp8, int8, int4
             if "kv_dtype" not in inspect.signature(PagedKVCache).parameters:
                 raise ValueError(f"--kv-dtype {self.kv_dtype}: this build of fitllm has no quantized KV cache")
             kwargs["kv_dtype"] = self.kv_dtype
         return PagedKVCache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
-                            dtype=self.model.dtype, device=self.device, sliding_window=c.sliding_window, **kwargs)
+                            dtype=dtype, device=self.device, sliding_window=c.sliding_window, **kwargs)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, emulate_on_cpu: bool = False) -> bool:
         """Capture decode graphs (GPU only; `emulate_on_cpu` runs the graph path's padding and
@@ -127,6 +131,11 @@ class ModelRunner:
             log.warning("CUDA graphs off: %s has no capturable decode attention", type(self.cache).__name__)
             return False
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
+        if not getattr(self.cache, "supports_cuda_graphs", False):
+            # The padded torch fallback gathers every sequence's whole table: keep that within
+            # a bounded graph pool (larger decode batches run eagerly).
+            per_seq = 2 * max_model_len * self.cache.num_kv_heads * self.cache.head_dim * self.model.dtype.itemsize
+            sizes = [b for b in sizes if b * per_seq <= FALLBACK_GRAPH_GATHER_BYTES] or [1]
         self.graphs = DecodeGraphs(self.model, self.cache, attention, sizes, max_model_len, self.scratch_block)
         return True
 

@@ -1,0 +1,277 @@
+"""Paged decode attention on the GPU: correctness, then speed against torch SDPA (same run).
+
+Llama-3-8B heads (32 query / 8 KV heads, head_dim 128), 16-token pages scattered at random over
+the pool, batch x context grid, KV in bf16 / fp8 / int8 / int4. Times are CUDA-graph replays of
+back-to-back calls (launch overhead excluded, as a served decode step sees it); bandwidth counts
+the K/V bytes each call must read (codes + scales), against the measured copy bandwidth.
+
+    python benchmarks/bench_attention.py --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fitllm.kernels import paged_attention as pa  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+KINDS = {"bf16": pa.KIND_FLOAT, "fp8": pa.KIND_FP8, "int8": pa.KIND_INT8, "int4": pa.KIND_INT4}
+INT4_GROUP = 32
+
+
+def graph_time_us(fn, inner: int = 10, outer: int = 0) -> float:
+    """Mean µs per call: `inner` calls captured in one CUDA graph, replayed `outer` times
+    (outer=0: as many as fill ~40 ms)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    if outer == 0:
+        t = time.perf_counter()
+        g.replay()
+        torch.cuda.synchronize()
+        outer = max(3, min(50, int(0.04 / max(time.perf_counter() - t, 1e-6))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(outer):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (inner * outer)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    us = graph_time_us(lambda: y.copy_(x), inner=5, outer=5)
+    return 2 * x.numel() / us / 1e3  # GB/s (read + write)
+
+
+class Pool:
+    """A paged cache of one kind for B sequences of `ctx` tokens, pages in random order."""
+
+    def __init__(self, kind: str, batch: int, ctx: int, seed: int = 0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.kind, self.k_id = kind, KINDS[kind]
+        self.group = INT4_GROUP if kind == "int4" else D
+        pages = math.ceil(ctx / PAGE)
+        nb = batch * pages
+        dc = D // 2 if kind == "int4" else D
+        shape = (nb, PAGE, HKV, dc)
+        if kind == "bf16":
+            mk = lambda: torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        elif kind == "fp8":
+            mk = lambda: (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) * 8).to(torch.float8_e4m3fn)  # noqa: E731
+        elif kind == "int8":
+            mk = lambda: torch.randint(-127, 128, shape, device="cuda", dtype=torch.int8, generator=g)  # noqa: E731
+        else:
+            mk = lambda: torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=g)  # noqa: E731
+        self.k, self.v = mk(), mk()
+        ms = (nb, PAGE, HKV, D // self.group)
+        self.ks = self.vs = self.kz = self.vz = None
+        if kind in ("int8", "int4"):
+            self.ks = (torch.rand(ms, device="cuda", generator=g) * 0.02 + 0.01).half()
+            self.vs = (torch.rand(ms, device="cuda", generator=g) * 0.02 + 0.01).half()
+        if kind == "int4":
+            self.kz = (torch.randn(ms, device="cuda", generator=g) * 0.1).half()
+            self.vz = (torch.randn(ms, device="cuda", generator=g) * 0.1).half()
+        perm = torch.randperm(nb, device="cuda", generator=g).int()
+        self.tables = perm.view(batch, pages)
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.query_start = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        self.batch, self.ctx = batch, ctx
+        qdt = torch.bfloat16 if kind == "bf16" else torch.float16
+        self.q = torch.randn(batch, HQ, D, device="cuda", generator=g).to(qdt)
+        rows = 2 * batch * ctx * HKV  # K and V rows read
+        row_bytes = dc * self.k.element_size() + (0 if self.ks is None else 2 * (D // self.group)) * (2 if self.kz is not None else 1)
+        self.bytes = rows * row_bytes
+
+    def args(self):
+        return (self.q, self.k, self.v, self.ks, self.vs, self.kz, self.vz, self.tables, self.query_start,
+                self.seq_lens, D ** -0.5, self.k_id, self.group)
+
+    def run(self, **cfg):
+        return pa.paged_attention(*self.args(), None, torch.float32 if self.kind in ("int8", "int4") else None,
+                                  max_query_len=1, max_seq_len=self.ctx, **cfg)
+
+    def dense(self):
+        """Contiguous dequantized K/V [B, HKV, ctx, D] bf16 (for SDPA and for checking)."""
+        def one(codes, s, z):
+            rows = codes[self.tables.long()].flatten(1, 2)[:, : self.ctx]  # [B, ctx, HKV, dc]
+            if self.kind == "bf16":
+                return rows.transpose(1, 2).contiguous()
+            sr = None if s is None else s[self.tables.long()].flatten(1, 2)[:, : self.ctx]
+            zr = None if z is None else z[self.tables.long()].flatten(1, 2)[:, : self.ctx]
+            return pa.dequantize_ref(rows, sr, zr, self.k_id, self.group).to(torch.bfloat16).transpose(1, 2).contiguous()
+        return one(self.k, self.ks, self.kz), one(self.v, self.vs, self.vz)
+
+
+def sdpa_gqa_folded(q, k, v):
+    """Decode as SDPA over contiguous K/V: the 4 query heads of a KV head ride the query axis."""
+    b = q.shape[0]
+    return F.scaled_dot_product_attention(q.view(b, HKV, HQ // HKV, D), k, v, scale=D ** -0.5).view(b, HQ, D)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check_correctness(log) -> bool:
+    ok = True
+    torch.manual_seed(0)
+    # 1) decode and mixed prefill/extend batches against the torch reference, every kind, windows.
+    for kind in KINDS:
+        pool = Pool(kind, 6, 300, seed=1)
+        lens = [300, 1, 17, 129, 64, 250]
+        pool.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        for qlens in ([1] * 6, [5, 1, 17, 40, 1, 64]):
+            qs = [0]
+            for n in qlens:
+                qs.append(qs[-1] + n)
+            q = torch.randn(qs[-1], HQ, D, device="cuda").to(pool.q.dtype)
+            for window in (None, 100):
+                args = (q, pool.k, pool.v, pool.ks, pool.vs, pool.kz, pool.vz, pool.tables)
+                ref = pa.paged_attention_ref(*args, qs, lens, D ** -0.5, pool.k_id, pool.group, window, torch.float32)
+                for splits in ((None, 3) if max(qlens) == 1 else (None,)):
+                    out = pa.paged_attention(*args, torch.tensor(qs, dtype=torch.int32, device="cuda"), pool.seq_lens,
+                                             D ** -0.5, pool.k_id, pool.group, window, torch.float32,
+                                             max_query_len=max(qlens), max_seq_len=max(lens), num_splits=splits)
+                    e = rel(out, ref)
+                    tol = 1e-2
+                    good = e < tol and torch.isfinite(out).all().item()
+                    ok &= good
+                    log(f"check {kind:5s} q_lens={'decode' if max(qlens) == 1 else 'mixed '} window={window} "
+                        f"splits={splits} rel_err={e:.2e} {'ok' if good else 'FAIL'}")
+    # 2) cache write kernel == reference quantizer (dequantized values)
+    for kind in KINDS:
+        pool = Pool(kind, 2, 64, seed=2)
+        k = torch.randn(40, HKV, D, device="cuda") * 3
+        v = torch.randn(40, HKV, D, device="cuda")
+        slots = torch.randperm(pool.k.shape[0] * PAGE, device="cuda")[:40]
+        slots[3] = -1  # padding token: must not be written
+        outs = []
+        for fn in (pa.cache_write, pa.cache_write_ref):
+            c = [None if t is None else t.clone() for t in (pool.k, pool.v, pool.ks, pool.vs, pool.kz, pool.vz)]
+            fn(k, v, c[0], c[1], c[2], c[3], c[4], c[5], slots, pool.k_id, pool.group)
+            rows = lambda t: None if t is None else t.flatten(0, 1)  # noqa: E731
+            outs.append(pa.dequantize_ref(rows(c[0]), rows(c[2]), rows(c[4]), pool.k_id, pool.group))
+        e = rel(outs[0], outs[1])
+        good = e < 1e-3
+        ok &= good
+        log(f"check write {kind:5s} rel_err={e:.2e} {'ok' if good else 'FAIL'}")
+    # 3) real shapes: paged bf16 decode == SDPA over contiguous K/V
+    pool = Pool("bf16", 16, 4096, seed=3)
+    k, v = pool.dense()
+    e = rel(pool.run(), sdpa_gqa_folded(pool.q, k, v))
+    ok &= e < 1e-2
+    log(f"check bf16 B=16 ctx=4096 vs SDPA rel_err={e:.2e} {'ok' if e < 1e-2 else 'FAIL'}")
+    return ok
+
+
+def measure(row, b, ctx, kinds, sweep, log=print):
+    for kind in kinds:
+        pool = Pool(kind, b, ctx)
+        base_splits = pa.default_num_splits(b, HKV, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+        best = None
+        for i, cfg in enumerate(sweep if kind in ("bf16", "fp8") else sweep[:1]):
+            cfg = dict(cfg)
+            mul = cfg.pop("split_mul", 1)
+            splits = max(1, int(base_splits * mul))
+            us = graph_time_us(lambda: pool.run(num_splits=splits, **cfg))
+            if i == 0:
+                row[f"{kind}_us"] = us
+                row[f"{kind}_GBs"] = pool.bytes / us / 1e3
+            if best is None or us < best[0]:
+                best = (us, {**cfg, "num_splits": splits})
+        row[f"{kind}_best_us"], row[f"{kind}_best_cfg"] = best
+        if kind == "bf16":
+            k, v = pool.dense()
+            del pool
+            q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+            row["sdpa_us"] = graph_time_us(lambda: sdpa_gqa_folded(q, k, v))
+            del k, v
+        else:
+            del pool
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="1024,4096,16384,32768")
+    ap.add_argument("--kinds", default="bf16,fp8,int8,int4")
+    ap.add_argument("--max-gib", type=float, default=40.0, help="skip combos whose bf16 K/V exceed this")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    t0 = time.time()
+    log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {__import__('triton').__version__}")
+    ok = check_correctness(log)
+    log(f"correctness: {'all ok' if ok else 'FAILURES'} ({time.time() - t0:.0f}s)")
+    bw = copy_bandwidth()
+    log(f"copy bandwidth: {bw:.0f} GB/s")
+
+    # Configs tried per shape (the default first): BLOCK_N, warps, stages, split multiplier.
+    sweep = [dict(), dict(block_n=32, num_warps=4, num_stages=3), dict(block_n=128, num_warps=8, num_stages=2),
+             dict(split_mul=2)]
+    results = []
+    for b in map(int, args.batches.split(",")):
+        for ctx in map(int, args.contexts.split(",")):
+            if b * ctx * HKV * D * 2 * 2 / 2**30 > args.max_gib:
+                log(f"skip B={b} ctx={ctx}")
+                continue
+            row = {"batch": b, "ctx": ctx}
+            try:
+                measure(row, b, ctx, args.kinds.split(","), sweep)
+            except Exception as exc:  # noqa: BLE001  (report and go on: one bad shape must not lose the rest)
+                log(f"B={b} ctx={ctx} FAILED: {exc!r}")
+                torch.cuda.empty_cache()
+                continue
+            sd = row["sdpa_us"]
+            msg = f"B={b:4d} ctx={ctx:6d} sdpa {sd:8.1f}us"
+            for kind in args.kinds.split(","):
+                msg += (f" | {kind} {row[f'{kind}_us']:8.1f}us {row[f'{kind}_GBs']:6.0f}GB/s "
+                        f"(best {row[f'{kind}_best_us']:.1f})")
+            log(msg)
+            results.append(row)
+
+    log("\n| B | ctx | SDPA µs | bf16 µs | bf16 GB/s (% of copy) | fp8 µs | fp8 speedup vs bf16 | int8 µs | int4 µs | bf16 vs SDPA |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        sd = r["sdpa_us"]
+        bf = r["bf16_best_us"]
+        gbs = r["bf16_GBs"] * r["bf16_us"] / bf
+        log(f"| {r['batch']} | {r['ctx']} | {sd:.1f} | {bf:.1f} | {gbs:.0f} ({100 * gbs / bw:.0f}%) | "
+            f"{r.get('fp8_best_us', float('nan')):.1f} | {bf / r.get('fp8_best_us', float('nan')):.2f}x | "
+            f"{r.get('int8_us', float('nan')):.1f} | {r.get('int4_us', float('nan')):.1f} | {sd / bf:.2f}x |")
+    (out_dir / "bench_attention.json").write_text(json.dumps({"copy_GBs": bw, "ok": ok, "rows": results}, indent=1))
+    (out_dir / "bench_attention.log").write_text("\n".join(lines))
+    log(f"total {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

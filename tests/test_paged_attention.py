@@ -1,0 +1,158 @@
+"""Paged attention kernels: Triton (under TRITON_INTERPRET=1) == torch reference == plain attention.
+
+The interpreter flag must be set before triton decorates the kernels, hence at the top.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fitllm.kernels import paged_attention as pa  # noqa: E402
+from fitllm.models.kv_cache import causal_attention  # noqa: E402
+
+H, G, D, PAGE = 2, 2, 32, 4
+STORE = {"fp32": (pa.KIND_FLOAT, torch.float32, D), "bf16": (pa.KIND_FLOAT, torch.bfloat16, D),
+         "fp8": (pa.KIND_FP8, torch.float8_e4m3fn, D), "int8": (pa.KIND_INT8, torch.int8, D),
+         "int4": (pa.KIND_INT4, torch.uint8, 8)}
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+class Pool:
+    """Random K/V for a few sequences, pages scattered over a pool whose unused slots hold NaN."""
+
+    def __init__(self, name, seq_lens, seed=0):
+        self.kind, dtype, self.group = STORE[name]
+        g = torch.Generator().manual_seed(seed)
+        pages = [math.ceil(n / PAGE) for n in seq_lens]
+        nb = sum(pages) + 3
+        dc = D // 2 if self.kind == pa.KIND_INT4 else D
+        shape = (nb, PAGE, H, dc)
+        nan = float("nan")
+        if self.kind in (pa.KIND_FLOAT, pa.KIND_FP8):
+            self.k = torch.full(shape, nan).to(dtype)
+            self.v = torch.full(shape, nan).to(dtype)
+        else:
+            self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        ms = (nb, PAGE, H, D // self.group)
+        # Poison: any slot never written dequantizes to NaN, so reading one shows in the output.
+        self.ks = self.vs = self.kz = self.vz = None
+        if self.kind >= pa.KIND_INT8:
+            self.ks, self.vs = torch.full(ms, nan).half(), torch.full(ms, nan).half()
+        if self.kind == pa.KIND_INT4:
+            self.kz, self.vz = torch.full(ms, nan).half(), torch.full(ms, nan).half()
+        perm = torch.randperm(nb, generator=g).tolist()
+        self.tables, o = [], 0
+        for n in pages:
+            self.tables.append(perm[o:o + n])
+            o += n
+        width = max(pages)
+        self.bt = torch.zeros(len(pages), width, dtype=torch.int32)
+        for i, t in enumerate(self.tables):
+            self.bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        self.seq_lens = list(seq_lens)
+        self.k_raw = [torch.randn(n, H, D, generator=g) * 2 + torch.randn(D, generator=g) for n in seq_lens]
+        self.v_raw = [torch.randn(n, H, D, generator=g) for n in seq_lens]
+
+    def slots(self, i, lo, hi):
+        return [self.tables[i][p // PAGE] * PAGE + p % PAGE for p in range(lo, hi)]
+
+    def tensors(self):
+        return self.k, self.v, self.ks, self.vs, self.kz, self.vz
+
+    def write_all(self, fn):
+        slots = torch.tensor([s for i, n in enumerate(self.seq_lens) for s in self.slots(i, 0, n)])
+        k, v = torch.cat(self.k_raw), torch.cat(self.v_raw)
+        fn(k, v, *self.tensors(), slots, self.kind, self.group)
+
+
+def run_both(pool, q, q_lens, window=None, num_splits=None):
+    qs = [0]
+    for n in q_lens:
+        qs.append(qs[-1] + n)
+    args = (q, *pool.tensors(), pool.bt)
+    ref = pa.paged_attention_ref(*args, qs, pool.seq_lens, 0.3, pool.kind, pool.group, window, torch.float32)
+    out = pa.paged_attention(*args, torch.tensor(qs, dtype=torch.int32), torch.tensor(pool.seq_lens, dtype=torch.int32),
+                             0.3, pool.kind, pool.group, window, torch.float32, max_query_len=max(q_lens),
+                             max_seq_len=max(pool.seq_lens), num_splits=num_splits, block_n=16)
+    return out, ref
+
+
+@pytest.mark.parametrize("name", list(STORE))
+def test_cache_write_triton_matches_reference(name):
+    a, b = Pool(name, [7, 13]), Pool(name, [7, 13])
+    a.write_all(pa.cache_write_ref)
+    b.write_all(pa.cache_write)
+    for i, n in enumerate(a.seq_lens):
+        ka = pa.gather_ref(a.k, a.ks, a.kz, a.bt[i], n, a.kind, a.group)
+        kb = pa.gather_ref(b.k, b.ks, b.kz, b.bt[i], n, b.kind, b.group)
+        # The interpreter rounds fp32 -> bf16/fp8 by truncation, the GPU and torch to nearest:
+        # allow one step of the format there, nothing elsewhere.
+        tol = {"bf16": 1e-2, "fp8": 0.13}.get(name, 1e-6)
+        assert torch.isfinite(kb).all()
+        assert ((ka - kb).abs() <= tol * ka.abs() + 1e-6).all()
+        # and the stored values are the quantization of the input
+        err = rel(ka, a.k_raw[i])
+        assert err < {"fp32": 1e-7, "bf16": 5e-3, "fp8": 5e-2, "int8": 1e-2, "int4": 0.12}[name]
+
+
+def test_padding_slots_are_not_written():
+    pool = Pool("int8", [8])
+    k, v = torch.randn(3, H, D), torch.randn(3, H, D)
+    before = pool.k.clone()
+    pa.cache_write(k, v, *pool.tensors(), torch.tensor([-1, 5, -1]), pool.kind, pool.group)
+    changed = (pool.k != before).flatten(2).any(-1).flatten()
+    assert changed.nonzero().flatten().tolist() == [5 * H, 5 * H + 1]
+
+
+@pytest.mark.parametrize("name", list(STORE))
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_and_mixed_batches_match_reference(name, window):
+    pool = Pool(name, [1, 9, 23, 16], seed=1)
+    pool.write_all(pa.cache_write_ref)
+    qdt = torch.bfloat16 if name == "bf16" else torch.float32
+    for q_lens, splits in (([1, 1, 1, 1], 1), ([1, 1, 1, 1], 3), ([1, 4, 23, 2], None)):
+        q = torch.randn(sum(q_lens), H * G, D).to(qdt)
+        out, ref = run_both(pool, q, q_lens, window, splits)
+        assert torch.isfinite(out).all() and torch.isfinite(ref).all()
+        assert rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_paged_equals_plain_attention(name):
+    """The reference paged path against causal attention over the contiguous K/V (GQA, chunks)."""
+    pool = Pool(name, [5, 17, 12], seed=2)
+    pool.write_all(pa.cache_write)
+    q_lens = [5, 3, 1]
+    qdt = torch.bfloat16 if name == "bf16" else torch.float32
+    q = torch.randn(sum(q_lens), H * G, D).to(qdt)
+    out, _ = run_both(pool, q, q_lens)
+    lo = 0
+    for i, n in enumerate(q_lens):
+        k, v = pool.k_raw[i], pool.v_raw[i]
+        plain = causal_attention(q[lo:lo + n].float(), k, v, 0.3)
+        assert rel(out[lo:lo + n], plain) < (1e-2 if name == "bf16" else 1e-5)
+        lo += n
+
+
+def test_quantized_attention_error_is_small():
+    """Against attention over the unquantized K/V: the error each format should roughly give."""
+    for name, bound in (("fp8", 0.08), ("int8", 0.02), ("int4", 0.2)):
+        pool = Pool(name, [40], seed=3)
+        pool.write_all(pa.cache_write)
+        q = torch.randn(40, H * G, D) * 0.3
+        out, _ = run_both(pool, q, [40])
+        plain = causal_attention(q, pool.k_raw[0], pool.v_raw[0], 0.3)
+        assert rel(out, plain) < bound, name
+
+
+def test_split_count_heuristic():
+    assert pa.default_num_splits(1, 8, 32768, 132) == 33
+    assert pa.default_num_splits(256, 8, 32768, 132) == 1
+    assert pa.default_num_splits(1, 8, 100, 132) == 1
