@@ -4,9 +4,9 @@ and offline throughput. Self-contained: random weights at real shapes, no networ
     python benchmarks/gpu_engine_check.py                      # llama3-8b and smollm2-135m shapes
     python benchmarks/gpu_engine_check.py --shapes smollm2-135m --max-model-len 1024
 
-For each shape: a random-weight CausalLM in bf16 (lm_head scaled so logits are peaked: with a
-flat random distribution greedy would hinge on near-ties and bf16 noise, which says nothing about
-the engine), then
+For each shape: a random-weight CausalLM (lm_head scaled so logits are peaked: with a flat random
+distribution greedy would hinge on near-ties and rounding noise, which says nothing about the
+engine), in float32 and in bfloat16 for the parity checks and bfloat16 for speed:
   1. parity: 16 mixed-length greedy requests, chunked prefill (budget 64) and prefix caching on,
      through an engine with CUDA graphs and one without; tokens must be identical. The eager
      engine is also checked against fitllm.models.generate (contiguous blocks, no scheduler).
@@ -38,14 +38,13 @@ SHAPES = {
 }
 
 
-def random_model(shape: str, device: str, seed: int = 0) -> CausalLM:
+def random_model(shape: str, device: str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
     vocab, hidden, inter, layers, heads, kv, head_dim, tied = SHAPES[shape]
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden,
                          intermediate_size=inter, num_layers=layers, num_heads=heads, num_kv_heads=kv,
                          head_dim=head_dim, rope_theta=500000.0, max_position_embeddings=8192,
                          tie_word_embeddings=tied, eos_token_ids=[])
     torch.manual_seed(seed)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = CausalLM(config, dtype=dtype, device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -163,6 +162,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--parity-tokens", type=int, default=24)
+    ap.add_argument("--parity-dtypes", default="float32,bfloat16",
+                    help="float32 first: its rounding noise is far below any logit gap, so a mismatch is a bug")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script's logic (no graphs)")
     args = ap.parse_args()
@@ -173,12 +174,17 @@ def main() -> int:
     print(f"{name}  torch {torch.__version__}", flush=True)
     all_ok = True
     for shape in args.shapes.split(","):
-        print(f"== {shape} (random weights)", flush=True)
-        t = time.perf_counter()
-        model = random_model(shape, args.device)
-        print(f"    built in {time.perf_counter() - t:.1f}s, {model.dtype}", flush=True)
-        all_ok &= run_parity(model, args)
+        for dtype_name in args.parity_dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            print(f"== {shape} (random weights, {dtype_name}): parity", flush=True)
+            model = random_model(shape, args.device, dtype)
+            all_ok &= run_parity(model, args)
+            del model
+            gc.collect()
+            sync(empty_cache=True)
         if not args.skip_speed:
+            print(f"== {shape} (random weights, bfloat16): speed", flush=True)
+            model = random_model(shape, args.device, torch.bfloat16)
             for graphs in (False, True):
                 engine = make_engine(model, graphs, args)
                 print(f"    batch 1 decode, graphs={graphs}: {decode_speed(engine, 128, 256):.1f} tokens/s", flush=True)
@@ -188,9 +194,9 @@ def main() -> int:
                           f"({total:.0f} tokens/s incl. prompts), preemptions {engine.stats()['preemptions']}",
                           flush=True)
                 free(engine)
-        del model
-        gc.collect()
-        sync(empty_cache=True)
+            del model
+            gc.collect()
+            sync(empty_cache=True)
     print("ALL PARITY CHECKS PASSED" if all_ok else "PARITY FAILURES (see above)", flush=True)
     return 0 if all_ok else 1
 

@@ -168,7 +168,8 @@ BAD_COMPLETIONS = [  # (body patch, expected param, expected code)
     ({"stop_token_ids": [VOCAB]}, "logit_bias", "invalid_token_id"),
     ({"suffix": "end"}, None, None),
     ({"stream_options": {"include_usage": True}}, None, None),
-    ({"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}, "stream_options.bogus", "unknown_parameter"),
+    ({"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}, "stream_options.bogus",
+     "unknown_parameter"),
     ({"unknown_field": 1}, "unknown_field", "unknown_parameter"),
     ({"seed": 2**80}, "seed", None),
     ({"echo": "yes please"}, "echo", None),
@@ -258,6 +259,26 @@ def test_valid_requests_work(client):
     assert r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"][0]["logprob"] == -0.5
 
 
+def test_prompt_lists_give_one_choice_per_prompt_and_n(client):
+    r = client.post("/v1/completions", json={**OK_COMPLETION, "prompt": ["a", "b c"], "n": 2})
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
+    r = client.post("/v1/completions", json={**OK_COMPLETION, "prompt": [[1, 2], [3]], "max_tokens": 0, "echo": True})
+    assert [c["text"] for c in r.json()["choices"]] == [tokenizer_decode(client, [1, 2]), tokenizer_decode(client, [3])]
+    assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+
+
+def tokenizer_decode(client, ids):
+    return client.app.state.server.decode(ids)
+
+
+def test_serve_binds_localhost_by_default():
+    import inspect
+
+    from fitllm.cli.serve import serve
+
+    assert inspect.signature(serve).parameters["host"].default.default == "127.0.0.1"
+
+
 def test_body_size_limit(tokenizer):
     with make_client(tokenizer, max_body_bytes=2048) as c:
         big = {**OK_COMPLETION, "prompt": "x" * 4096}
@@ -327,9 +348,10 @@ def test_timeout_is_504_and_aborts(tokenizer):
 # ---- fuzzing the OpenAPI schema --------------------------------------------------------------------
 
 def _json_values():
-    scalars = st.none() | st.booleans() | st.integers(-2**64, 2**64) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-                        max_leaves=8)
+    scalars = (st.none() | st.booleans() | st.integers(-2**64, 2**64) | st.text(max_size=12)
+               | st.floats(allow_nan=False, allow_infinity=False))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=8)
 
 
 def from_schema(schema: dict, components: dict, depth: int = 0):

@@ -203,3 +203,14 @@ def test_decode_graph_path_emulated_on_cpu(embedded_model, embedded_tokenizer, p
     outs = eng.generate([prompts[i] for i in picks], GREEDY)
     assert [o.new_token_ids for o in outs] == [reference[i] for i in picks]
     assert used and max(used) == 5
+
+
+def test_int8_kv_cache_and_copy_on_write_copies(embedded_model, embedded_tokenizer, prompts, reference):
+    eng = make_engine(embedded_model, embedded_tokenizer, kv_dtype="int8")
+    outs = eng.generate([prompts[0], prompts[12]], GREEDY)
+    assert [o.new_token_ids[0] for o in outs] == [reference[0][0], reference[12][0]]  # int8 KV: ~exact
+    assert eng.stats()["kv_blocks_used"] == 0
+    cache = eng.runner.cache
+    before = [t[:, 0].clone() for t in (cache.k, cache.v, cache.k_scales)]
+    eng.runner.copy_blocks([(0, 3)])  # what the block manager queues for copy-on-write
+    assert all(torch.equal(b, t[:, 3]) for b, t in zip(before, (cache.k, cache.v, cache.k_scales)))

@@ -86,8 +86,34 @@ def test_loaders(shared_data):
     assert len(load_text(shared_data / "wikitext-2" / "wiki.test.raw")) > 1_000_000
 
 
+def test_quantized_kv_variant_is_measured(tmp_path):
+    """A `@kv=` candidate really runs on the quantized cache: KL vs the fp32 cache is small but > 0."""
+    import inspect
+
+    from fitllm.models.kv_cache import PagedKVCache
+    from fitllm.models.loader import load_model
+    from fitllm.evals.runner import cache_kwargs
+    from tiny_models import write_tiny_model
+
+    if "kv_dtype" not in inspect.signature(PagedKVCache).parameters:
+        pytest.skip("this build's KV cache has no kv_dtype")
+    write_tiny_model("llama", tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    lm = LoadedModel(model, None, tmp_path, "dense")
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    windows = make_windows(len(ids), 64)
+    base = perplexity(Scorer(model), ids, windows, keep_tokens=10_000)
+    for kv in ("int8", "fp8"):
+        calib = [ids[:150], ids[150:]]  # explicit statistics: the data-free default is slow on a CPU
+        res = perplexity(Scorer(model, cache_kwargs(lm, kv, calib)), ids, windows, reference=base)
+        kl = res.kl.sum() / res.kl_tokens.sum()
+        assert 0 < kl < 0.05, (kv, kl)
+        assert abs(res.ppl - base.ppl) / base.ppl < 0.05
+
+
 # ---- agreement with transformers -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_perplexity_matches_transformers(shared_data, loaded, hf_model):
     text = load_text(shared_data / "wikitext-2" / "wiki.test.raw")[:20000]
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)
@@ -105,6 +131,7 @@ def test_perplexity_matches_transformers(shared_data, loaded, hf_model):
         assert abs(ours - ref) / ref < 1e-3, (stride, ours, ref)
 
 
+@pytest.mark.slow
 def test_multiple_choice_matches_transformers(shared_data, loaded, hf_model):
     tok = loaded.tokenizer
     examples = (load_arc(shared_data / "arc" / "arc_easy_test.llmfoundry.jsonl")[:2]
@@ -145,6 +172,7 @@ def _fake_quant_model(model, bits=4, group=64):
     return cand
 
 
+@pytest.mark.slow
 def test_ab_four_candidates_small(shared_data, loaded, tmp_path):
     """The A/B for base + 4 candidates at a tiny size: identical weights must show zero difference,
     a 4-bit candidate a positive KL; all three report files are written."""
@@ -171,6 +199,7 @@ def test_ab_four_candidates_small(shared_data, loaded, tmp_path):
     assert cpu_s < 300, cpu_s
 
 
+@pytest.mark.slow
 def test_cli_writes_reports(shared_data, tmp_path):
     from typer.testing import CliRunner
 
@@ -180,7 +209,7 @@ def test_cli_writes_reports(shared_data, tmp_path):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     out = tmp_path / "report"
     result = CliRunner().invoke(app, [
-        "eval", "embedded", "@kv=auto", "--tasks", "wikitext,piqa", "--text", str(text), "--limit", "1",
+        "eval", "embedded", "@kv=int8", "--tasks", "wikitext,piqa", "--text", str(text), "--limit", "1",
         "--ctx", "32", "--gen-tokens", "4", "--data-dir", str(shared_data), "-o", str(out)])
     assert result.exit_code == 0, result.output
     for name in ("report.md", "report.json", "report.html"):

@@ -95,8 +95,9 @@ def test_cache_write_triton_matches_reference(name):
         # The interpreter rounds fp32 -> bf16/fp8 by truncation, the GPU and torch to nearest:
         # allow one step of the format there, nothing elsewhere.
         tol = {"bf16": 1e-2, "fp8": 0.13}.get(name, 1e-6)
+        atol = 4e-3 if name == "fp8" else 1e-6  # fp8's subnormal step is 2 ** -9
         assert torch.isfinite(kb).all()
-        assert ((ka - kb).abs() <= tol * ka.abs() + 1e-6).all()
+        assert ((ka - kb).abs() <= tol * ka.abs() + atol).all()
         # and the stored values are the quantization of the input
         err = rel(ka, a.k_raw[i])
         assert err < {"fp32": 1e-7, "bf16": 5e-3, "fp8": 5e-2, "int8": 1e-2, "int4": 0.12}[name]
@@ -108,7 +109,7 @@ def test_padding_slots_are_not_written():
     before = pool.k.clone()
     pa.cache_write(k, v, *pool.tensors(), torch.tensor([-1, 5, -1]), pool.kind, pool.group)
     changed = (pool.k != before).flatten(2).any(-1).flatten()
-    assert changed.nonzero().flatten().tolist() == [5 * H, 5 * H + 1]
+    assert changed.nonzero().flatten().tolist() == [5]
 
 
 @pytest.mark.parametrize("name", list(STORE))

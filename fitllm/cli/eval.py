@@ -27,6 +27,8 @@ def eval_command(
         None, "--data-dir", help="Folder with local data files (repeatable; also $FITLLM_DATA_DIR). "
                                  "See fitllm/evals/data.py for the file names and formats."),
     kl_tokens: int = typer.Option(4096, "--kl-tokens", help="Tokens with full-distribution KL (base keeps N x vocab floats)."),
+    kv_calib: Optional[Path] = typer.Option(
+        None, "--kv-calib", help="Text file for fp8/int4 KV-cache statistics (default: text the model samples itself)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts for generation agreement, one per line."),
     gen_tokens: int = typer.Option(32, "--gen-tokens", help="New tokens per prompt for generation agreement."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda (default: cuda when present)."),
@@ -41,7 +43,7 @@ def eval_command(
 
     try:
         settings = EvalSettings(limit=limit, ctx=ctx, stride=stride, text=text, kl_tokens=kl_tokens,
-                                gen_tokens=gen_tokens)
+                                gen_tokens=gen_tokens, kv_calib=kv_calib)
         settings.tasks, settings.task_files = _parse_tasks(tasks, text is not None, ALL_TASKS)
         dirs = list(data_dir or [])
         if os.environ.get("FITLLM_DATA_DIR"):

@@ -123,7 +123,8 @@ def _run(app, host: str, port: int, log_level: str, request_timeout: float) -> N
 
     # SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight requests finish (up to the
     # request timeout), then the app's lifespan drains the engine.
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=log_level.lower() in ("info", "debug"),
+    level = log_level.lower()
+    uvicorn.run(app, host=host, port=port, log_level=level, access_log=level in ("info", "debug"),
                 timeout_graceful_shutdown=int(request_timeout) + 5, timeout_keep_alive=5)
 
 

@@ -41,6 +41,7 @@ class EvalSettings:
     dtype: Optional[torch.dtype] = None  # None: bf16 on GPU, fp32 on CPU
     max_batch_tokens: int = 4096
     max_len: int = 2048  # truncation for multiple-choice / LAMBADA requests
+    kv_calib: Optional[Path] = None  # text for fp8/int4 KV statistics (default: model-sampled text)
 
 
 class _Bars:
@@ -81,7 +82,8 @@ def run_ab(base: ModelSpec, candidates: list[ModelSpec], settings: EvalSettings,
     for k, spec in enumerate(specs):
         loaded = _load(spec, settings, loaded_cache)
         t0 = time.time()
-        scorer = Scorer(loaded.model, cache_kwargs(loaded, spec.kv_dtype), settings.max_batch_tokens,
+        calib = _calibration_ids(loaded.tokenizer, settings.kv_calib) if settings.kv_calib else None
+        scorer = Scorer(loaded.model, cache_kwargs(loaded, spec.kv_dtype, calib), settings.max_batch_tokens,
                         max(settings.ctx, settings.max_len))
         out, task_seconds, ppl_rate = {}, {}, {}
         base_out = results.get(specs[0].name)
@@ -143,6 +145,11 @@ def _tokenize(tokenizer, text: str, settings: EvalSettings) -> list[int]:
         if len(ids) >= needed or needed * 16 >= len(text):
             return ids[: needed - 64] if len(ids) >= needed else ids
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _calibration_ids(tokenizer, path: Path, seqs: int = 8, length: int = 512) -> list[list[int]]:
+    ids = tokenizer.encode(load_text(path)[: seqs * length * 8], add_special_tokens=False)
+    return [ids[i: i + length] for i in range(0, min(len(ids), seqs * length), length) if len(ids[i: i + length]) > 1]
 
 
 def _unique_names(specs: list[ModelSpec]) -> list[ModelSpec]:

@@ -73,10 +73,10 @@ class LoadedModel:
     kv_calibration: object = None  # computed once, shared by every quantized-KV variant
 
 
-def cache_kwargs(loaded: LoadedModel, kv_dtype: str) -> dict:
-    """PagedKVCache options for `kv_dtype`. fp8 and int4 need per-channel K/V statistics: computed
-    here once per model with the cache's own data-free default (text the model samples itself), so
-    the eval never sees its test text during calibration."""
+def cache_kwargs(loaded: LoadedModel, kv_dtype: str, calib_ids: Optional[list[list[int]]] = None) -> dict:
+    """PagedKVCache options for `kv_dtype`. fp8 and int4 need per-channel K/V statistics, computed
+    once per model: from `calib_ids` (token sequences of the user's calibration text) or else with
+    the cache's data-free default (text the model samples itself). Never from the eval's own text."""
     if kv_dtype == "auto":
         return {}
     params = inspect.signature(PagedKVCache).parameters
@@ -87,7 +87,7 @@ def cache_kwargs(loaded: LoadedModel, kv_dtype: str) -> dict:
         if loaded.kv_calibration is None:
             from fitllm.models.kv_cache import calibrate_kv_scales
 
-            loaded.kv_calibration = calibrate_kv_scales(loaded.model)
+            loaded.kv_calibration = calibrate_kv_scales(loaded.model, calib_ids)
         kwargs["calibration"] = loaded.kv_calibration
     return kwargs
 
@@ -99,17 +99,24 @@ def load_for_eval(path: Optional[str], device: str, dtype: Optional[torch.dtype]
     qc = config.get("quantization_config")
     dtype = dtype or default_dtype(device)
     if qc:
-        method = str(qc.get("quant_method") or qc.get("format") or "quantized")
-        try:
-            from fitllm.quant import load_quantized_model
-        except ImportError:
-            raise EvalError(f"{folder}: a {method} checkpoint, but this fitllm build has no quantized loader "
-                            "(fitllm.quant.load_quantized_model)") from None
-        model = load_quantized_model(folder, device=device, dtype=dtype)
+        method = "/".join(str(qc[k]) for k in ("quant_method", "format") if qc.get(k)) or "quantized"
+        model = _quantized_loader(folder, method)(folder, device=device, dtype=dtype)
     else:
         method = "dense"
         model = load_model(folder, device=device, dtype=dtype)
     return LoadedModel(model.eval(), load_tokenizer(folder), folder, method)
+
+
+def _quantized_loader(folder: Path, method: str):
+    import importlib
+
+    for module in ("fitllm.quant", "fitllm.quant.layers"):
+        try:
+            return getattr(importlib.import_module(module), "load_quantized_model")
+        except (ImportError, AttributeError):
+            continue
+    raise EvalError(f"{folder}: a {method} checkpoint, but this fitllm build has no quantized loader "
+                    "(fitllm.quant.load_quantized_model)")
 
 
 class Scorer:

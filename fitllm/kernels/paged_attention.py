@@ -413,7 +413,10 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
         if num_splits is None:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
             num_splits = default_num_splits(batch, h, max_seq_len, sms)
-        bn = block_n or (64 if kind != KIND_INT4 else 32)
+        # Tile defaults from the H200 sweep (benchmarks/RESULTS.md): quantized rows are short, so
+        # they want longer tiles and a deeper pipeline to keep enough bytes in flight.
+        bn = block_n or (64 if kind == KIND_FLOAT else 128)
+        num_stages = num_stages or (2 if kind == KIND_FLOAT else 3)
         direct = num_splits == 1
         if direct:
             po = pml = out
@@ -424,7 +427,7 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
             q, *args, out, po, pml, scale, window, num_splits,
             q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
             H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
-            KIND=kind, GROUP=group, DIRECT=direct, UPCAST=upcast, num_warps=num_warps or 4, num_stages=num_stages or 2)
+            KIND=kind, GROUP=group, DIRECT=direct, UPCAST=upcast, num_warps=num_warps or 4, num_stages=num_stages)
         if not direct:
             _reduce_kernel[(batch, hq)](po, pml, out, num_splits, out.stride(0), out.stride(1),
                                         HQ=hq, D=d, SP=triton.next_power_of_2(num_splits), num_warps=4)

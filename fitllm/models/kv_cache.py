@@ -5,7 +5,9 @@ The decoder sees one method: `ctx.attend(layer, q, k, v) -> out` over a flat bat
 sequence, where their K/V go, which blocks hold each sequence's past). Prefill, chunked prefill
 and decode are the same call: a step is just tokens.
 
-KV layout: per layer `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V.
+KV layout: per layer `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V (head_dim / 2
+bytes for int4), plus fp16 scales `[..., num_kv_heads, groups]` beside them for int8/int4. The kernels
+(Triton on CUDA, torch reference elsewhere) live in fitllm/kernels/paged_attention.py.
 """
 from __future__ import annotations
 

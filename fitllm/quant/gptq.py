@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fitllm.quant.rtn import grid_params
+from fitllm.quant.rtn import grid_params, mse_grid_params
 from fitllm.quant.scheme import QuantError, QuantizedWeight, QuantScheme
 
 
@@ -43,6 +43,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, block: 
     if k % g:
         raise QuantError(f"GPTQ: group size {g} does not divide {k}")
     block = max(block // g, 1) * g if g <= block else g  # a group never straddles two blocks
+    find = mse_grid_params if scheme.extra.get("mse_grid") else grid_params
     W = w.double().clone()
     H = h.clone()
     dead = H.diagonal() == 0
@@ -52,7 +53,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, block: 
     # static groups: grids from the untouched weights, indexed by original column
     static = None
     if scheme.act_order and scheme.static_groups or scheme.group_size == -1:
-        static = [grid_params(W[:, j:j + g], scheme) for j in range(0, k, g)]
+        static = [find(W[:, j:j + g], scheme) for j in range(0, k, g)]
     W, H = W[:, perm], H[perm][:, perm]
     U = _inverse_cholesky(H, scheme.damp)
     Q = torch.zeros(n, k, dtype=torch.int32, device=w.device)
@@ -71,7 +72,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, scheme: QuantScheme, block: 
             else:
                 grp = col // g
                 if col % g == 0:  # a new group: grid from the already-updated weights
-                    scale, zero = grid_params(W1[:, i:i + g], scheme)
+                    scale, zero = find(W1[:, i:i + g], scheme)
             scale, zero = scale.double(), zero.double()
             scales[:, grp], zeros[:, grp], group_of[col] = scale, zero, grp
             q = torch.clamp(torch.round(W1[:, i] / scale) + zero, 0, scheme.qmax)

@@ -54,3 +54,19 @@ def rtn_quantize(w: torch.Tensor, scheme: QuantScheme, clip: Optional[torch.Tens
     q = quantize_with(flat, scale, zero, scheme.qmax).reshape(n, k)
     return QuantizedWeight(q.to(torch.uint8), scale.reshape(n, -1), zero.reshape(n, -1).to(torch.int32),
                            scheme.bits, scheme.group_size, scheme.sym)
+
+
+def mse_grid_params(w: torch.Tensor, scheme: QuantScheme, steps: int = 10, max_shrink: float = 0.25):
+    """Like grid_params, but each row's range shrunk by the factor (1 .. 1-max_shrink) that
+    minimises its squared rounding error: clipping a few outliers buys finer steps for the rest."""
+    best_err = torch.full((w.shape[0],), float("inf"), dtype=torch.float64, device=w.device)
+    best_scale = best_zero = None
+    for i in range(steps + 1):
+        clip = torch.full((w.shape[0],), 1 - max_shrink * i / steps, device=w.device)
+        scale, zero = grid_params(w, scheme, clip)
+        err = (fake_quant(w, scale, zero, scheme.qmax) - w.float()).pow(2).sum(1).double()
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = scale if best_scale is None else torch.where(better, scale, best_scale)
+        best_zero = zero if best_zero is None else torch.where(better, zero, best_zero)
+    return best_scale, best_zero

@@ -283,8 +283,12 @@ class Server:
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+            text = self._token_text[token_id] = self.decode([token_id])
         return text
+
+    def decode(self, ids: list[int]) -> str:
+        # No clean-up: it strips spaces before punctuation, which would change the text.
+        return self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's raw bytes (a byte-level BPE token may be half a UTF-8 character)."""
@@ -420,13 +424,12 @@ class Server:
                 for chunk in chunks(*item):
                     yield sse(chunk)
                 # The timeout covers the wait for the engine only, never a yield.
-                async with asyncio.timeout_at(_loop_deadline(deadline)):
-                    item = await anext(outputs, None)
+                item = await asyncio.wait_for(anext(outputs, None), max(0.0, deadline - time.monotonic()))
                 if item is not None:
                     self.record(*item, arrival)
             for chunk in chunks(None, None):  # the final usage chunk, when asked for
                 yield sse(chunk)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
             self.metrics.errors.labels("request_timeout").inc()
             err = self.timeout_error()
             yield sse(error_body(err.status, err.message, code=err.code))
@@ -469,11 +472,6 @@ def _message_dict(m: P.ChatMessage) -> dict:
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _loop_deadline(deadline_monotonic: float) -> float:
-    loop = asyncio.get_running_loop()
-    return loop.time() + (deadline_monotonic - time.monotonic())
 
 
 async def parse_body(request: Request, model: type[BaseModel]):
@@ -521,7 +519,7 @@ class CompletionShaper:
             text = self.echo_texts[c.prompt_index]
             if lp is not None:
                 rows = out.prompt_logprobs or [None] * len(c.prompt_ids)
-                for tid, entry in zip(c.prompt_ids, rows):
+                for tid, entry in zip(c.prompt_ids, rows, strict=True):
                     self.add_row(c, lp, tid, entry)
         text += out.new_text
         if lp is not None:
@@ -652,7 +650,7 @@ async def completions(server: Server, request: Request):
     for p_idx, prompt in enumerate(prompts):
         ids = server.encode(prompt)
         max_tokens = server.token_budget(ids, body.max_tokens)
-        echo_texts.append(prompt if isinstance(prompt, str) else server.tokenizer.decode(ids, clean_up_tokenization_spaces=False))
+        echo_texts.append(prompt if isinstance(prompt, str) else server.decode(ids))
         prompt_lp = body.logprobs if body.echo else None
         for j in range(n):
             params = server.sampling_params(body, max_tokens, j, body.logprobs, prompt_lp)

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from fitllm.models.kv_cache import KVCalibration
 from fitllm.serve.block_manager import BlockManager
 from fitllm.serve.detokenizer import IncrementalDetokenizer
 from fitllm.serve.model_runner import ModelRunner, StepSeq
@@ -51,6 +52,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    kv_calibration: Optional[KVCalibration] = None  # K/V statistics for fp8/int4 KV (else measured)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -85,7 +87,7 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.model_config = model.config
         self.device, self.dtype, self.kv_dtype = model.device, model.dtype, config.kv_dtype
-        self.runner = ModelRunner(model, config.block_size, config.kv_dtype)
+        self.runner = ModelRunner(model, config.block_size, config.kv_dtype, config.kv_calibration)
         self.max_model_len, num_blocks = self._size_kv_cache()
         self.runner.allocate_cache(num_blocks)
         self.cuda_graphs = config.cuda_graphs and self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
@@ -110,6 +112,9 @@ class LLMEngine:
         num_blocks = c.num_kv_blocks or self.runner.choose_num_blocks(
             c.max_num_seqs, model_len, c.max_num_batched_tokens, c.gpu_memory_utilization, c.cuda_graphs)
         # One sequence must always fit alone, or preemption could not guarantee progress.
+        if num_blocks * c.block_size < model_len:
+            log.warning("the KV cache holds %d tokens: max_model_len lowered from %d", num_blocks * c.block_size,
+                        model_len)
         return min(model_len, num_blocks * c.block_size), num_blocks
 
     # ---- requests --------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ ENGINE_STATS = {
     "num_waiting": ("fitllm_num_requests_waiting", "Requests waiting for admission (queue length)", "gauge"),
     "kv_blocks_used": ("fitllm_kv_blocks_used", "KV-cache blocks in use", "gauge"),
     "kv_blocks_total": ("fitllm_kv_blocks_total", "KV-cache blocks in the pool", "gauge"),
-    "prefix_cache_hit_rate": ("fitllm_prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache", "gauge"),
+    "prefix_cache_hit_rate": ("fitllm_prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache",
+                              "gauge"),
     "preemptions": ("fitllm_preemptions", "Requests preempted for lack of KV blocks", "counter"),
 }
 
@@ -49,7 +50,8 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("fitllm_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("fitllm_prompt_tokens", "Prompt tokens of requests the engine took (once per choice)", registry=r)
+        self.prompt_tokens = Counter("fitllm_prompt_tokens", "Prompt tokens of requests the engine took (per choice)",
+                                     registry=r)
         self.generation_tokens = Counter("fitllm_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("fitllm_time_to_first_token_seconds", "Request arrival to first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)

@@ -15,7 +15,6 @@ fixed budget.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -26,14 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from fitllm.models.decoder import CausalLM
-from fitllm.models.kv_cache import AttentionMetadata, ForwardContext, PagedKVCache
+from fitllm.models.kv_cache import (AttentionMetadata, ForwardContext, KVCalibration, PagedKVCache,
+                                    calibrate_kv_scales)
 
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU default: 1 GiB of KV (~23k tokens of SmolLM2 in fp32)
 FALLBACK_GRAPH_GATHER_BYTES = 512 << 20
-FLOAT_KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                   "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+NEEDS_CALIBRATION = ("fp8", "int4")  # PagedKVCache refuses these without K/V statistics
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -46,9 +45,16 @@ class StepSeq:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_size: int, kv_dtype: str = "auto"):
+    def __init__(self, model: CausalLM, block_size: int, kv_dtype: str = "auto",
+                 kv_calibration: Optional[KVCalibration] = None):
         self.model, self.block_size, self.kv_dtype = model, block_size, kv_dtype
         self.device = model.device
+        if kv_dtype in NEEDS_CALIBRATION and kv_calibration is None:
+            # Never a silent scale of 1.0: without statistics from the checkpoint or the caller,
+            # measure the model's own K/V on text it generates (data-free, a few seconds on a GPU).
+            log.warning("kv_dtype %s: no K/V calibration given; calibrating on self-generated text", kv_dtype)
+            kv_calibration = calibrate_kv_scales(model)
+        self.kv_calibration = kv_calibration
         self.cache: Optional[PagedKVCache] = None
         self.graphs: Optional[DecodeGraphs] = None
 
@@ -63,22 +69,22 @@ class ModelRunner:
                           gpu_memory_utilization: float, cuda_graphs: bool) -> int:
         """How many KV blocks to allocate (the scratch block comes on top)."""
         per_block = self.bytes_per_block()
-        wanted = max_num_seqs * math.ceil(max_model_len / self.block_size)  # never useful beyond this
-        if self.device.type != "cuda":
+        if self.device.type != "cuda":  # enough for every sequence at full length, within a budget
+            wanted = max_num_seqs * math.ceil(max_model_len / self.block_size)
             return max(1, min(wanted, CPU_KV_CACHE_BYTES // per_block))
         free_bytes = self._cuda_kv_budget(max_num_seqs, max_model_len, max_num_batched_tokens,
                                           gpu_memory_utilization, cuda_graphs)
-        if free_bytes < per_block * math.ceil(max_model_len / self.block_size):
+        if free_bytes < per_block:
             raise RuntimeError(
-                f"not enough GPU memory for the KV cache: {free_bytes / 2**30:.2f} GiB left after the weights "
-                f"and step buffers, one sequence of {max_model_len} tokens needs "
-                f"{per_block * math.ceil(max_model_len / self.block_size) / 2**30:.2f} GiB; lower --max-model-len, "
-                "raise --gpu-memory-utilization or use a smaller --kv-dtype")
-        return min(wanted, free_bytes // per_block)
+                f"no GPU memory left for the KV cache after the weights and step buffers "
+                f"({free_bytes / 2**20:.0f} MiB); raise --gpu-memory-utilization, lower --max-num-seqs, "
+                "or use a smaller model or --kv-dtype")
+        return free_bytes // per_block  # all of it: spare blocks keep more prefixes cached
 
     def _cuda_kv_budget(self, max_num_seqs, max_model_len, max_num_batched_tokens, utilization, cuda_graphs) -> int:
         """Usable card memory minus what is in use now (context, weights) and what steps will need."""
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # memory torch holds but does not use is not "in use"
         free, total = torch.cuda.mem_get_info(self.device)
         try:
             from fitllm import budget
@@ -112,14 +118,10 @@ class ModelRunner:
         self.scratch_block = num_blocks
 
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
-        c, kwargs = self.model.config, {}
-        dtype = FLOAT_KV_DTYPES.get(self.kv_dtype, self.model.dtype)  # auto: the model's dtype
-        if self.kv_dtype not in FLOAT_KV_DTYPES and self.kv_dtype != "auto":  # fp8, int8, int4
-            if "kv_dtype" not in inspect.signature(PagedKVCache).parameters:
-                raise ValueError(f"--kv-dtype {self.kv_dtype}: this build of fitllm has no quantized KV cache")
-            kwargs["kv_dtype"] = self.kv_dtype
+        c = self.model.config
         return PagedKVCache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
-                            dtype=dtype, device=self.device, sliding_window=c.sliding_window, **kwargs)
+                            dtype=self.model.dtype, device=self.device, sliding_window=c.sliding_window,
+                            kv_dtype=self.kv_dtype, calibration=self.kv_calibration)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, emulate_on_cpu: bool = False) -> bool:
         """Capture decode graphs (GPU only; `emulate_on_cpu` runs the graph path's padding and
@@ -175,21 +177,22 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
-        # Every per-block tensor of the cache ([layers, blocks, ...]: K, V, quantization scales).
-        for t in vars(self.cache).values():
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[:2] == (self.cache.num_layers, self.cache.num_blocks):
+        # Every per-slot tensor of the cache ([layers, blocks, block_size, ...]: K, V, scales, zeros).
+        c = self.cache
+        for t in vars(c).values():
+            if isinstance(t, torch.Tensor) and t.dim() >= 4 and t.shape[:3] == (c.num_layers, c.num_blocks, c.block_size):
                 t[:, dst] = t[:, src]
 
 
 # ---- CUDA graphs -------------------------------------------------------------------------------
 def graph_safe_attention(cache: PagedKVCache) -> Optional[Callable]:
     """Decode attention that reads only device tensors, so a captured graph stays valid when the
-    batch's lengths and block tables change. The reference `cache.attention` loops over host
-    lengths: capturing it would freeze them. A cache whose kernels are capturable says so with
-    `supports_cuda_graphs = True`; for the plain unquantized cache a padded torch version is used."""
+    batch's lengths and block tables change (the torch reference loops over host lengths:
+    capturing it would freeze them). The Triton path says so with `supports_cuda_graphs`; for
+    an unquantized cache without it (CPU emulation in tests) a padded torch version stands in."""
     if getattr(cache, "supports_cuda_graphs", False):
         return cache.attention
-    if type(cache) is PagedKVCache:
+    if cache.k.dtype in (torch.float32, torch.float16, torch.bfloat16) and not getattr(cache, "transformed", False):
         return partial(padded_decode_attention, cache)
     return None
 

@@ -11,7 +11,17 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_N = 128          # OpenAI's limit on choices per request
 MAX_LOGPROBS = 20    # top-n logprobs per token
@@ -224,7 +234,8 @@ class ChatCompletionRequest(SamplingFields):
         if self.tool_choice not in (None, "none"):
             raise ParamError("tool_choice", "tool_choice is not supported by this server")
         if self.response_format is not None and self.response_format.type != "text":
-            raise ParamError("response_format", f"response_format {self.response_format.type!r} is not supported (only 'text')")
+            raise ParamError("response_format",
+                             f"response_format {self.response_format.type!r} is not supported (only 'text')")
         return self
 
     def token_limit(self) -> Optional[int]:

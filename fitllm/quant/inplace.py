@@ -1,0 +1,51 @@
+"""Quantize a loaded model on the fly (no calibration, no files): RTN int4 or FP8 per channel.
+
+For load-time quantization (`quant serve --quantize`), random-weight GPU benchmarks, and the
+int4 self-drafter of speculative decoding, which shares everything but the linear layers with
+its target.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+
+from fitllm.models.decoder import CausalLM
+from fitllm.models.linear import DenseLinear
+from fitllm.quant.formats.packing import to_kernel
+from fitllm.quant.fp8 import fp8_quantize
+from fitllm.quant.layers import QuantLinear
+from fitllm.quant.rtn import rtn_quantize
+from fitllm.quant.scheme import QuantError, QuantScheme, choose_group_size
+
+ON_THE_FLY_METHODS = ("int4", "fp8")
+
+
+@torch.no_grad()
+def quantize_in_memory(model: CausalLM, method: str = "int4", group_size: Optional[int] = None) -> CausalLM:
+    """Replace every dense linear of `model` with a quantized one, in place; returns the model."""
+    if method not in ON_THE_FLY_METHODS:
+        raise QuantError(f"on-the-fly quantization {method!r} is not supported ({', '.join(ON_THE_FLY_METHODS)})")
+    dense = {name: m for name, m in model.fused_linears().items() if isinstance(m, DenseLinear)}
+    size, _ = choose_group_size([m.in_features for m in dense.values()], group_size)
+    scheme = QuantScheme("rtn", bits=4, group_size=size, sym=False)
+    for name, layer in dense.items():
+        quantized = QuantLinear(layer.prefix, layer.in_features, layer.out_sizes, layer.has_bias,
+                                reader=None, dtype=model.dtype, device=model.device)
+        weight = layer.weight
+        part = fp8_quantize(weight) if method == "fp8" else to_kernel(rtn_quantize(weight, scheme), model.dtype)
+        quantized.parts, quantized.pending = [part], []
+        if layer.bias is not None:
+            quantized.bias.copy_(layer.bias)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, quantized)
+    return model
+
+
+def quantized_copy(model: CausalLM, method: str = "int4", group_size: Optional[int] = None) -> CausalLM:
+    """A second model whose linears are quantized and whose embeddings and norms are the same
+    tensors as `model`'s (no second copy of them)."""
+    shared = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    twin = copy.deepcopy(model, memo=shared)
+    return quantize_in_memory(twin, method, group_size)
