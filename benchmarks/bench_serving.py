@@ -1,0 +1,269 @@
+"""Serving performance on one GPU (issue 10) and the memory model against the card (issue 8).
+
+Self-contained: random weights at Llama-3-8B shapes (speed does not depend on their values), no
+network, no files. Parts (pick with --parts):
+  decode   batch-1 decode tokens/s, bf16 / AWQ-style int4 (RTN g128) / FP8 weights, bf16 and fp8 KV,
+           beside HF transformers `generate` (bf16) measured in the same run
+  offline  1000 requests x (128 prompt, 128 output) tokens, FP8 weights (and int4, bf16)
+  profile  torch profiler over int4 batch-1 decode steps: where the time of a step goes
+  online   an OpenAI server (in a subprocess) loaded at 4/16/64 req/s, ShareGPT-like lengths
+  memory   emulated 12/16/24 GB cards: the engine sized by fitllm.budget, run under full load with
+           the process capped at the card's size; predicted vs measured peak
+Writes JSON beside the printed table when --out is given.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_engine_check import SHAPES, decode_speed, free, random_model, sync, throughput  # noqa: E402
+
+from fitllm.quant.inplace import quantize_in_memory  # noqa: E402
+from fitllm.serve.engine import EngineConfig, LLMEngine  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def build(scheme: str, shape: str = "llama3-8b"):
+    model = random_model(shape, "cuda", torch.bfloat16)
+    if scheme != "bf16":
+        quantize_in_memory(model, scheme, group_size=128)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return model
+
+
+def engine_for(model, **kw) -> LLMEngine:
+    cfg = dict(device="cuda", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192,
+               gpu_memory_utilization=0.85)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), model=model, tokenizer=None)
+
+
+def part_decode(args) -> None:
+    rows = []
+    for scheme in ("bf16", "int4", "fp8"):
+        model = build(scheme)
+        for kv in ("auto", "fp8"):
+            engine = engine_for(model, kv_dtype=kv, max_num_seqs=8)
+            tps = decode_speed(engine, 128, 256)
+            rows.append({"weights": scheme, "kv": kv, "tokens_per_s": tps, "ms_per_token": 1e3 / tps})
+            print(f"decode b1  weights={scheme:5s} kv={kv:5s}  {tps:8.1f} tok/s  ({1e3 / tps:.2f} ms/token)", flush=True)
+            free(engine)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    rows.append({"weights": "bf16", "kv": "hf", "tokens_per_s": hf_generate_speed(), "peer": "transformers generate"})
+    print(f"decode b1  HF transformers generate bf16: {rows[-1]['tokens_per_s']:.1f} tok/s", flush=True)
+    RESULTS["decode"] = rows
+
+
+def hf_generate_speed(new_tokens: int = 64) -> float:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, hidden, inter, layers, heads, kv, head_dim, tied = SHAPES["llama3-8b"]
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                         tie_word_embeddings=tied, max_position_embeddings=8192)
+    with torch.device("cuda"):
+        torch.set_default_dtype(torch.bfloat16)
+        model = LlamaForCausalLM(config).eval()
+        torch.set_default_dtype(torch.float32)
+    ids = torch.randint(0, vocab, (1, 128), device="cuda")
+    kw = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=0)
+    model.generate(ids, **{**kw, "min_new_tokens": 4, "max_new_tokens": 4})
+    sync()
+    t = time.perf_counter()
+    model.generate(ids, **kw)
+    sync()
+    speed = new_tokens / (time.perf_counter() - t)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return speed
+
+
+def part_offline(args) -> None:
+    rows = []
+    for scheme in args.offline_schemes.split(","):
+        model = build(scheme)
+        engine = engine_for(model, kv_dtype="auto")
+        throughput(engine, 32, 128, 16)  # warm-up: compile kernels for prefill shapes
+        gen, total = throughput(engine, args.offline_requests, 128, 128)
+        rows.append({"weights": scheme, "requests": args.offline_requests, "output_tokens_per_s": gen,
+                     "total_tokens_per_s": total, "preemptions": engine.stats()["preemptions"]})
+        print(f"offline    weights={scheme:5s} {args.offline_requests} x (128 in, 128 out): {gen:8.0f} output tok/s "
+              f"({total:.0f} incl. prompt)", flush=True)
+        free(engine)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    RESULTS["offline"] = rows
+
+
+def part_profile(args) -> None:
+    model = build("int4")
+    engine = engine_for(model, max_num_seqs=8)
+    prompt = list(range(100, 228))
+    from fitllm.serve.sampling import SamplingParams
+
+    engine.add_request("p", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            engine.step()
+        sync()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
+    host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    print(table, flush=True)
+    print(host, flush=True)
+    RESULTS["profile"] = {"by_cuda_time": table, "by_cpu_time": host}
+    free(engine)
+
+
+def part_memory(args) -> None:
+    from fitllm import budget
+    from fitllm.serve.sampling import SamplingParams
+
+    rows = []
+    total = torch.cuda.mem_get_info()[1]
+    for scheme, kv in (("int4", "auto"), ("int4", "fp8"), ("fp8", "auto"), ("fp8", "fp8")):
+        model = build(scheme)
+        for card_gib in (12, 16, 24):
+            card = card_gib * 2**30
+            settings = budget.Settings(scheme="awq" if scheme == "int4" else "fp8",
+                                       kv_dtype="bf16" if kv == "auto" else kv, max_model_len=4096,
+                                       max_num_seqs=16, max_batched_tokens=2048, gpu_memory_utilization=0.9)
+            predicted_full = budget.estimate(model.config, settings, card)
+            if not predicted_full.fits:
+                rows.append({"weights": scheme, "kv": kv, "card_gib": card_gib, "fits": False})
+                print(f"memory {scheme}/{kv} on {card_gib} GB: does not fit (predicted)", flush=True)
+                continue
+            util = 0.9 * card / total  # the engine sizes itself from `total * util`: the emulated card
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(card / total)
+            torch.cuda.reset_peak_memory_stats()
+            row = {"weights": scheme, "kv": kv, "card_gib": card_gib}
+            try:
+                engine = engine_for(model, kv_dtype=kv, max_model_len=4096, max_num_seqs=16,
+                                    max_num_batched_tokens=2048, gpu_memory_utilization=util)
+                blocks = engine.stats()["kv_blocks_total"]
+                n = min(16, blocks * 16 // 4096)
+                engine.generate([list(range(100, 100 + 4096 - 64))] * max(1, n),
+                                SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+                sync()
+                predicted = budget.estimate(model.config, settings, card, num_kv_blocks=blocks + 1)
+                measured = torch.cuda.max_memory_allocated()
+                row |= {"kv_blocks": blocks, "seqs_at_4096": n, "predicted_torch_peak": predicted.torch_peak,
+                        "measured_torch_peak": measured, "error": (predicted.torch_peak - measured) / measured,
+                        "oom": False}
+                print(f"memory {scheme}/{kv} on {card_gib} GB: {blocks} blocks, {n} x 4096 tokens; torch peak "
+                      f"predicted {predicted.torch_peak / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB "
+                      f"({row['error']:+.1%})", flush=True)
+                free(engine)
+            except torch.cuda.OutOfMemoryError as exc:
+                row |= {"oom": True, "error_text": str(exc)[:200]}
+                print(f"memory {scheme}/{kv} on {card_gib} GB: OUT OF MEMORY", flush=True)
+            finally:
+                torch.cuda.set_per_process_memory_fraction(1.0)
+            rows.append(row)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    RESULTS["memory"] = rows
+
+
+def serve_random(scheme: str, port: int, tokenizer_dir: Path) -> None:
+    """A `quant serve` equivalent over a random Llama-3-8B-shaped model with the tokenizer's vocab."""
+    import uvicorn
+
+    from fitllm.models.tokenizer import load_tokenizer
+    from fitllm.serve.app import ServerConfig, create_app
+
+    SHAPES["llama3-8b-49k"] = (49152,) + SHAPES["llama3-8b"][1:]
+    model = build(scheme, "llama3-8b-49k")
+    engine = engine_for(model, max_num_seqs=128, max_model_len=4096, max_num_batched_tokens=4096)
+    app = create_app(engine, ServerConfig(served_model_name="default", max_waiting=4096))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def part_online(args) -> None:
+    """Poisson arrivals at 4/16/64 req/s, ShareGPT-like lognormal lengths, through HTTP."""
+    import asyncio
+    import subprocess
+    import urllib.request
+
+    from fitllm.serve.bench import make_workload, run_online
+
+    rows = []
+    for scheme in ("bf16", "int4"):
+        port = 8123
+        server = subprocess.Popen([sys.executable, __file__, "--serve-random", scheme, "--port", str(port),
+                                   "--tokenizer", str(args.tokenizer)])
+        try:
+            for _ in range(600):
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                    break
+                except OSError:
+                    if server.poll() is not None:
+                        raise RuntimeError("server exited")
+                    time.sleep(0.5)
+            for rate in (4.0, 16.0, 64.0):
+                n = int(max(48, rate * 8))
+                workload = make_workload(n, 220, 190, "sharegpt", vocab_size=49152, max_len=4096, seed=int(rate))
+                summary = asyncio.run(run_online(f"http://127.0.0.1:{port}", workload, rate))
+                rows.append({"weights": scheme, "rate": rate, "num_prompts": n} | summary)
+                print(f"online {scheme:5s} {rate:4.0f} req/s ({n} prompts): TTFT p50 {summary['ttft_ms']['p50']:.0f} "
+                      f"p99 {summary['ttft_ms']['p99']:.0f} ms | ITL p50 {summary['itl_ms']['p50']:.1f} "
+                      f"p99 {summary['itl_ms']['p99']:.1f} ms | {summary['output_tokens_per_s']:.0f} out tok/s | "
+                      f"errors {summary['errors']}", flush=True)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    RESULTS["online"] = rows
+
+
+PARTS = {"decode": part_decode, "offline": part_offline, "profile": part_profile, "memory": part_memory,
+         "online": part_online}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="decode,offline,profile,memory")
+    ap.add_argument("--offline-requests", type=int, default=1000)
+    ap.add_argument("--offline-schemes", default="fp8,int4,bf16")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--tokenizer", type=Path, default=Path(".gpu_assets/tokenizer"))
+    ap.add_argument("--serve-random", help="internal: run a server over a random model of this scheme")
+    ap.add_argument("--port", type=int, default=8123)
+    args = ap.parse_args()
+    if args.serve_random:
+        serve_random(args.serve_random, args.port, args.tokenizer)
+        return 0
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    for part in args.parts.split(","):
+        t = time.perf_counter()
+        try:
+            PARTS[part](args)
+        except Exception as exc:  # one part failing must not lose the others' numbers
+            print(f"PART {part} FAILED: {exc.__class__.__name__}: {exc}", flush=True)
+            RESULTS[f"{part}_error"] = repr(exc)
+        print(f"-- {part} took {time.perf_counter() - t:.0f}s", flush=True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "bench_serving.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
