@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,fp8,int8,int4")
     ap.add_argument("--calib-seqs", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--int4-group", type=int, default=32)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -59,6 +60,8 @@ def main() -> None:
         kwargs = {"kv_dtype": kv}
         if kv in ("fp8", "int8", "int4"):
             kwargs["calibration"] = cal
+        if kv == "int4":
+            kwargs["int4_group"] = args.int4_group
         nll, n, t0 = 0.0, 0, time.time()
         for w in windows:
             cache = make_cache(model, len(w), **kwargs)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fitllm.kernels import fused
 from fitllm.models.config import ModelConfig
 from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
 
@@ -23,11 +24,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference implementations do, then cast back.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """Normalise in float32 as the reference implementations do, then cast back. With `residual`,
+        normalises h = x + residual and returns (norm(h), h): the residual add, fused."""
+        return fused.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -49,13 +49,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D/2]; the rotate-half convention of HF checkpoints."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -83,7 +76,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = fused.apply_rope(q, k, cos, sin)  # in place: q and k are views of the qkv output
         out = ctx.attend(self.layer, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
@@ -97,8 +90,7 @@ class MLP(nn.Module):
         self.down_proj = make_linear(f"{prefix}.down_proj", config.intermediate_size, [config.hidden_size], False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -110,8 +102,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, layer, make_linear)
 
     def forward(self, x, cos, sin, ctx) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x -> the layer's output (input to the next layer); one layer on its own, as calibration runs it."""
+        out, residual = self.forward_residual(x, None, cos, sin, ctx)
+        return out + residual
+
+    def forward_residual(self, x, residual, cos, sin, ctx):
+        """The same layer with the residual stream carried beside it (vLLM style), so each residual
+        add is fused into the norm after it: (x, residual) -> (mlp output, residual), where the
+        hidden state is their sum. residual=None for the first layer (x is then the embedding)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):
@@ -157,10 +162,10 @@ class CausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+            x, residual = layer.forward_residual(x, residual, cos, sin, ctx)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

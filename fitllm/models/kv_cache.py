@@ -170,7 +170,8 @@ class PagedKVCache:
 
     bytes_per_token = 2 (K and V) * num_layers * num_kv_heads * row, where row is
       float: head_dim * element size;  fp8: head_dim;  int8: head_dim + 2 (fp16 scale);
-      int4: head_dim / 2 + 4 * head_dim / int4_group (fp16 scale and zero per group).
+      int4: head_dim / 2 + 4 * head_dim / g, g = min(int4_group, head_dim) (fp16 scale and zero
+            per group; head_dim 128: 80 bytes, 64: 40).
     That is every byte the per-token storage uses; the per-layer constants (means, lam, fp8
     scales: a few KB) are not per token and not counted.
     """
@@ -193,7 +194,7 @@ class PagedKVCache:
         self.compute_dtype = dtype
         self.device = torch.device(device)
         self.kind = {"fp8": pa.KIND_FP8, "int8": pa.KIND_INT8, "int4": pa.KIND_INT4}.get(kv_dtype, pa.KIND_FLOAT)
-        self.group = {"int8": head_dim, "int4": int4_group}.get(kv_dtype, head_dim)
+        self.group = {"int8": head_dim, "int4": min(int4_group, head_dim)}.get(kv_dtype, head_dim)
         if head_dim % self.group or (self.kind == pa.KIND_INT4 and self.group % 2):
             raise ValueError(f"int4_group={int4_group} must be even and divide head_dim={head_dim}")
         storage = {pa.KIND_FP8: torch.float8_e4m3fn, pa.KIND_INT8: torch.int8, pa.KIND_INT4: torch.uint8}.get(

@@ -8,6 +8,11 @@ found in the prefix cache count as computed and are skipped.
 When the pool runs out of blocks, the newest running request is preempted: its blocks go back
 (their cached content stays findable), it returns to the head of the queue with everything it
 has generated so far, and is later recomputed as a longer prompt. Nothing is dropped.
+
+Speculative decoding: the engine appends a request's draft tokens to `token_ids` before
+scheduling (`num_draft` of them). Such a request still counts as a decode, and its drafts are
+all or nothing: if its 1 + k tokens do not fit the budget or the pool, the drafts are dropped
+(never worth a preemption) and it decodes one token. Drafts never enter the prefix cache.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ class Request:
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_draft: int = 0  # speculative draft tokens at the end of token_ids, not yet verified
     arrival: int = field(default_factory=lambda: next(_arrival))
     state: dict[str, Any] = field(default_factory=dict)  # the engine's per-request extras
 
@@ -52,6 +58,11 @@ class Request:
     def num_remaining(self) -> int:
         """Tokens still to be run through the model before the next one can be sampled."""
         return self.num_tokens - self.num_computed
+
+    def drop_draft(self) -> None:
+        if self.num_draft:
+            del self.token_ids[-self.num_draft:]
+            self.num_draft = 0
 
 
 @dataclass
@@ -87,12 +98,16 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Decodes first (stable sort keeps admission order within each group).
-        for req in sorted(self.running, key=lambda r: r.num_remaining > 1):
+        for req in sorted(self.running, key=lambda r: r.num_remaining - r.num_draft > 1):
             if budget <= 0:
                 break
             if req.status != "running":  # preempted earlier in this loop
                 continue
             n = min(req.num_remaining, budget)
+            if req.num_draft and (n < req.num_remaining or not self.bm.can_allocate(req.request_id,
+                                                                                     req.num_computed, n)):
+                req.drop_draft()
+                n = min(req.num_remaining, budget)
             if n == 0:
                 continue
             while not self.bm.allocate(req.request_id, req.num_computed, n):
@@ -134,9 +149,10 @@ class Scheduler:
         """The forward pass wrote K/V for the scheduled tokens: count them and cache full blocks."""
         for req, n in out.num_tokens.items():
             req.num_computed += n
-            self.bm.cache_full_blocks(req.request_id, req.token_ids, req.num_computed)
+            self.bm.cache_full_blocks(req.request_id, req.token_ids, req.num_computed - req.num_draft)
 
     def preempt(self, req: Request) -> None:
+        req.drop_draft()
         self.running.remove(req)
         self.bm.free(req.request_id)
         req.num_computed, req.status = 0, "waiting"
@@ -146,6 +162,7 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         """Remove a request wherever it is and give its blocks back at once."""
+        req.drop_draft()
         if req.status == "running":
             self.running.remove(req)
         elif req.status == "waiting":
