@@ -44,7 +44,7 @@ def _save(summary: dict, path: Optional[Path]) -> None:
 @bench_app.command("serve")
 def bench_serve(
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Base URL of an OpenAI-compatible server."),
-    model: str = typer.Option("default", "--model", help="Model name to send (see the server's /v1/models)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model name to send (default: the server's first in /v1/models)."),
     rate: float = typer.Option(float("inf"), "--rate", help="Requests per second (Poisson arrivals); inf = all at once."),
     num_prompts: int = typer.Option(100, "--num-prompts"),
     input_len: int = typer.Option(128, "--input-len", help="Prompt tokens (median for --dist sharegpt)."),

@@ -115,7 +115,7 @@ async def _one_request(client, url: str, model: str, prompt: list[int], max_toke
     return result
 
 
-async def run_online(base_url: str, workload: Workload, rate: float, model: str = "default",
+async def run_online(base_url: str, workload: Workload, rate: float, model: Optional[str] = None,
                      api_key: Optional[str] = None, max_concurrency: Optional[int] = None,
                      on_done: Optional[Callable[[], None]] = None, seed: int = 0) -> dict:
     """Send the workload with Poisson arrivals at `rate` requests/s (inf: all at once)."""
@@ -128,6 +128,11 @@ async def run_online(base_url: str, workload: Workload, rate: float, model: str 
     timeout = httpx.Timeout(None, connect=10.0)
 
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+        if model is None:  # the server's own (first) model
+            listing = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
+            listing.raise_for_status()
+            model = listing.json()["data"][0]["id"]
+
         async def fire(i: int) -> RequestResult:
             async with limit:
                 r = await _one_request(client, url, model, workload.prompts[i], workload.output_lens[i], headers)
