@@ -40,18 +40,18 @@ def build(scheme: str, shape: str = "llama3-8b"):
     return model
 
 
-def engine_for(model, **kw) -> LLMEngine:
+def engine_for(model, tokenizer=None, **kw) -> LLMEngine:
     cfg = dict(device="cuda", max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192,
                gpu_memory_utilization=0.85)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg), model=model, tokenizer=None)
+    return LLMEngine(EngineConfig(**cfg), model=model, tokenizer=tokenizer)
 
 
 def part_decode(args) -> None:
     rows = []
-    for scheme in ("bf16", "int4", "fp8"):
+    for scheme in args.decode_schemes.split(","):
         model = build(scheme)
-        for kv in ("auto", "fp8"):
+        for kv in args.decode_kv.split(","):
             engine = engine_for(model, kv_dtype=kv, max_num_seqs=8)
             tps = decode_speed(engine, 128, 256)
             rows.append({"weights": scheme, "kv": kv, "tokens_per_s": tps, "ms_per_token": 1e3 / tps})
@@ -60,8 +60,9 @@ def part_decode(args) -> None:
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    rows.append({"weights": "bf16", "kv": "hf", "tokens_per_s": hf_generate_speed(), "peer": "transformers generate"})
-    print(f"decode b1  HF transformers generate bf16: {rows[-1]['tokens_per_s']:.1f} tok/s", flush=True)
+    if args.hf_peer:
+        rows.append({"weights": "bf16", "kv": "hf", "tokens_per_s": hf_generate_speed(), "peer": "transformers generate"})
+        print(f"decode b1  HF transformers generate bf16: {rows[-1]['tokens_per_s']:.1f} tok/s", flush=True)
     RESULTS["decode"] = rows
 
 
@@ -134,9 +135,11 @@ def part_memory(args) -> None:
     from fitllm import budget
     from fitllm.serve.sampling import SamplingParams
 
-    rows = []
+    rows = RESULTS["memory"] = []
     total = torch.cuda.mem_get_info()[1]
-    for scheme, kv in (("int4", "auto"), ("int4", "fp8"), ("fp8", "auto"), ("fp8", "fp8")):
+    # Run one (weights, kv) pair per process (--memory-configs int4:auto): an engine that failed to
+    # start can leave memory referenced, and the next measurement would count it.
+    for scheme, kv in (c.split(":") for c in args.memory_configs.split(",")):
         model = build(scheme)
         for card_gib in (12, 16, 24):
             card = card_gib * 2**30
@@ -152,7 +155,9 @@ def part_memory(args) -> None:
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(card / total)
             torch.cuda.reset_peak_memory_stats()
-            row = {"weights": scheme, "kv": kv, "card_gib": card_gib}
+            row = {"weights": scheme, "kv": kv, "card_gib": card_gib,
+                   "predicted_fits_seqs_at_4096": predicted_full.max_seqs_at(4096)}
+            rows.append(row)
             try:
                 engine = engine_for(model, kv_dtype=kv, max_model_len=4096, max_num_seqs=16,
                                     max_num_batched_tokens=2048, gpu_memory_utilization=util)
@@ -170,12 +175,19 @@ def part_memory(args) -> None:
                       f"predicted {predicted.torch_peak / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB "
                       f"({row['error']:+.1%})", flush=True)
                 free(engine)
-            except torch.cuda.OutOfMemoryError as exc:
-                row |= {"oom": True, "error_text": str(exc)[:200]}
-                print(f"memory {scheme}/{kv} on {card_gib} GB: OUT OF MEMORY", flush=True)
+            except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+                import traceback
+
+                where = traceback.format_exc().strip().splitlines()[-6:]
+                row |= {"oom": isinstance(exc, torch.cuda.OutOfMemoryError), "error_text": str(exc)[:300],
+                        "where": where, "allocated_at_error": torch.cuda.memory_allocated()}
+                print(f"memory {scheme}/{kv} on {card_gib} GB: {exc.__class__.__name__}: {str(exc)[:160]}\n   "
+                      + "\n   ".join(where[:4]), flush=True)
+                del exc  # the traceback holds the half-built engine's tensors
             finally:
+                gc.collect()
+                torch.cuda.empty_cache()
                 torch.cuda.set_per_process_memory_fraction(1.0)
-            rows.append(row)
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -191,7 +203,8 @@ def serve_random(scheme: str, port: int, tokenizer_dir: Path) -> None:
 
     SHAPES["llama3-8b-49k"] = (49152,) + SHAPES["llama3-8b"][1:]
     model = build(scheme, "llama3-8b-49k")
-    engine = engine_for(model, max_num_seqs=128, max_model_len=4096, max_num_batched_tokens=4096)
+    engine = engine_for(model, max_num_seqs=128, max_model_len=4096, max_num_batched_tokens=4096,
+                        tokenizer=load_tokenizer(tokenizer_dir))
     app = create_app(engine, ServerConfig(served_model_name="default", max_waiting=4096))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
@@ -242,6 +255,11 @@ def main() -> int:
     ap.add_argument("--parts", default="decode,offline,profile,memory")
     ap.add_argument("--offline-requests", type=int, default=1000)
     ap.add_argument("--offline-schemes", default="fp8,int4,bf16")
+    ap.add_argument("--decode-schemes", default="bf16,int4,fp8")
+    ap.add_argument("--decode-kv", default="auto,fp8")
+    ap.add_argument("--no-hf-peer", dest="hf_peer", action="store_false")
+    ap.add_argument("--memory-configs", default="int4:auto,int4:fp8,fp8:auto,fp8:fp8")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tokenizer", type=Path, default=Path(".gpu_assets/tokenizer"))
     ap.add_argument("--serve-random", help="internal: run a server over a random model of this scheme")
@@ -261,7 +279,7 @@ def main() -> int:
         print(f"-- {part} took {time.perf_counter() - t:.0f}s", flush=True)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "bench_serving.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+            (args.out / f"bench_serving{args.tag}.json").write_text(json.dumps(RESULTS, indent=1, default=str))
     return 0
 
 

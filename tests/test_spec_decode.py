@@ -14,7 +14,7 @@ from fitllm.serve.engine import EngineConfig, LLMEngine
 from fitllm.serve.spec_decode import dense_linears, sampling_probs
 from fitllm.serve.sampling import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 CFG = dict(max_num_batched_tokens=32, block_size=8, num_kv_blocks=160, max_model_len=512)
 
 
@@ -83,8 +83,8 @@ def test_greedy_batch_of_16_mixed_requests(embedded_model, embedded_tokenizer, i
     stop_id = tokens[2][6]
     ks = [4, 0, 2, 6, 4, 1, 0, 3, 4, 5, 0, 4, 6, 2, 4, 4]
     params = [GREEDY] * 16
-    params[5] = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, repetition_penalty=1.0001)
-    params[2] = SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_id])
+    params[5] = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.0001)
+    params[2] = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop_id])
     results: dict[str, list[int]] = {}
     for step in range(10_000):
         if step in (0, 3, 6):
@@ -104,20 +104,20 @@ def test_greedy_batch_of_16_mixed_requests(embedded_model, embedded_tokenizer, i
 
 def test_preemption_and_aborts_with_drafts_return_every_block(embedded_model, embedded_tokenizer, int4_drafter,
                                                              prompts, reference):
-    # 9 blocks of 8 tokens for four requests: the newest get preempted, drafts are dropped.
-    eng = make_engine(embedded_model, embedded_tokenizer, int4_drafter, speculative="draft-model", num_kv_blocks=9)
-    picks = [0, 12, 4, 14]
+    # 7 blocks of 8 tokens for three requests: the newest get preempted, drafts are dropped.
+    eng = make_engine(embedded_model, embedded_tokenizer, int4_drafter, speculative="draft-model", num_kv_blocks=7)
+    picks = [0, 12, 4]
     outs = eng.generate([prompts[i] for i in picks], GREEDY)
     assert [o.new_token_ids for o in outs] == [reference[0][i] for i in picks]
     assert eng.stats()["preemptions"] > 0
     assert_all_blocks_back(eng)
     eng = make_engine(embedded_model, embedded_tokenizer, int4_drafter, speculative="draft-model")
-    for i in range(4):
+    for i in range(3):
         eng.add_request(str(i), prompts[i], GREEDY)
     for _ in range(3):
         eng.step()
     assert eng.drafter.bm.num_used_blocks > 0
-    for i in range(4):
+    for i in range(3):
         eng.abort_request(str(i))
     eng.step()
     assert_all_blocks_back(eng)
@@ -183,23 +183,23 @@ def sampled_histograms(speculative: str, params: SamplingParams, prompt: list[in
     for o in outs:
         for j, t in enumerate(o.new_token_ids):
             counts[j, t] += 1
-    assert eng.spec_counts["steps"] >= n // 2 and eng.spec_counts["accepted"] >= n // 20  # speculation happened
+    assert eng.spec_counts["steps"] >= n // 2 and eng.spec_counts["accepted"] >= n // 50  # speculation happened
     assert_all_blocks_back(eng)
     return counts, exact_marginals(target, prompt, params, params.max_tokens)
 
 
 SAMPLED = SamplingParams(max_tokens=4, temperature=0.9, top_k=9, ignore_eos=True)
-PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so the n-gram drafter proposes too
+PROMPT = list(range(VOCAB)) * 2  # every token occurs before: the n-gram drafter always proposes
 
 
 @pytest.mark.parametrize("speculative", ["draft-model", "ngram"])
 def test_sampled_tokens_follow_the_target_distribution(speculative):
-    counts, marginals = sampled_histograms(speculative, SAMPLED, PROMPT, 3000)
+    counts, marginals = sampled_histograms(speculative, SAMPLED, PROMPT, 1000)
     for j in (1, 2, 3):  # output 0 comes from the prefill; later ones from verification steps
         assert chi_square_p(counts[j], marginals[j]) > 1e-3, (j, counts[j], marginals[j] * counts[j].sum())
 
 
 def test_the_statistical_test_catches_a_missing_correction(monkeypatch):
     monkeypatch.setattr(spec_decode, "residual_distribution", lambda p, q: p)  # resample from p instead
-    counts, marginals = sampled_histograms("draft-model", SAMPLED, PROMPT, 3000)
+    counts, marginals = sampled_histograms("draft-model", SAMPLED, PROMPT, 1000)
     assert min(chi_square_p(counts[j], marginals[j]) for j in (1, 2, 3)) < 1e-6

@@ -35,13 +35,18 @@ def serve(
                                                     help="Model name in the API (default: from MODEL)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
+    speculative: Optional[str] = typer.Option(None, "--speculative",
+                                              help="Speculative decoding drafter: ngram | self-int4 | PATH of a "
+                                                   "draft model sharing the tokenizer."),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (k)."),
     log_level: str = typer.Option("info", "--log-level", help="critical | error | warning | info | debug"),
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API."""
     _check_options(port, max_num_seqs, gpu_memory_utilization, max_waiting, request_timeout, max_request_bytes)
     _check_port_free(host, port)
     engine = _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-                           num_kv_blocks, gpu_memory_utilization, not no_prefix_caching, not no_cuda_graphs)
+                           num_kv_blocks, gpu_memory_utilization, not no_prefix_caching, not no_cuda_graphs,
+                           speculative, num_speculative_tokens)
     from fitllm.serve.app import ServerConfig, create_app
 
     name = served_model_name or _default_name(model)
@@ -75,14 +80,18 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-                  num_kv_blocks, gpu_memory_utilization, prefix_caching, cuda_graphs):
+                  num_kv_blocks, gpu_memory_utilization, prefix_caching, cuda_graphs, speculative=None,
+                  num_speculative_tokens=4):
     from fitllm.models.errors import FitLLMError
     from fitllm.serve.engine import EngineConfig, LLMEngine
 
     config = EngineConfig(model=model, device=device, dtype=dtype, kv_dtype=kv_dtype, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-                          enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs)
+                          enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs,
+                          speculative=(speculative if speculative in (None, "ngram", "self-int4")
+                                       else f"draft-model:{speculative}"),
+                          num_speculative_tokens=num_speculative_tokens)
     console.print(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ...", highlight=False)
     try:
         return LLMEngine(config)

@@ -14,6 +14,11 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
 Dispatch as for the GEMMs (_utils.backend_for): Triton on CUDA tensors, the reference elsewhere,
 FITLLM_KERNEL_BACKEND forces either. The launches are CUDA-graph safe: shapes come from tensor
 metadata only, no host syncs, outputs are allocated with the input's (static) shape.
+
+The kernels live in _fused_triton, imported on the first Triton call: the decoder imports this
+module, and importing triton at that point would fix triton's mode before a test could set
+TRITON_INTERPRET=1 (triton.language's own @jit helpers are created at import), and would make
+every CPU-only process pay for the import.
 """
 
 from __future__ import annotations
@@ -22,12 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from ._utils import backend_for, interpreting
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs without triton still get the reference
-    triton = None
 
 
 # --------------------------------------------------------------------------- torch references
@@ -60,79 +59,19 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# --------------------------------------------------------------------------- Triton kernels
+def _kernels():
+    from . import _fused_triton  # lazily: see the module docstring
 
-if triton is not None:
+    return _fused_triton
 
-    @triton.jit
-    def _cast(x, DT: tl.constexpr, RNE_BF16: tl.constexpr):
-        # triton 3.6's interpreter casts fp32 -> bf16 by truncation; there, round to nearest even
-        # by hand first (the cast is then exact), so it computes the GPU's (and torch's) function.
-        if RNE_BF16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-        return x.to(DT)
 
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, N, n_inner, sx_o, sx_i, sr_o, sr_i, eps,
-                         HAS_RES: tl.constexpr, RNE: tl.constexpr, RNE_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
-        # Row `row` of x sits at (row // n_inner) * sx_o + (row % n_inner) * sx_i: [T, N] or [T, H, N]
-        # views (q|k slices of the qkv output) without a copy. out and h are contiguous.
-        row = tl.program_id(0).to(tl.int64)
-        outer, inner = row // n_inner, row % n_inner
-        cols = tl.arange(0, BLOCK_N)
-        mask = cols < N
-        DT = x_ptr.dtype.element_ty
-        x = tl.load(x_ptr + outer * sx_o + inner * sx_i + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            r = tl.load(r_ptr + outer * sr_o + inner * sr_i + cols, mask=mask, other=0.0).to(tl.float32)
-            h = _cast(x + r, DT, RNE)  # the reference adds in the activation dtype
-            tl.store(h_ptr + row * N + cols, h, mask=mask)
-            x = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
-        y = _cast(x * rstd, DT, RNE).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * N + cols, _cast(w * y, out_ptr.dtype.element_ty, RNE_OUT), mask=mask)
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
-    @triton.jit
-    def _rope_heads(x_ptr, t, H, s_t, s_h, s_d, c, s, HALF, RNE: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        heads = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        mask = (heads < H) & (d < HALF)
-        p1 = x_ptr + t * s_t + heads * s_h + d * s_d
-        p2 = p1 + HALF * s_d
-        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-        DT = x_ptr.dtype.element_ty
-        tl.store(p1, _cast(x1 * c - x2 * s, DT, RNE), mask=mask)
-        tl.store(p2, _cast(x2 * c + x1 * s, DT, RNE), mask=mask)
 
-    @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HK, HALF,
-                     sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sc_t, ss_t,
-                     RNE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        # One program per (token, q or k): all heads of one token in one tile, rotated in place.
-        t = tl.program_id(0).to(tl.int64)
-        d = tl.arange(0, BLOCK_D)[None, :]
-        c = tl.load(cos_ptr + t * sc_t + d, mask=d < HALF, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + t * ss_t + d, mask=d < HALF, other=0.0).to(tl.float32)
-        if tl.program_id(1) == 0:
-            _rope_heads(q_ptr, t, HQ, sq_t, sq_h, sq_d, c, s, HALF, RNE, BLOCK_H, BLOCK_D)
-        else:
-            _rope_heads(k_ptr, t, HK, sk_t, sk_h, sk_d, c, s, HALF, RNE, BLOCK_H, BLOCK_D)
-
-    @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < I
-        g = tl.load(x_ptr + t * sx_t + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + t * sx_t + I + cols, mask=mask, other=0.0).to(tl.float32)
-        DT = out_ptr.dtype.element_ty
-        a = _cast(g / (1.0 + tl.exp(-g)), DT, RNE).to(tl.float32)  # F.silu rounds, then the multiply
-        tl.store(out_ptr + t * I + cols, _cast(a * u, DT, RNE), mask=mask)
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every output buffer comes from here (the tests swap in a NaN-filled one)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _rne(dtype: torch.dtype) -> bool:
@@ -172,20 +111,21 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         residual = residual.contiguous()
     weight = weight.contiguous()
     out_dtype = torch.promote_types(weight.dtype, x.dtype)  # `weight * h` promotes, as the reference
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    out = _empty(x.shape, out_dtype, x.device)
     rows = x.numel() // N if N else 0
     if residual is not None:
-        h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        h = _empty(x.shape, x.dtype, x.device)
         n_inner, sx_o, sx_i = _row_layout(x)
         _, sr_o, sr_i = _row_layout(residual)  # same shape as x, so the same n_inner
     else:
         h = out  # unused
         (n_inner, sx_o, sx_i), sr_o, sr_i = _row_layout(x), 0, 0
     if rows:
-        block = triton.next_power_of_2(N)
-        _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, h, N, n_inner,
-                                  sx_o, sx_i, sr_o, sr_i, float(eps), HAS_RES=residual is not None,
-                                  RNE=_rne(x.dtype), RNE_OUT=_rne(out_dtype), BLOCK_N=block, num_warps=_warps(block))
+        block = _pow2(N)
+        _kernels().rms_norm_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, out, h, N, n_inner, sx_o, sx_i, sr_o, sr_i,
+            float(eps), HAS_RES=residual is not None, RNE=_rne(x.dtype), RNE_OUT=_rne(out_dtype),
+            BLOCK_N=block, num_warps=_warps(block))
     return out if residual is None else (out, h)
 
 
@@ -198,11 +138,11 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
         raise ValueError(f"apply_rope: q {tuple(q.shape)}, k {tuple(k.shape)} {k.dtype}, cos {tuple(cos.shape)}, "
                          f"sin {tuple(sin.shape)}")
     if T:
-        block_h = triton.next_power_of_2(max(HQ, HK))
-        block_d = triton.next_power_of_2(half)
-        _rope_kernel[(T, 2)](q, k, cos, sin, HQ, HK, half, *q.stride(), *k.stride(), cos.stride(0), sin.stride(0),
-                             RNE=_rne(q.dtype), BLOCK_H=block_h, BLOCK_D=block_d,
-                             num_warps=_warps(block_h * block_d))
+        block_h = _pow2(max(HQ, HK))
+        block_d = _pow2(half)
+        _kernels().rope_kernel[(T, 2)](
+            q, k, cos, sin, HQ, HK, half, *q.stride(), *k.stride(), cos.stride(0), sin.stride(0),
+            RNE=_rne(q.dtype), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_warps(block_h * block_d))
     return q, k
 
 
@@ -214,12 +154,12 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     x = gate_up if gate_up.dim() == 2 else gate_up.reshape(-1, two_i)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(*gate_up.shape[:-1], I, dtype=gate_up.dtype, device=gate_up.device)
+    out = _empty((*gate_up.shape[:-1], I), gate_up.dtype, gate_up.device)
     T = x.shape[0]
     if T and I:
-        block = min(triton.next_power_of_2(I), 1024)
-        _silu_mul_kernel[(T, triton.cdiv(I, block))](x, out, I, x.stride(0), RNE=_rne(x.dtype), BLOCK=block,
-                                                     num_warps=_warps(block) * 2)
+        block = min(_pow2(I), 1024)
+        _kernels().silu_mul_kernel[(T, (I + block - 1) // block)](
+            x, out, I, x.stride(0), RNE=_rne(x.dtype), BLOCK=block, num_warps=_warps(block) * 2)
     return out
 
 

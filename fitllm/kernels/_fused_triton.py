@@ -1,0 +1,83 @@
+"""Triton kernels behind fitllm.kernels.fused (the wrappers, the references and the dispatch are
+there). Imported only on the first Triton call: see fused's docstring."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+
+@triton.jit
+def _cast(x, DT: tl.constexpr, RNE_BF16: tl.constexpr):
+    # triton 3.6's interpreter casts fp32 -> bf16 by truncation; there, round to nearest even
+    # by hand first (the cast is then exact), so it computes the GPU's (and torch's) function.
+    if RNE_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DT)
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, N, n_inner, sx_o, sx_i, sr_o, sr_i, eps,
+                    HAS_RES: tl.constexpr, RNE: tl.constexpr, RNE_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Row `row` of x sits at (row // n_inner) * sx_o + (row % n_inner) * sx_i: [T, N] or [T, H, N]
+    # views (q|k slices of the qkv output) without a copy. out and h are contiguous.
+    row = tl.program_id(0).to(tl.int64)
+    outer, inner = row // n_inner, row % n_inner
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    DT = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + outer * sx_o + inner * sx_i + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_ptr + outer * sr_o + inner * sr_i + cols, mask=mask, other=0.0).to(tl.float32)
+        h = _cast(x + r, DT, RNE)  # the reference adds in the activation dtype
+        tl.store(h_ptr + row * N + cols, h, mask=mask)
+        x = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
+    y = _cast(x * rstd, DT, RNE).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, _cast(w * y, out_ptr.dtype.element_ty, RNE_OUT), mask=mask)
+
+
+@triton.jit
+def _rope_heads(x_ptr, t, H, s_t, s_h, s_d, c, s, HALF, RNE: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < H) & (d < HALF)
+    p1 = x_ptr + t * s_t + heads * s_h + d * s_d
+    p2 = p1 + HALF * s_d
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+    DT = x_ptr.dtype.element_ty
+    tl.store(p1, _cast(x1 * c - x2 * s, DT, RNE), mask=mask)
+    tl.store(p2, _cast(x2 * c + x1 * s, DT, RNE), mask=mask)
+
+
+@triton.jit
+def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HK, HALF,
+                sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sc_t, ss_t,
+                RNE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per (token, q or k): all heads of one token in one tile, rotated in place.
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    c = tl.load(cos_ptr + t * sc_t + d, mask=d < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * ss_t + d, mask=d < HALF, other=0.0).to(tl.float32)
+    if tl.program_id(1) == 0:
+        _rope_heads(q_ptr, t, HQ, sq_t, sq_h, sq_d, c, s, HALF, RNE, BLOCK_H, BLOCK_D)
+    else:
+        _rope_heads(k_ptr, t, HK, sk_t, sk_h, sk_d, c, s, HALF, RNE, BLOCK_H, BLOCK_D)
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + t * sx_t + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * sx_t + I + cols, mask=mask, other=0.0).to(tl.float32)
+    DT = out_ptr.dtype.element_ty
+    a = _cast(g / (1.0 + tl.exp(-g)), DT, RNE).to(tl.float32)  # F.silu rounds, then the multiply
+    tl.store(out_ptr + t * I + cols, _cast(a * u, DT, RNE), mask=mask)

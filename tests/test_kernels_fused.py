@@ -1,0 +1,211 @@
+"""Fused RMSNorm(+residual), RoPE and SiLU·mul: Triton under TRITON_INTERPRET=1 against the torch
+references, and the decoder wired through them (Triton path == torch path == unfused layer math).
+
+The interpreter flag must be set before triton is imported (triton.language's own helpers are
+@jit functions), so it is set here first; fused imports its kernels lazily, on the first Triton
+call, and the kernel module is reloaded in case some earlier test imported it without the flag.
+"""
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+for _name in ("fitllm.kernels._utils", "fitllm.kernels._fused_triton"):
+    if _name in sys.modules:
+        importlib.reload(sys.modules[_name])
+
+from fitllm.kernels import fused  # noqa: E402
+from fitllm.models.config import ModelConfig  # noqa: E402
+from fitllm.models.decoder import CausalLM  # noqa: E402
+from fitllm.models.kv_cache import NoCacheContext  # noqa: E402
+
+GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    """Every output buffer starts as NaN: an element the kernel does not write shows up."""
+    monkeypatch.setattr(fused, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                 device=device))
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=GEN) * scale).to(dtype)
+
+
+def assert_close(got, ref):
+    """fp32: reduction order and exp differ in the last bits. bf16: the kernels round where the
+    reference rounds (RNE emulated in the interpreter), so at most a rare one-ulp flip."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert torch.isfinite(got).all(), "output not fully written (NaN poison survived)"
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+        assert (got != ref).float().mean() < 0.01
+
+
+# --------------------------------------------------------------------------- rms_norm
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,N", [(1, 576), (3, 576), (5, 64), (2, 4096), (7, 100)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, T, N, with_residual):
+    x, w = randn(T, N, dtype=dtype, scale=3.0), (1 + randn(N) * 0.1).to(dtype)
+    residual = randn(T, N, dtype=dtype, scale=3.0) if with_residual else None
+    got = fused.rms_norm_triton(x, w, 1e-6, residual)
+    ref = fused.rms_norm_ref(x, w, 1e-6, residual)
+    if with_residual:
+        assert torch.equal(got[1], ref[1])  # the new residual is x + residual, rounded as torch rounds
+        got, ref = got[0], ref[0]
+    assert_close(got, ref)
+
+
+def test_rms_norm_strided_heads_and_mixed_dtypes():
+    """q_norm / k_norm (Qwen3) normalise [T, H, D] views into the qkv output, without a copy."""
+    qkv = randn(3, 6 * 32, dtype=torch.bfloat16)
+    q = qkv[:, :4 * 32].view(3, 4, 32)
+    w = (1 + randn(32) * 0.1).to(torch.bfloat16)
+    assert_close(fused.rms_norm_triton(q, w, 1e-6), fused.rms_norm_ref(q, w, 1e-6))
+    # fp32 weight on bf16 activations: `weight * h` promotes to fp32, so does the kernel
+    w32 = 1 + randn(32) * 0.1
+    assert_close(fused.rms_norm_triton(q, w32, 1e-6), fused.rms_norm_ref(q, w32, 1e-6))
+    # a residual of another dtype promotes in the reference; the kernel defers to it
+    x, r = randn(2, 64, dtype=torch.bfloat16), randn(2, 64)
+    out, h = fused.rms_norm_triton(x, w32[:1].expand(64).contiguous(), 1e-6, r)
+    assert h.dtype == torch.float32 and torch.equal(h, x + r)
+
+
+# --------------------------------------------------------------------------- rope
+
+def rope_tables(T, half, theta=10000.0):
+    pos = torch.randint(0, 4096, (T,), generator=GEN).float()
+    inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float32) / half)
+    freqs = pos[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,HQ,HK,D", [(1, 32, 8, 128), (3, 4, 2, 64), (7, 3, 1, 96), (2, 14, 2, 64)])
+def test_rope_matches_reference_in_place_on_qkv_views(dtype, T, HQ, HK, D):
+    qkv = randn(T, (HQ + 2 * HK) * D, dtype=dtype, scale=2.0)
+    before = qkv.clone()
+    q = qkv[:, :HQ * D].view(T, HQ, D)
+    k = qkv[:, HQ * D:(HQ + HK) * D].view(T, HK, D)
+    cos, sin = rope_tables(T, D // 2)
+    q_ref, k_ref = fused.apply_rope_ref(q.clone(), k.clone(), cos, sin)
+    q_out, k_out = fused.apply_rope_triton(q, k, cos, sin)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # in place
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    assert torch.equal(qkv[:, (HQ + HK) * D:], before[:, (HQ + HK) * D:])  # v untouched
+
+
+def test_rope_reference_is_rotate_half():
+    """The reference itself against the textbook formula, in float64 (q = k, so both are checked)."""
+    T, H, D = 5, 3, 16
+    x = randn(T, H, D)
+    cos, sin = rope_tables(T, D // 2)
+    q, k = fused.apply_rope_ref(x.clone(), x.clone(), cos, sin)
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    torch.testing.assert_close(q.double(), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(q, k)
+
+
+# --------------------------------------------------------------------------- silu_mul
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,I", [(1, 1536), (5, 100), (2, 14336), (3, 1)])
+def test_silu_mul_matches_reference(dtype, T, I):
+    gate_up = randn(T, 2 * I, dtype=dtype, scale=4.0)
+    assert_close(fused.silu_mul_triton(gate_up), fused.silu_mul_ref(gate_up))
+
+
+def test_silu_mul_reference_is_silu_times_up():
+    gate_up = randn(4, 2 * 24, scale=4.0)
+    g, u = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_mul_ref(gate_up).double(), g / (1 + torch.exp(-g)) * u,
+                               rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- dispatch and the decoder
+
+def test_dispatch(monkeypatch):
+    x, w = randn(3, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "auto")
+    assert torch.equal(fused.rms_norm(x, w, 1e-6), fused.rms_norm_ref(x, w, 1e-6))  # CPU -> reference
+    monkeypatch.setattr(fused, "rms_norm_triton", None)  # auto must not touch the Triton path on CPU
+    assert torch.equal(fused.silu_mul(x), fused.silu_mul_ref(x))
+    fused.rms_norm(x, w, 1e-6)
+    monkeypatch.undo()
+    monkeypatch.setattr(fused, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
+    assert_close(fused.rms_norm(x, w, 1e-6), fused.rms_norm_ref(x, w, 1e-6))
+    with pytest.raises(ValueError):
+        fused.rms_norm(x, torch.ones(32), 1e-6)
+    with pytest.raises(ValueError):
+        fused.silu_mul(x[:, :63])
+
+
+def tiny_config(family):
+    extra = dict(qk_norm=True, architecture="Qwen3ForCausalLM") if family == "qwen3" else {}
+    cfg = dict(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=160,
+               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6)
+    return ModelConfig(**{**cfg, **extra})
+
+
+def tiny_model(family, dtype):
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(family), dtype=dtype)
+    with torch.no_grad():  # the model is built to be loaded: give every parameter a value
+        for name, p in model.named_parameters():
+            if "norm" in name:  # around 1, perturbed so that a wrong norm path cannot hide
+                p.copy_(1 + torch.randn_like(p, dtype=torch.float32) * 0.1)
+            else:
+                p.copy_(torch.randn_like(p, dtype=torch.float32) * (1.0 if "embed" in name else 0.1))
+    return model
+
+
+@torch.no_grad()
+def unfused_forward(model, ids, positions, ctx):
+    """What the decoder computed before the fused kernels, each residual add on its own; also checks
+    DecoderLayer.forward (the layer-by-layer entry point calibration uses) against it."""
+    freqs = positions.float()[:, None] * model.inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    x = model.model.embed_tokens(ids)
+    for layer in model.model.layers:
+        whole = layer(x, cos, sin, ctx)
+        x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, ctx)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        assert torch.equal(whole, x)
+    return model.model.norm(x)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decoder_fused_paths_agree(family, dtype, monkeypatch):
+    model = tiny_model(family, dtype)
+    ids = torch.randint(0, 96, (11,), generator=GEN)
+    positions = torch.cat([torch.arange(7), torch.arange(4)])
+    ctx = NoCacheContext([7, 4])
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "torch")
+    with torch.no_grad():
+        ref = model(ids, positions, ctx)
+    # carrying the residual changes where the adds happen, not what they compute: bit for bit
+    assert torch.equal(unfused_forward(model, ids, positions, ctx), ref)
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
+    with torch.no_grad():
+        got = model(ids, positions, ctx)
+    assert torch.isfinite(got).all()
+    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
