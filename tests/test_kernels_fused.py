@@ -78,9 +78,15 @@ def test_rms_norm_strided_heads_and_mixed_dtypes():
     # fp32 weight on bf16 activations: `weight * h` promotes to fp32, so does the kernel
     w32 = 1 + randn(32) * 0.1
     assert_close(fused.rms_norm_triton(q, w32, 1e-6), fused.rms_norm_ref(q, w32, 1e-6))
+    # more leading dims, and a residual that is not contiguous
+    x, r = randn(2, 3, 4, 64, dtype=torch.bfloat16), randn(2, 4, 3, 64, dtype=torch.bfloat16).transpose(1, 2)
+    w = w32[:1].expand(64)
+    got, ref = fused.rms_norm_triton(x, w, 1e-6, r), fused.rms_norm_ref(x, w, 1e-6, r)
+    assert torch.equal(got[1], ref[1])
+    assert_close(got[0], ref[0])
     # a residual of another dtype promotes in the reference; the kernel defers to it
     x, r = randn(2, 64, dtype=torch.bfloat16), randn(2, 64)
-    out, h = fused.rms_norm_triton(x, w32[:1].expand(64).contiguous(), 1e-6, r)
+    out, h = fused.rms_norm_triton(x, w, 1e-6, r)
     assert h.dtype == torch.float32 and torch.equal(h, x + r)
 
 

@@ -176,10 +176,20 @@ class Scorer:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes the weights occupy in memory (parameters and persistent buffers, packed or not)."""
+    """Bytes the weights occupy in memory: parameters, buffers, and tensors that quantized layers
+    keep as plain attributes or inside small holder objects (packed weights, scales)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    for module in model.modules():
+        values = list(vars(module).values())
+        values += [x for v in values if isinstance(v, (list, tuple)) for x in v]  # e.g. a list of packed parts
+        for value in values:
+            if hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor)):
+                tensors += [v for v in vars(value).values() if isinstance(v, torch.Tensor)]
+            elif isinstance(value, torch.Tensor):
+                tensors.append(value)
     seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
+    for t in tensors:
+        if t.numel() and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total

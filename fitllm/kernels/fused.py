@@ -82,51 +82,41 @@ def _warps(block: int) -> int:
     return max(1, min(block // 512, 16))
 
 
-def _row_layout(t: torch.Tensor):
-    """(n_inner, stride_outer, stride_inner) addressing the rows of a [..., N] tensor with unit
-    last stride, or None when that needs a copy (more than two leading dims that do not merge)."""
+def _rows(t: torch.Tensor):
+    """t [..., N] -> (t, n_inner, stride_outer, stride_inner): row r of t starts at
+    (r // n_inner) * stride_outer + (r % n_inner) * stride_inner. [T, N] and [T, H, N] views (the
+    q|k slices of the qkv output) go without a copy; t comes back copied only when it must be."""
+    if t.dim() > 3:
+        t = t.reshape(-1, t.shape[-1])
     if t.stride(-1) != 1:
-        return None
-    if t.dim() == 1:
-        return 1, 0, 0
-    if t.dim() == 2:
-        return 1, t.stride(0), 0
+        t = t.contiguous()
     if t.dim() == 3:
-        return t.shape[1], t.stride(0), t.stride(1)
-    return None
+        return t, t.shape[1], t.stride(0), t.stride(1)
+    return t, 1, (t.stride(0) if t.dim() == 2 else 0), 0
 
 
 # --------------------------------------------------------------------------- Triton wrappers
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     N = x.shape[-1]
-    if weight.shape != (N,) or (residual is not None and residual.shape != x.shape):
+    has_res = residual is not None
+    if weight.shape != (N,) or (has_res and residual.shape != x.shape):
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
-                         f"{None if residual is None else tuple(residual.shape)}")
-    if residual is not None and residual.dtype != x.dtype:  # mixed dtypes promote: not the kernel's case
+                         f"{tuple(residual.shape) if has_res else None}")
+    if has_res and residual.dtype != x.dtype:  # mixed dtypes promote: not the kernel's case
         return rms_norm_ref(x, weight, eps, residual)
-    if _row_layout(x) is None:
-        x = x.contiguous()
-    if residual is not None and _row_layout(residual) is None:
-        residual = residual.contiguous()
-    weight = weight.contiguous()
     out_dtype = torch.promote_types(weight.dtype, x.dtype)  # `weight * h` promotes, as the reference
-    out = _empty(x.shape, out_dtype, x.device)
+    out = _empty(x.shape, out_dtype, x.device)  # out and h are contiguous: row r at r * N
+    h = _empty(x.shape, x.dtype, x.device) if has_res else out  # (out: a placeholder, never written)
     rows = x.numel() // N if N else 0
-    if residual is not None:
-        h = _empty(x.shape, x.dtype, x.device)
-        n_inner, sx_o, sx_i = _row_layout(x)
-        _, sr_o, sr_i = _row_layout(residual)  # same shape as x, so the same n_inner
-    else:
-        h = out  # unused
-        (n_inner, sx_o, sx_i), sr_o, sr_i = _row_layout(x), 0, 0
+    x, n_inner, sx_o, sx_i = _rows(x)
+    residual, _, sr_o, sr_i = _rows(residual) if has_res else (x, n_inner, 0, 0)  # same shape: same n_inner
     if rows:
         block = _pow2(N)
         _kernels().rms_norm_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, out, h, N, n_inner, sx_o, sx_i, sr_o, sr_i,
-            float(eps), HAS_RES=residual is not None, RNE=_rne(x.dtype), RNE_OUT=_rne(out_dtype),
-            BLOCK_N=block, num_warps=_warps(block))
-    return out if residual is None else (out, h)
+            x, residual, weight.contiguous(), out, h, N, n_inner, sx_o, sx_i, sr_o, sr_i, float(eps),
+            HAS_RES=has_res, RNE=_rne(x.dtype), RNE_OUT=_rne(out_dtype), BLOCK_N=block, num_warps=_warps(block))
+    return (out, h) if has_res else out
 
 
 def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
