@@ -1,7 +1,7 @@
 """Speculative decoding acceptance on the CPU with the embedded model (real weights).
 
-    OMP_NUM_THREADS=2 python benchmarks/spec_decode_acceptance.py            # print the table
-    OMP_NUM_THREADS=2 python benchmarks/spec_decode_acceptance.py --write    # and append it to RESULTS.md
+    OMP_NUM_THREADS=1 python benchmarks/spec_decode_acceptance.py            # print the table
+    OMP_NUM_THREADS=1 python benchmarks/spec_decode_acceptance.py --write    # and append it to RESULTS.md
 
 Random weights say nothing about acceptance, so it is measured here, on the embedded
 SmolLM2-135M-Instruct (fp32 target by default), greedy, through the real engine:
@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -101,7 +103,7 @@ def measure(target, tokenizer, drafter_model, speculative: str, k: int, prompts,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ks", default="2,4,6")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32", help="the target's dtype (float32 or bfloat16)")
     ap.add_argument("--write", action="store_true", help="append a dated section to benchmarks/RESULTS.md")
     args = ap.parse_args()
@@ -135,8 +137,8 @@ def write_results(args, header: str, rows: list[str], tau_args: str) -> None:
     text = f"""
 ## {datetime.date.today()} — speculative decoding acceptance (CPU, embedded SmolLM2-135M-Instruct)
 
-`OMP_NUM_THREADS=2 python benchmarks/spec_decode_acceptance.py --write` ({platform.machine()} CPU,
-torch {torch.__version__}). Target {args.dtype}, greedy, {args.max_tokens} new tokens per request,
+`python {' '.join(sys.argv)}` (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')},
+{platform.machine()} CPU, torch {torch.__version__}; the s column is wall time). Target {args.dtype}, greedy, {args.max_tokens} new tokens per request,
 6 chat-formatted prompts per workload run as one batch through the engine. self-int4 = RTN int4
 (asymmetric, group 64) copy of the target. "edit" = code editing / summarisation / copying prompts
 whose answers reuse the prompt; "open" = open questions. acceptance = accepted / drafted tokens;
