@@ -180,12 +180,14 @@ def test_allocation_fails_cleanly_when_short():
     assert bm.num_free_blocks == 1
 
 
-def test_truncate_forgets_stale_cached_block():
+def test_rewritten_cached_block_is_forgotten():
     bm = BlockManager(8, BS)
     toks = list(range(8))
     assert bm.allocate("a", 0, 8)
     bm.cache_full_blocks("a", toks, 8)
-    bm.truncate("a", 6)  # block 1 will be rewritten: no longer a valid cache entry
-    assert len(bm.match_prefix("x", toks + [1], 8)) == 1
+    bm.truncate("a", 6)  # block 1 still holds the cached tokens until position 6 is rewritten
+    assert len(bm.match_prefix("x", toks + [1], 8)) == 2
+    assert bm.allocate("a", 6, 1)  # now it is rewritten: no longer a valid cache entry
+    assert len(bm.match_prefix("y", toks + [1], 8)) == 1
     bm.free("a")
     check_invariants(bm)

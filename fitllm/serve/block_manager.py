@@ -106,6 +106,7 @@ class BlockManager:
             seq.num_registered = len(prefix)
         if self._needs_copy(seq, num_computed, num_new):
             self._copy_on_write(seq, num_computed // self.block_size)
+        self._forget_overwritten(seq, num_computed, num_new)
         while len(seq.table) * self.block_size < num_computed + num_new:
             seq.table.append(self._take(self._pop_free()))
         return True
@@ -151,10 +152,6 @@ class BlockManager:
         full = num_tokens // self.block_size
         del seq.hashes[full:]
         seq.num_registered = min(seq.num_registered, full)
-        if keep > full:  # the last kept block will be written again: its cached content goes stale
-            block = self.blocks[seq.table[-1]]
-            if block.hash is not None and block.ref == 1:
-                self._forget(block)
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -179,6 +176,13 @@ class BlockManager:
         """The first block written to is shared: writing would change what the others read."""
         i = num_computed // self.block_size
         return num_new > 0 and i < len(seq.table) and self.blocks[seq.table[i]].ref > 1
+
+    def _forget_overwritten(self, seq: SeqBlocks, num_computed: int, num_new: int) -> None:
+        """The block the new tokens start in is this sequence's alone now (after any copy); if it
+        is registered in the prefix cache, writing makes that entry stale (e.g. after truncate)."""
+        i = num_computed // self.block_size
+        if num_new > 0 and i < len(seq.table):
+            self._forget(self.blocks[seq.table[i]])
 
     def _copy_on_write(self, seq: SeqBlocks, i: int) -> None:
         src = seq.table[i]

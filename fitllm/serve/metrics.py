@@ -22,6 +22,8 @@ ENGINE_STATS = {
     "prefix_cache_hit_rate": ("fitllm_prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache",
                               "gauge"),
     "preemptions": ("fitllm_preemptions", "Requests preempted for lack of KV blocks", "counter"),
+    "spec_acceptance_rate": ("fitllm_spec_acceptance_rate", "Share of drafted tokens the target accepted", "gauge"),
+    "spec_mean_accepted_len": ("fitllm_spec_mean_accepted_len", "Tokens gained per verification step", "gauge"),
 }
 
 
