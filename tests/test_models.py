@@ -109,16 +109,22 @@ def test_missing_folder_and_tensor(tmp_path):
 
 def test_loading_never_holds_two_copies(embedded_folder):
     """Peak RSS growth while loading is one copy of the weights plus a tensor (fresh process)."""
+    # VmHWM, not ru_maxrss: ru_maxrss survives exec, so a child forked from a large pytest
+    # process would report the parent's peak.
     code = textwrap.dedent(f"""
-        import pathlib, resource, torch
+        import pathlib, torch
         from fitllm.models.loader import load_model
+
+        def status(key):
+            line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+            return int(line.split()[1]) * 1024
+
         torch.ones(1)
-        # current RSS (not the high-water mark, which imports may have pushed up)
-        base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() // 1024
+        base = status("VmRSS")  # current RSS, not the high-water mark imports pushed up
         m = load_model(pathlib.Path({str(embedded_folder)!r}), dtype=torch.float32)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = status("VmHWM")
         weights = sum(p.numel() * p.element_size() for p in m.parameters())
-        print("RSS", base * 1024, peak * 1024, weights)
+        print("RSS", base, peak, weights)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     base, peak, weights = map(int, out.split("RSS", 1)[1].split())
