@@ -20,7 +20,7 @@ serve: $(STAMP)
 	$(BIN)/quant serve
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -x -q tests
+	$(BIN)/python -m pytest -x -rs tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -8,7 +8,6 @@ KV cache is part of what is measured.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -20,7 +19,6 @@ import torch
 from fitllm.models.errors import FitLLMError
 from fitllm.models.generate import forward_tokens, make_cache
 from fitllm.models.hub import resolve_model
-from fitllm.models.kv_cache import PagedKVCache
 from fitllm.models.loader import default_dtype, load_model
 from fitllm.models.tokenizer import load_tokenizer
 
@@ -79,11 +77,8 @@ def cache_kwargs(loaded: LoadedModel, kv_dtype: str, calib_ids: Optional[list[li
     the cache's data-free default (text the model samples itself). Never from the eval's own text."""
     if kv_dtype == "auto":
         return {}
-    params = inspect.signature(PagedKVCache).parameters
-    if "kv_dtype" not in params:
-        raise EvalError(f"kv dtype {kv_dtype!r}: this fitllm build's KV cache has no kv_dtype option yet")
     kwargs = {"kv_dtype": kv_dtype}
-    if kv_dtype in ("fp8", "int4") and "calibration" in params:
+    if kv_dtype in ("fp8", "int4"):
         if loaded.kv_calibration is None:
             from fitllm.models.kv_cache import calibrate_kv_scales
 

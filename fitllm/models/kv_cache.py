@@ -11,7 +11,6 @@ bytes for int4), plus fp16 scales `[..., num_kv_heads, groups]` beside them for 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 

@@ -7,7 +7,7 @@ loader hands each checkpoint tensor over with its shard index and name suffix ("
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -7,14 +7,14 @@ so one GEMM serves them all: fitllm.kernels.w4a16 on a GPU, a torch dequantize +
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from fitllm.models.config import ModelConfig
 from fitllm.models.errors import ModelLoadError
-from fitllm.models.linear import DenseLinear, FusedLinear, LinearFactory, dense_factory
+from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
 from fitllm.models.loader import FUSED_SHARDS, load_model
 from fitllm.quant.formats.packing import KernelWeight
 from fitllm.quant.scheme import FP8Weight

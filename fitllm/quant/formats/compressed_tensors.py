@@ -21,7 +21,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from compressed_tensors.utils.match import match_name
 
 from fitllm.quant.formats.packing import KernelWeight, pack_dim0
-from fitllm.quant.scheme import FP8Weight, QuantError, QuantizedWeight, QuantScheme
+from fitllm.quant.scheme import FP8Weight, QuantError, QuantScheme
 
 INT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 FP8_SUFFIXES = ("weight", "weight_scale", "input_scale")
