@@ -43,6 +43,8 @@ def serve(
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API."""
     _check_options(port, max_num_seqs, gpu_memory_utilization, max_waiting, request_timeout, max_request_bytes)
+    if speculative and not 1 <= num_speculative_tokens <= 16:
+        fail(f"--num-speculative-tokens {num_speculative_tokens}: must be between 1 and 16 with --speculative")
     _check_port_free(host, port)
     engine = _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                            num_kv_blocks, gpu_memory_utilization, not no_prefix_caching, not no_cuda_graphs,
