@@ -83,7 +83,7 @@ def split_k_for(tiles_mn: int, k_tiles: int, sms: int, waves: float) -> int:
     return max(1, min(want, k_tiles))
 
 
-def _patch_interpreter_for_numpy_2_4() -> None:
+def patch_interpreter_for_numpy_2_4() -> None:
     """triton 3.6's interpreter turns scalar tensors into Python ints with int(ndarray of shape (1,)),
     which numpy >= 2.4 rejects, so `range(runtime_arg)` in a kernel fails under TRITON_INTERPRET=1.
     Re-register __index__ with .item(); harmless where numpy is older. (Interpreter only.)"""
@@ -104,4 +104,4 @@ def _patch_interpreter_for_numpy_2_4() -> None:
 
 
 if interpreting():
-    _patch_interpreter_for_numpy_2_4()
+    patch_interpreter_for_numpy_2_4()

@@ -25,34 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
+from fitllm.kernels._utils import interpreting, patch_interpreter_for_numpy_2_4
+
 KIND_FLOAT, KIND_FP8, KIND_INT8, KIND_INT4 = 0, 1, 2, 3
 FP8_MAX = 448.0
 LOG2E = 1.4426950408889634
 
 
-def _interpreter_compat() -> None:
-    """triton 3.6's interpreter turns a scalar into a loop bound with int() of a 1-element array,
-    which NumPy >= 2.4 refuses: every loop with a runtime bound fails under TRITON_INTERPRET=1.
-    Accept any 1-element array (GPU compilation is unaffected)."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_fitllm_compat", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._fitllm_compat = True
-    interpreter._patch_lang_tensor = patched
-
-
-_interpreter_compat()
+# This module may be imported after _utils was, once TRITON_INTERPRET is set: patch here too.
+if interpreting():
+    patch_interpreter_for_numpy_2_4()
 
 
 # ----------------------------------------------------------------------------------------------
