@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fitllm.kernels import _utils  # noqa: E402
 from fitllm.kernels.fp8 import FP8_CONFIGS, fp8_gemm_triton, quantize_fp8_per_token, quantize_fp8_per_token_ref  # noqa: E402
 from fitllm.kernels.fp8 import _cfg as f8cfg  # noqa: E402
-from fitllm.kernels.w4a16 import W4A16_CONFIGS, dequantize_packed, pack_int, w4a16_gemm_triton  # noqa: E402
+from fitllm.kernels.w4a16 import W4A16_CONFIGS, dequantize_packed, w4a16_gemm_triton  # noqa: E402
+from fitllm.quant.formats.packing import pack_dim0  # noqa: E402
 from fitllm.kernels.w4a16 import _cfg as w4cfg  # noqa: E402
 from fitllm.kernels.w4a16 import _gemv, _tc  # noqa: E402
 
@@ -54,7 +55,7 @@ def make_w4(K, N, dev, bits=4, gs=None, gidx=False, dtype=torch.bfloat16):
     gs = gs or GS
     q = torch.randint(0, 1 << bits, (K, N), device=dev, dtype=torch.int32)
     G = K // gs
-    return dict(qweight=pack_int(q, bits), scales=(torch.rand(G, N, device=dev) * 0.01 + 0.002).to(dtype),
+    return dict(qweight=pack_dim0(q, bits), scales=(torch.rand(G, N, device=dev) * 0.01 + 0.002).to(dtype),
                 zeros=torch.randint(0, 1 << bits, (G, N), device=dev).to(dtype), group_size=gs, bits=bits,
                 g_idx=(torch.randperm(K, device=dev) // gs).to(torch.int32) if gidx else None)
 

@@ -1,30 +1,18 @@
-"""Fused RMSNorm(+residual), RoPE and SiLU·mul: Triton under TRITON_INTERPRET=1 against the torch
-references, and the decoder wired through them (Triton path == torch path == unfused layer math).
+"""Fused RMSNorm(+residual), RoPE and SiLU·mul: Triton under TRITON_INTERPRET=1 (set by conftest.py)
+against the torch references, and the decoder wired through them (Triton path == torch path ==
+unfused layer math)."""
 
-The interpreter flag must be set before triton is imported (triton.language's own helpers are
-@jit functions), so it is set here first; fused imports its kernels lazily, on the first Triton
-call, and the kernel module is reloaded in case some earlier test imported it without the flag.
-"""
-
-import importlib
 import os
-import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-for _name in ("fitllm.kernels._utils", "fitllm.kernels._fused_triton"):
-    if _name in sys.modules:
-        importlib.reload(sys.modules[_name])
-
-from fitllm.kernels import fused  # noqa: E402
-from fitllm.models.config import ModelConfig  # noqa: E402
-from fitllm.models.decoder import CausalLM  # noqa: E402
-from fitllm.models.kv_cache import NoCacheContext  # noqa: E402
+from fitllm.kernels import fused
+from fitllm.models.config import ModelConfig
+from fitllm.models.decoder import CausalLM
+from fitllm.models.kv_cache import NoCacheContext
 
 GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
 DTYPES = [torch.float32, torch.bfloat16]

@@ -1,27 +1,15 @@
-"""W4A16 / FP8 GEMM kernels: Triton under TRITON_INTERPRET=1 on tiny shapes, against float64.
+"""W4A16 / FP8 GEMM kernels: Triton under TRITON_INTERPRET=1 (set by conftest.py) on tiny shapes,
+against float64."""
 
-The interpreter flag must be set before the kernels are decorated (triton reads it in @triton.jit),
-so it is set here before importing fitllm.kernels, and the kernel modules are reloaded if some
-earlier test imported them without it.
-"""
-
-import importlib
 import os
-import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-for _name in ("fitllm.kernels._utils", "fitllm.kernels.w4a16", "fitllm.kernels.fp8"):
-    if _name in sys.modules:
-        importlib.reload(sys.modules[_name])
-
-from fitllm.kernels import _utils  # noqa: E402
-from fitllm.kernels.fp8 import (  # noqa: E402
+from fitllm.kernels import _utils
+from fitllm.kernels.fp8 import (
     _cfg as f8cfg,
     fp8_gemm,
     fp8_gemm_ref,
@@ -30,17 +18,17 @@ from fitllm.kernels.fp8 import (  # noqa: E402
     quantize_fp8_per_token_ref,
     quantize_fp8_static_ref,
 )
-from fitllm.kernels.w4a16 import (  # noqa: E402
+from fitllm.kernels.w4a16 import (
     _cfg as w4cfg,
     _gemv,
+    _pairs,
     _tc,
     dequantize_packed,
-    pack_int,
-    unpack_int,
     w4a16_gemm,
     w4a16_gemm_ref,
     w4a16_gemm_triton,
 )
+from fitllm.quant.formats.packing import pack_dim0
 
 GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
 
@@ -56,30 +44,10 @@ def rand_w4(K, N, bits=4, group_size=32, gidx=False, dtype=torch.bfloat16):
     scales = (torch.rand(G, N, generator=GEN) * 0.05 + 0.01).to(dtype)
     zeros = torch.randint(0, 1 << bits, (G, N), generator=GEN).to(dtype)
     g_idx = (torch.randperm(K, generator=GEN) // group_size).to(torch.int32) if gidx else None
-    return q, dict(qweight=pack_int(q, bits), scales=scales, zeros=zeros, group_size=group_size, bits=bits, g_idx=g_idx)
+    return q, dict(qweight=pack_dim0(q, bits), scales=scales, zeros=zeros, group_size=group_size, bits=bits, g_idx=g_idx)
 
 
-# --------------------------------------------------------------------------- packing
-
-def test_pack_known_pattern():
-    # column 0 holds k = 0..7 -> nibbles 1..8: word 0x87654321; column 1 all 15 -> 0xFFFFFFFF = -1
-    q = torch.tensor([[k + 1, 15] for k in range(8)])
-    packed = pack_int(q, 4)
-    assert packed.dtype == torch.int32 and packed.shape == (1, 2)
-    assert packed[0, 0].item() == 0x87654321 - (1 << 32)
-    assert packed[0, 1].item() == -1
-    q8 = torch.tensor([[0x12], [0x34], [0x56], [0xF8]])
-    assert pack_int(q8, 8)[0, 0].item() == 0xF8563412 - (1 << 32)
-    assert torch.equal(unpack_int(packed, 4), q.to(torch.int32))
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-def test_pack_roundtrip(bits):
-    q = torch.randint(0, 1 << bits, (64, 24), generator=GEN)
-    assert torch.equal(unpack_int(pack_int(q, bits), bits), q.to(torch.int32))
-    with pytest.raises(ValueError):
-        pack_int(q[:63], bits)
-
+# --------------------------------------------------------------------------- reference
 
 def test_dequantize_matches_formula():
     q, w = rand_w4(64, 8, group_size=16, gidx=True, dtype=torch.float32)
@@ -148,6 +116,23 @@ def test_w4a16_small_m_variants(cfg, M, K, gs):
     assert not ws.any() and not cnt.any()
 
 
+@pytest.mark.parametrize("K,gs,dtype,waves", [(256, 32, torch.bfloat16, 4), (576, 64, torch.float16, 4),
+                                               (192, 192, torch.bfloat16, 0), (384, 128, torch.float16, 0)])
+def test_w4a16_gemv_pairs(K, gs, dtype, waves):
+    """Batch-1 packed-pairs GEMV (fields i and i+4 of a word paired with x[i], x[i+4]): every field,
+    group and column lands right. On the CPU its fp32 twin runs; the packed-math PTX is checked on the
+    GPU by benchmarks/gemv_explore.py and bench_gemm.py."""
+    _, w = rand_w4(K, 40, 4, gs, dtype=dtype)
+    x = torch.randn(1, K, generator=GEN).to(dtype)
+    bias = torch.randn(40, generator=GEN).to(dtype)
+    ref = x.double() @ dequantize_packed(**w, dtype=torch.float64) + bias.double()
+    y = torch.full((1, 40), float("nan"), dtype=dtype)
+    w4a16_gemm_triton(x, **w, bias=bias, config=_pairs(32, 64, 4, waves=waves), out=y)
+    assert rel_err(y, ref) < 1e-2
+    ws, cnt = _utils.splitk_workspace(torch.device("cpu"), 0, 0)
+    assert not ws.any() and not cnt.any()
+
+
 def test_w4a16_dequant_backend():
     _, w = rand_w4(256, 48, 4, 64, True)
     x = torch.randn(20, 256, generator=GEN).to(torch.bfloat16)
@@ -164,7 +149,7 @@ def test_w4a16_detects_wrong_weights():
     assert rel_err(w4a16_gemm_triton(x, **bad, config=CONFIGS[0]), ref) > 1e-2
     q2 = q.clone()
     q2[:, 0] = 15 - q2[:, 0]
-    bad = dict(w, qweight=pack_int(q2, 4))
+    bad = dict(w, qweight=pack_dim0(q2, 4))
     assert rel_err(w4a16_gemm_triton(x, **bad, config=CONFIGS[0]), ref) > 1e-2
 
 
@@ -236,6 +221,15 @@ def test_fp8_triton_vs_float64(cfg, M, K, N, mode, per_tensor, static, bias):
     assert rel_err(y, ref) < 1e-2
     # and the reference itself agrees with the same oracle
     assert rel_err(fp8_gemm_ref(x, w, ws, isc, b, mode), ref) < 1e-2
+
+
+@pytest.mark.parametrize("mode,per_tensor,static", [("w8a8", False, False), ("w8a8", True, True), ("w8a16", False, False)])
+@pytest.mark.parametrize("M,waves", [(1, 0), (1, 4), (3, 4)])
+def test_fp8_gemv_batch1(mode, per_tensor, static, M, waves):
+    """The batch-1 CUDA-core GEMV computes the same function as the tensor-core kernel (M > 1 with a
+    GEMV config falls back to the tensor-core kernel)."""
+    test_fp8_triton_vs_float64(f8cfg(1, 16, 64, 4, 1, waves=waves, backend="gemv"), M, 200, 40, mode, per_tensor,
+                               static, True)
 
 
 def test_fp8_w8a8_vs_unquantized_activations():

@@ -1,4 +1,5 @@
 """Pack/unpack and format round trips against hand-built examples of each documented layout."""
+import pytest
 import torch
 
 from fitllm.quant.formats import autoawq, compressed_tensors, gptq
@@ -17,6 +18,18 @@ def test_gptq_qweight_packs_k_low_bits_first():
     q8 = torch.tensor([[0x11], [0x22], [0x33], [0xF4]])
     assert as_u32(pack_dim0(q8, 8)[0, 0]) == 0xF4332211
     assert torch.equal(unpack_dim0(pack_dim0(q8, 8), 8), q8.int())
+    assert pack_dim0(torch.full((8, 1), 15), 4)[0, 0] == -1  # all bits set: the int32 wraps
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_dim0_roundtrip_and_errors(bits):
+    q = torch.randint(0, 1 << bits, (64, 24))
+    assert torch.equal(unpack_dim0(pack_dim0(q, bits), bits), q.int())
+    with pytest.raises(ValueError, match="rows"):
+        pack_dim0(q[:63], bits)
+    for bad in (-1, 1 << bits):  # would spill into a neighbour's bits
+        with pytest.raises(ValueError, match="out of range"):
+            pack_dim0(torch.where(q == q[3, 5], bad, q), bits)
 
 
 def test_awq_interleaved_nibble_order():
@@ -85,11 +98,11 @@ def test_compressed_tensors_fp8_round_trip():
 
 def test_kernel_layout_matches_kernels_module():
     """fitllm's repack target is exactly what fitllm.kernels.w4a16 consumes."""
-    w4a16 = __import__("pytest").importorskip("fitllm.kernels.w4a16")
+    w4a16 = pytest.importorskip("fitllm.kernels.w4a16")
     torch.manual_seed(2)
     qw = rtn_quantize(torch.randn(16, 64), QuantScheme("rtn", group_size=32))
     kw = to_kernel(qw)
-    assert torch.equal(kw.qweight, w4a16.pack_int(qw.q.t().int(), 4))
+    assert torch.allclose(w4a16.dequantize_packed(kw.qweight, kw.scales, kw.zeros, kw.group_size), qw.dequantize().t())
     x = torch.randn(3, 64)
     ref = x @ qw.dequantize().t()
     assert torch.allclose(w4a16.w4a16_gemm(x, kw.qweight, kw.scales, kw.zeros, kw.group_size), ref, atol=1e-5)

@@ -61,7 +61,7 @@ def fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode=
 # --------------------------------------------------------------------------- Triton kernels
 
 if triton is not None:
-    from .w4a16 import _store_output
+    from .w4a16 import _store_output, _store_tile
 
     @triton.jit
     def _round_to_e4m3_grid(v):
@@ -150,6 +150,40 @@ if triton is not None:
                       pid_mn, HAS_BIAS, SPLIT_K, BM, BN)
 
 
+    @triton.jit
+    def _fp8_gemv_kernel(
+        x_ptr, xs_ptr, w_ptr, wsc_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, K_ITERS, SPLIT,
+        W8A8: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        """Batch-1 GEMV on CUDA cores: program (n, k) owns BN weight rows and K_ITERS tiles of BK.
+        Products of e4m3 values (and of an e4m3 and a bf16) are exact in fp32, so this computes the
+        tensor-core kernel's function; at M=1 the dot's tile would be 1/16 full, and this reads the
+        weights at full width instead."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        for it in range(0, K_ITERS):
+            offs_k = (pid_k * K_ITERS + it) * BK + tl.arange(0, BK)
+            k_mask = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            acc += w * x[None, :]
+        out = tl.sum(acc, axis=1)
+        if WS_PER_CHANNEL:
+            out = out * tl.load(wsc_ptr + offs_n, mask=n_mask, other=0.0)
+        else:
+            out = out * tl.load(wsc_ptr)
+        if W8A8:
+            out = out * tl.load(xs_ptr)
+        offs_m = tl.arange(0, 1)
+        _store_tile(out[None, :], bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < 1, n_mask, N, N,
+                    pid_n, SPLIT, HAS_BIAS, USE_WS)
+
+
 def quantize_fp8_per_token(x: torch.Tensor):
     """Dynamic per-token e4m3 quantization: (x_fp8 [M, K], scale [M, 1] fp32). Triton on CUDA."""
     if backend_for(x) != "triton" or triton is None:
@@ -183,6 +217,10 @@ FP8_CONFIGS = {
     # H200 sweep 2026-11-29 (benchmarks/RESULTS.md), GEMM-only us for one Llama-3-8B layer:
     # M=1 76 (swap-AB), M=16 81, M=64 106, M=256 140, M=1024 381, M=4096 1472.
     "sm90": [
+        # M=1: GEMV up to N=16384 (qkv 11.3 vs 16.6 µs, down 23.4 vs 24.8), swap-AB tensor cores for
+        # the wide gate_up (33.8 vs 37.2): 79 µs per layer with the act. quant (all swap-AB: 88).
+        (1, dict(_cfg(1, 16, 512, 8, 1, waves=4, backend="gemv"), max_n=16384,
+                 wide=_cfg(16, 64, 256, 4, 4, waves=4, swap=True))),
         (16, _cfg(16, 64, 256, 4, 4, waves=4, swap=True)),
         (64, _cfg(64, 64, 256, 4, 4, waves=2)),
         (256, _cfg(128, 128, 128, 8, 4)),
@@ -226,6 +264,11 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
             return out
         return r
 
+    if cfg.get("backend") == "gemv":
+        if M == 1 and N <= cfg.get("max_n", N):
+            return _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev)
+        cfg = cfg.get("wide") or _cfg(16, 64, 128, 4, 2, waves=4)  # M > 1 or a wide N: tensor cores
+
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     k_tiles = triton.cdiv(K, BK)
@@ -240,6 +283,21 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
         SWAP=cfg.get("SWAP", False), SPLIT_K=split, UPCAST=interpreting(), BM=BM, BN=BN, BK=BK,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    return y
+
+
+def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev):
+    N, K = weight_fp8.shape
+    BN, BK = cfg["BN"], cfg["BK"]
+    n_blocks, k_tiles = triton.cdiv(N, BN), triton.cdiv(K, BK)
+    split = split_k_for(n_blocks, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
+    k_iters = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, k_iters)
+    ws, cnt = splitk_workspace(y.device, N, n_blocks) if split > 1 else (y, y)
+    _fp8_gemv_kernel[(n_blocks, split)](
+        xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt, N, K, weight_fp8.stride(0), k_iters, split,
+        W8A8=mode == "w8a8", WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None, USE_WS=split > 1,
+        BN=BN, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y
 
 

@@ -6,6 +6,7 @@ Packed layout (the one contract every 4/8-bit checkpoint format is repacked into
   scales  [num_groups, N] in the activation dtype; zeros [num_groups, N], same dtype, integer zero
           points stored as floats (symmetric schemes store 2**(bits-1)).
   w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n], g = k // group_size, or g_idx[k] (act-order).
+  fitllm.quant.formats.packing.pack_dim0 / unpack_dim0 write and read qweight.
 
 One Triton kernel covers every M. Two ways to unpack a tile (constexpr SPLIT_J):
   * split-j: load a [BK/pack, BN] block of words once and run `pack` small dots, dot j pairing
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from fitllm.quant.formats.packing import unpack_dim0
+
 from ._utils import backend_for, device_index, interpreting, gpu_arch, num_sms, pick_config, split_k_for, splitk_workspace
 
 try:
@@ -33,30 +36,7 @@ except ImportError:  # CPU-only installs without triton still get the reference
     triton = None
 
 
-# --------------------------------------------------------------------------- packing helpers
-
-def pack_int(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """[K, N] ints in [0, 2**bits) -> int32 [K // pack, N], element k in bits (k % pack) * bits."""
-    pack = 32 // bits
-    K, N = q.shape
-    if K % pack:
-        raise ValueError(f"K={K} is not a multiple of {pack} ({bits}-bit packing)")
-    q = q.to(torch.int64).reshape(K // pack, pack, N)
-    if q.min() < 0 or q.max() >= (1 << bits):
-        raise ValueError(f"values out of range for {bits} bits")
-    shifts = (torch.arange(pack, device=q.device, dtype=torch.int64) * bits).view(1, pack, 1)
-    packed = (q << shifts).sum(dim=1)  # disjoint bit fields: sum == bitwise or
-    packed = torch.where(packed >= (1 << 31), packed - (1 << 32), packed)  # wrap into int32 range
-    return packed.to(torch.int32)
-
-
-def unpack_int(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [K // pack, N] -> int32 [K, N] (inverse of pack_int)."""
-    pack = 32 // bits
-    shifts = (torch.arange(pack, device=qweight.device, dtype=torch.int32) * bits).view(1, pack, 1)
-    q = (qweight.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # arithmetic shift, then mask
-    return q.reshape(qweight.shape[0] * pack, qweight.shape[1])
-
+# --------------------------------------------------------------------------- torch reference
 
 def _group_index(K: int, group_size: int, g_idx, device) -> torch.Tensor:
     if g_idx is not None:
@@ -66,7 +46,7 @@ def _group_index(K: int, group_size: int, g_idx, device) -> torch.Tensor:
 
 def dequantize_packed(qweight, scales, zeros, group_size, bits=4, g_idx=None, dtype=None):
     """-> W^T [K, N] in `dtype` (default: scales' dtype), computed in float32."""
-    q = unpack_int(qweight, bits)
+    q = unpack_dim0(qweight, bits)
     g = _group_index(q.shape[0], group_size, g_idx, q.device)
     w = (q.float() - zeros.float()[g]) * scales.float()[g]
     return w.to(dtype or scales.dtype)
@@ -307,6 +287,7 @@ if triton is not None:
         M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC,
         BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_WS: tl.constexpr, SHIFT16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        PREFETCH: tl.constexpr = False,
     ):
         """CUDA-core GEMV for M <= 4 (BM in 1, 2, 4; more rows: grid axis 2): program (n, k) owns BN
         columns and K_ITERS K tiles; each weight word is loaded once and its `pack` fields are
@@ -332,12 +313,22 @@ if triton is not None:
         acc1 = tl.zeros((BKP, BN), dtype=tl.float32)
         acc2 = tl.zeros((BKP, BN), dtype=tl.float32)
         acc3 = tl.zeros((BKP, BN), dtype=tl.float32)
+        if PREFETCH:  # the first word tile, before the loop
+            offs_r = pid_k * K_ITERS * BKP + offs_r0
+            qw_next = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
+                              mask=(offs_r < KP)[:, None] & n_mask[None, :], other=0)
         for it in range(0, K_ITERS):
             kt = pid_k * K_ITERS + it
             offs_r = kt * BKP + offs_r0
             r_mask = offs_r < KP
-            qw = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
-                         mask=r_mask[:, None] & n_mask[None, :], other=0)
+            if PREFETCH:  # issue the next tile's loads before this tile's math: twice the bytes in flight
+                qw = qw_next
+                nxt = offs_r + BKP
+                qw_next = tl.load(q_ptr + nxt[:, None] * N + offs_n[None, :],
+                                  mask=((nxt < KP) & (it + 1 < K_ITERS))[:, None] & n_mask[None, :], other=0)
+            else:
+                qw = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
+                             mask=r_mask[:, None] & n_mask[None, :], other=0)
             if not PER_CHANNEL:
                 g = tl.minimum((kt * BK) // GROUP_SIZE, K // GROUP_SIZE - 1)  # fully masked tail tiles
                 z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -389,6 +380,125 @@ if triton is not None:
         m_mask = (offs_m < M) & (offs_m < m0 + BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
+
+    # Batch-1 GEMV with packed 16-bit math. One word holds fields 0..7 (4 bits each); `(w >> 4i) &
+    # 0x000F000F | magic` turns fields i and i + 4 into two 16-bit floats magic + q in one LOP3
+    # (magic 128 in bf16, 1024 in fp16: q lands in the mantissa exactly). One packed FMA per pair
+    # subtracts magic + z (exact), four packed FMAs multiply by the matching x pair and add, so two
+    # weights cost about one instruction instead of three fp32 ones. The four-term 16-bit sum
+    # (relative rounding 2**-9 in bf16, 2**-12 in fp16) goes to fp32 once per word.
+    _PAIR_ASM_HEAD = """
+    {
+    .reg .b32 a, b, c, d, t, one, nzero, acc;
+    mov.b32 one, ONE;
+    mov.b32 nzero, 0x80008000;
+    lop3.b32 a, $1, 0x000F000F, MAGIC, 0xEA;
+    shr.u32 t, $1, 4;
+    lop3.b32 b, t, 0x000F000F, MAGIC, 0xEA;
+    shr.u32 t, $1, 8;
+    lop3.b32 c, t, 0x000F000F, MAGIC, 0xEA;
+    shr.u32 t, $1, 12;
+    lop3.b32 d, t, 0x000F000F, MAGIC, 0xEA;
+    fma.rn.T a, a, one, $2;
+    fma.rn.T b, b, one, $2;
+    fma.rn.T c, c, one, $2;
+    fma.rn.T d, d, one, $2;
+    fma.rn.T acc, a, $3, nzero;
+    fma.rn.T acc, b, $4, acc;
+    fma.rn.T acc, c, $5, acc;
+    fma.rn.T acc, d, $6, acc;
+    """
+    _PAIR_ASM_BF16 = tl.constexpr(_PAIR_ASM_HEAD.replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300").replace(".T", ".bf16x2")
+                      + "shl.b32 t, acc, 16;\n and.b32 acc, acc, 0xFFFF0000;\n add.f32 $0, t, acc;\n }")
+    _PAIR_ASM_F16 = tl.constexpr(_PAIR_ASM_HEAD.replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400").replace(".T", ".f16x2")
+                     + ".reg .f16 lo, hi;\n .reg .f32 flo, fhi;\n mov.b32 {lo, hi}, acc;\n"
+                     + " cvt.f32.f16 flo, lo;\n cvt.f32.f16 fhi, hi;\n add.f32 $0, flo, fhi;\n }")
+
+    @triton.jit
+    def _half(v, HIGH: tl.constexpr, F16: tl.constexpr):
+        """One 16-bit float of an int32 pair, as fp32."""
+        if F16:
+            h = (v >> 16) if HIGH else v
+            return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return ((v & -65536) if HIGH else (v << 16)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _pair_dot(qw, nz, x0, x1, x2, x3, F16: tl.constexpr, ASM: tl.constexpr):
+        """Σ over one word's 8 fields of x·(q - z) in fp32. nz: the pair (-(magic + z), same),
+        x0..x3: the pairs (x[i], x[i + 4]). ASM=False computes the same function in fp32 (the
+        interpreter, and cards without packed bf16 math)."""
+        if ASM:
+            r = tl.inline_asm_elementwise(_PAIR_ASM_F16 if F16 else _PAIR_ASM_BF16, "=r,r,r,r,r,r,r",
+                                          [qw, nz, x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
+            return r.to(tl.float32, bitcast=True)
+        magic = 0x64006400 if F16 else 0x43004300
+        lo_z = _half(nz, False, F16)
+        hi_z = _half(nz, True, F16)
+        total = tl.zeros(qw.shape, dtype=tl.float32)
+        for i in tl.static_range(4):
+            xi = x0 if i == 0 else (x1 if i == 1 else (x2 if i == 2 else x3))
+            p = ((qw >> (4 * i)) & 0x000F000F) | magic
+            total += (_half(p, False, F16) + lo_z) * _half(xi, False, F16)
+            total += (_half(p, True, F16) + hi_z) * _half(xi, True, F16)
+        return total
+
+    @triton.jit
+    def _w4a16_gemv_pairs_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, K_ITERS, SPLIT,
+        GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
+    ):
+        """y[0, n] = Σ_k x[k] w[k, n] for one row of x, 4-bit weights, bf16/fp16 (see _pair_dot).
+        x_ptr is x viewed as int32 (pairs of 16-bit values). Program (n, k) owns BN columns and
+        K_ITERS tiles of BK (one group per tile); split-K as in the other small-M kernels."""
+        BKP: tl.constexpr = BK // 8
+        MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
+        DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        offs_r0 = tl.arange(0, BKP)
+        KP = K // 8
+        if PER_CHANNEL:
+            z = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            h = (-(z + MAGICF)).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            nz = h | (h << 16)
+        acc = tl.zeros((BKP, BN), dtype=tl.float32)
+        for it in range(0, K_ITERS):
+            kt = pid_k * K_ITERS + it
+            offs_r = kt * BKP + offs_r0
+            r_mask = offs_r < KP
+            qw = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
+                         mask=r_mask[:, None] & n_mask[None, :], other=0)
+            if not PER_CHANNEL:
+                g = tl.minimum((kt * BK) // GROUP_SIZE, K // GROUP_SIZE - 1)
+                z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                h = (-(z + MAGICF)).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                nz = h | (h << 16)
+            # the four int32 words of x for word row r hold (x0,x1) (x2,x3) (x4,x5) (x6,x7)
+            xa = tl.load(x_ptr + offs_r * 4, mask=r_mask, other=0)
+            xb = tl.load(x_ptr + offs_r * 4 + 1, mask=r_mask, other=0)
+            xc = tl.load(x_ptr + offs_r * 4 + 2, mask=r_mask, other=0)
+            xd = tl.load(x_ptr + offs_r * 4 + 3, mask=r_mask, other=0)
+            x0 = (xa & 0xFFFF) | (xc << 16)  # (x0, x4)
+            x1 = ((xa >> 16) & 0xFFFF) | (xc & -65536)  # (x1, x5)
+            x2 = (xb & 0xFFFF) | (xd << 16)  # (x2, x6)
+            x3 = ((xb >> 16) & 0xFFFF) | (xd & -65536)  # (x3, x7)
+            t = _pair_dot(qw, tl.broadcast_to(nz[None, :], (BKP, BN)), tl.broadcast_to(x0[:, None], (BKP, BN)),
+                          tl.broadcast_to(x1[:, None], (BKP, BN)), tl.broadcast_to(x2[:, None], (BKP, BN)),
+                          tl.broadcast_to(x3[:, None], (BKP, BN)), F16, ASM)
+            if PER_CHANNEL:
+                acc += t
+            else:
+                acc += t * s[None, :]
+        out = tl.sum(acc, axis=0)[None, :]
+        if PER_CHANNEL:
+            out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        offs_m = tl.arange(0, 1)
+        _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < 1, n_mask, N, N,
+                    pid_n, SPLIT, HAS_BIAS, USE_WS)
 
     @triton.jit
     def _unpack_pairs16(qw, MAGIC2, BITS: tl.constexpr, DT: tl.constexpr, INTERLEAVE: tl.constexpr):
@@ -518,6 +628,11 @@ def _gemv(bn, bk, warps, stages=1, waves=4.0, shift16=True, bm=4):
     return _cfg(bm, bn, bk, False, warps, stages, waves, "gemv", SHIFT16=shift16)
 
 
+def _pairs(bn, bk, warps, waves=4.0):
+    """Batch-1 GEMV with packed 16-bit math (4-bit weights, bf16/fp16, one row of x)."""
+    return _cfg(1, bn, bk, False, warps, 1, waves, "pairs")
+
+
 def _tc(bm, bn, bk, warps, stages, waves=0.0, swap=False, unpack=2):
     """Tensor-core tile with the full [BK, BN] weight tile unpacked in registers, one dot per K tile.
     unpack: 0 fp32 trick, 1 fp32 trick + SHIFT16, 2 16-bit magic pairs (see _w4a16_tc_kernel)."""
@@ -535,13 +650,13 @@ W4A16_CONFIGS = {
     # BM64 tc (dequant + cuBLAS 351; BM32 tiles 690). The tc kernel does the same work for every
     # M <= 16, so 2..16 use it (GEMV with 4 rows measured 173-212 at M=3).
     "sm90": [
-        (1, _gemv(128, 128, 4, 1, waves=4)),
+        (1, _pairs(64, 128, 2, waves=8)),  # 60 µs (GEMV with fp32 math: 85; tinygemm 70), gemv_explore.py
         (16, _tc(16, 64, 128, 4, 3, waves=4, swap=True, unpack=2)),
         (64, _tc(64, 64, 128, 4, 3, waves=2, unpack=2)),
         (1 << 62, _cfg(128, 128, 64, False, 8, 4, backend="dequant")),
     ],
     "default": [
-        (1, _gemv(64, 128, 4, 1, waves=4)),
+        (1, _pairs(128, 64, 4, waves=4)),
         (64, _tc(16, 64, 64, 4, 2, waves=2)),
         (1 << 62, _cfg(64, 64, 64, False, 4, 2)),
     ],
@@ -597,11 +712,21 @@ def _small_m_block_k(cfg, kind, x, K, group_size, num_groups, bits, g_idx):
     return bk
 
 
+def _packed_math_ok(dev, dtype) -> bool:
+    """Packed bf16x2 FMA needs sm80+ (f16x2: sm53+); the interpreter cannot run inline PTX."""
+    if interpreting() or dev is None:
+        return False
+    major, minor = torch.cuda.get_device_capability(dev)
+    return major >= 8 or (dtype == torch.float16 and (major, minor) >= (5, 3))
+
+
 def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bias, y, dev) -> bool:
     kind = cfg["backend"]
     M, K = x.shape
     N = qweight.shape[1]
     num_groups = scales.shape[0]
+    if kind == "pairs" and (M != 1 or bits != 4 or x.dtype not in (torch.bfloat16, torch.float16)):
+        kind = "gemv"  # the packed-pairs GEMV is batch-1, 4-bit, 16-bit activations only
     bk = _small_m_block_k(cfg, kind, x, K, group_size, num_groups, bits, g_idx)
     if bk is None:
         return False
@@ -619,8 +744,15 @@ def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bia
             M, N, K, x.stride(0), y.stride(0), k_iters, split, _MAGIC)
     common = dict(BITS=bits, GROUP_SIZE=group_size, PER_CHANNEL=num_groups == 1, HAS_BIAS=bias is not None,
                   USE_WS=use_ws, BM=BM, BN=BN, BK=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if kind == "gemv":
-        _w4a16_gemv_kernel[(n_blocks, split, m_blocks)](*args, SHIFT16=cfg.get("SHIFT16", True), **common)
+    if kind == "pairs":
+        _w4a16_gemv_pairs_kernel[(n_blocks, split)](
+            x.view(torch.int32), qweight, scales, zeros, args[4], y, ws, cnt, N, K, k_iters, split,
+            GROUP_SIZE=group_size, PER_CHANNEL=num_groups == 1, HAS_BIAS=bias is not None, USE_WS=use_ws,
+            BN=BN, BK=bk, F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    elif kind == "gemv":
+        _w4a16_gemv_kernel[(n_blocks, split, m_blocks)](*args, SHIFT16=cfg.get("SHIFT16", True),
+                                                         PREFETCH=cfg.get("PREFETCH", False), **common)
     else:
         unpack = cfg.get("UNPACK", 2)
         if unpack == 1 and x.dtype != torch.bfloat16:  # fp16 x * 2**-12 could go subnormal
@@ -645,7 +777,7 @@ def w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bits=4, g_idx=None,
     if M == 0:
         return y
 
-    if cfg.get("backend") in ("gemv", "tc"):
+    if cfg.get("backend") in ("gemv", "tc", "pairs"):
         if _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bias, y, dev):
             return y
         cfg = dict(pick_config(W4A16_LEGACY, gpu_arch(dev), M))  # g_idx, odd groups, fp32: older paths

@@ -18,11 +18,14 @@ AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column c lives in slot AWQ_REVERSE[c]
 
 
 def pack_dim0(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """[R, C] integers in 0..2^bits-1 -> [R*bits/32, C] int32, rows packed low to high."""
+    """[R, C] integers in 0..2^bits-1 -> [R*bits/32, C] int32, rows packed low to high.
+    The one packer of fitllm's kernel layout (qweight [K/per, N]); pack_dim1 reuses it."""
     per = 32 // bits
     r, c = q.shape
     if r % per:
-        raise ValueError(f"cannot pack {r} rows into int32 words of {per}")
+        raise ValueError(f"cannot pack {r} rows into int32 words of {per} ({bits}-bit packing)")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) >= 1 << bits):  # would spill into the next slot
+        raise ValueError(f"values out of range for {bits} bits: [{int(q.min())}, {int(q.max())}]")
     q = q.to(torch.int32).reshape(r // per, per, c)
     out = torch.zeros(r // per, c, dtype=torch.int32, device=q.device)
     for j in range(per):
