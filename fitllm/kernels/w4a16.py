@@ -272,6 +272,19 @@ if triton is not None:
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _word_tile(q_ptr, s_ptr, z_ptr, kt, offs_r0, offs_n, n_mask, N, K,
+                   PACK: tl.constexpr, BK: tl.constexpr, GROUP_SIZE: tl.constexpr):
+        """K tile kt of the small-M kernels: its packed words [BK/pack, BN] (rows past K read as 0)
+        and the scale and zero rows (fp32) of its one group (per-channel weights: one group)."""
+        offs_r = kt * (BK // PACK) + offs_r0
+        r_mask = offs_r < K // PACK
+        qw = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0)
+        g = tl.minimum((kt * BK) // GROUP_SIZE, K // GROUP_SIZE - 1)  # fully masked tail tiles
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        return qw, s, z, offs_r, r_mask
+
+    @triton.jit
     def _gemv_rows(xj_ptr, m_off, ok, f, t, LSH: tl.constexpr, ROW_OK: tl.constexpr):
         """t += x[m, k(r, j)] * 2**-LSH (as [BKP, 1]) * f for one row m of x (no-op for padding rows)."""
         if ROW_OK:
@@ -285,9 +298,8 @@ if triton is not None:
     def _w4a16_gemv_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC,
-        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_WS: tl.constexpr, SHIFT16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        PREFETCH: tl.constexpr = False,
     ):
         """CUDA-core GEMV for M <= 4 (BM in 1, 2, 4; more rows: grid axis 2): program (n, k) owns BN
         columns and K_ITERS K tiles; each weight word is loaded once and its `pack` fields are
@@ -306,33 +318,13 @@ if triton is not None:
         n_mask = offs_n < N
         m0 = pid_m * BM
         offs_r0 = tl.arange(0, BKP)
-        KP = K // PACK
-        if PER_CHANNEL:
-            z = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc0 = tl.zeros((BKP, BN), dtype=tl.float32)
         acc1 = tl.zeros((BKP, BN), dtype=tl.float32)
         acc2 = tl.zeros((BKP, BN), dtype=tl.float32)
         acc3 = tl.zeros((BKP, BN), dtype=tl.float32)
-        if PREFETCH:  # the first word tile, before the loop
-            offs_r = pid_k * K_ITERS * BKP + offs_r0
-            qw_next = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
-                              mask=(offs_r < KP)[:, None] & n_mask[None, :], other=0)
         for it in range(0, K_ITERS):
-            kt = pid_k * K_ITERS + it
-            offs_r = kt * BKP + offs_r0
-            r_mask = offs_r < KP
-            if PREFETCH:  # issue the next tile's loads before this tile's math: twice the bytes in flight
-                qw = qw_next
-                nxt = offs_r + BKP
-                qw_next = tl.load(q_ptr + nxt[:, None] * N + offs_n[None, :],
-                                  mask=((nxt < KP) & (it + 1 < K_ITERS))[:, None] & n_mask[None, :], other=0)
-            else:
-                qw = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
-                             mask=r_mask[:, None] & n_mask[None, :], other=0)
-            if not PER_CHANNEL:
-                g = tl.minimum((kt * BK) // GROUP_SIZE, K // GROUP_SIZE - 1)  # fully masked tail tiles
-                z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            qw, s, z, offs_r, r_mask = _word_tile(q_ptr, s_ptr, z_ptr, pid_k * K_ITERS + it, offs_r0, offs_n, n_mask,
+                                                  N, K, PACK, BK, GROUP_SIZE)
             if SHIFT16:
                 qhi = qw >> 16
             t0 = tl.zeros((BKP, BN), dtype=tl.float32)
@@ -353,20 +345,12 @@ if triton is not None:
                 t1 = _gemv_rows(xj_ptr, stride_xm, r_mask & (m0 + 1 < M), f, t1, BITS * (j % HALF) * SHIFT16, BM > 1)
                 t2 = _gemv_rows(xj_ptr, 2 * stride_xm, r_mask & (m0 + 2 < M), f, t2, BITS * (j % HALF) * SHIFT16, BM > 2)
                 t3 = _gemv_rows(xj_ptr, 3 * stride_xm, r_mask & (m0 + 3 < M), f, t3, BITS * (j % HALF) * SHIFT16, BM > 3)
-            if PER_CHANNEL:
-                acc0 += t0
-                if BM > 1:
-                    acc1 += t1
-                if BM > 2:
-                    acc2 += t2
-                    acc3 += t3
-            else:
-                acc0 += t0 * s[None, :]
-                if BM > 1:
-                    acc1 += t1 * s[None, :]
-                if BM > 2:
-                    acc2 += t2 * s[None, :]
-                    acc3 += t3 * s[None, :]
+            acc0 += t0 * s[None, :]
+            if BM > 1:
+                acc1 += t1 * s[None, :]
+            if BM > 2:
+                acc2 += t2 * s[None, :]
+                acc3 += t3 * s[None, :]
         offs_m = m0 + tl.arange(0, 4)
         rows = offs_m[:, None] + tl.zeros((1, BN), dtype=tl.int32)
         out = tl.where(rows == m0, tl.sum(acc0, axis=0)[None, :], 0.0)
@@ -375,8 +359,6 @@ if triton is not None:
         if BM > 2:
             out = tl.where(rows == m0 + 2, tl.sum(acc2, axis=0)[None, :], out)
             out = tl.where(rows == m0 + 3, tl.sum(acc3, axis=0)[None, :], out)
-        if PER_CHANNEL:
-            out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         m_mask = (offs_m < M) & (offs_m < m0 + BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
@@ -445,7 +427,7 @@ if triton is not None:
     @triton.jit
     def _w4a16_gemv_pairs_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, K_ITERS, SPLIT,
-        GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
+        GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
     ):
         """y[0, n] = Σ_k x[k] w[k, n] for one row of x, 4-bit weights, bf16/fp16 (see _pair_dot).
@@ -459,24 +441,12 @@ if triton is not None:
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         offs_r0 = tl.arange(0, BKP)
-        KP = K // 8
-        if PER_CHANNEL:
-            z = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            h = (-(z + MAGICF)).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            nz = h | (h << 16)
         acc = tl.zeros((BKP, BN), dtype=tl.float32)
         for it in range(0, K_ITERS):
-            kt = pid_k * K_ITERS + it
-            offs_r = kt * BKP + offs_r0
-            r_mask = offs_r < KP
-            qw = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
-                         mask=r_mask[:, None] & n_mask[None, :], other=0)
-            if not PER_CHANNEL:
-                g = tl.minimum((kt * BK) // GROUP_SIZE, K // GROUP_SIZE - 1)
-                z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                h = (-(z + MAGICF)).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                nz = h | (h << 16)
+            qw, s, z, offs_r, r_mask = _word_tile(q_ptr, s_ptr, z_ptr, pid_k * K_ITERS + it, offs_r0, offs_n, n_mask,
+                                                  N, K, 8, BK, GROUP_SIZE)
+            h = (-(z + MAGICF)).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            nz = h | (h << 16)
             # the four int32 words of x for word row r hold (x0,x1) (x2,x3) (x4,x5) (x6,x7)
             xa = tl.load(x_ptr + offs_r * 4, mask=r_mask, other=0)
             xb = tl.load(x_ptr + offs_r * 4 + 1, mask=r_mask, other=0)
@@ -489,13 +459,8 @@ if triton is not None:
             t = _pair_dot(qw, tl.broadcast_to(nz[None, :], (BKP, BN)), tl.broadcast_to(x0[:, None], (BKP, BN)),
                           tl.broadcast_to(x1[:, None], (BKP, BN)), tl.broadcast_to(x2[:, None], (BKP, BN)),
                           tl.broadcast_to(x3[:, None], (BKP, BN)), F16, ASM)
-            if PER_CHANNEL:
-                acc += t
-            else:
-                acc += t * s[None, :]
+            acc += t * s[None, :]
         out = tl.sum(acc, axis=0)[None, :]
-        if PER_CHANNEL:
-            out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         offs_m = tl.arange(0, 1)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < 1, n_mask, N, N,
                     pid_n, SPLIT, HAS_BIAS, USE_WS)
@@ -525,7 +490,7 @@ if triton is not None:
     def _w4a16_tc_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC, MAGIC2, MAGICF,
-        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_WS: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
     ):
@@ -552,7 +517,6 @@ if triton is not None:
         n_mask = offs_n < N
         offs_r0 = tl.arange(0, BKP)
         offs_k0 = tl.arange(0, BK)
-        KP = K // PACK
         HALF: tl.constexpr = PACK // 2
         if UNPACK == 1:  # x is scaled by 2**-(bits * (k % (pack/2))) to undo the unshifted fields
             x_fac = 1.0 / (1 << (BITS * (offs_k0 % HALF))).to(tl.float32)
@@ -560,22 +524,14 @@ if triton is not None:
             offs_kx0 = (offs_k0 // PACK) * PACK + (offs_k0 % PACK) // 2 + HALF * (offs_k0 % 2)
         else:
             offs_kx0 = offs_k0
-        if PER_CHANNEL:
-            z = tl.load(z_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if SWAP:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
         for it in range(0, K_ITERS):
             kt = pid_k * K_ITERS + it
-            offs_r = kt * BKP + offs_r0
-            r_mask = offs_r < KP
-            qw = tl.load(q_ptr + offs_r[:, None] * N + offs_n[None, :],
-                         mask=r_mask[:, None] & n_mask[None, :], other=0)
-            if not PER_CHANNEL:
-                g = tl.minimum((kt * BK) // GROUP_SIZE, K // GROUP_SIZE - 1)
-                z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            qw, s, z, offs_r, r_mask = _word_tile(q_ptr, s_ptr, z_ptr, kt, offs_r0, offs_n, n_mask, N, K, PACK, BK,
+                                                  GROUP_SIZE)
             if UNPACK >= 2:
                 w = _unpack_pairs16(qw, MAGIC2, BITS, DT, UNPACK == 3)
             else:
@@ -592,10 +548,7 @@ if triton is not None:
                 if UNPACK >= 2:
                     xsum = tl.sum(xt.to(tl.float32), axis=0)
                     part -= (z + MAGICF)[:, None] * xsum[None, :]
-                if PER_CHANNEL:
-                    acc += part
-                else:
-                    acc += part * s[:, None]
+                acc += part * s[:, None]
             else:
                 xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                              mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -605,14 +558,9 @@ if triton is not None:
                 if UNPACK >= 2:
                     xsum = tl.sum(xt.to(tl.float32), axis=1)
                     part -= xsum[:, None] * (z + MAGICF)[None, :]
-                if PER_CHANNEL:
-                    acc += part
-                else:
-                    acc += part * s[None, :]
+                acc += part * s[None, :]
         if SWAP:
             acc = tl.trans(acc)
-        if PER_CHANNEL:
-            acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     pid_mn, SPLIT, HAS_BIAS, USE_WS)
 
@@ -742,17 +690,16 @@ def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bia
     ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if use_ws else (y, y)
     args = (x, qweight, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
             M, N, K, x.stride(0), y.stride(0), k_iters, split, _MAGIC)
-    common = dict(BITS=bits, GROUP_SIZE=group_size, PER_CHANNEL=num_groups == 1, HAS_BIAS=bias is not None,
+    common = dict(BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None,
                   USE_WS=use_ws, BM=BM, BN=BN, BK=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if kind == "pairs":
         _w4a16_gemv_pairs_kernel[(n_blocks, split)](
             x.view(torch.int32), qweight, scales, zeros, args[4], y, ws, cnt, N, K, k_iters, split,
-            GROUP_SIZE=group_size, PER_CHANNEL=num_groups == 1, HAS_BIAS=bias is not None, USE_WS=use_ws,
+            GROUP_SIZE=group_size, HAS_BIAS=bias is not None, USE_WS=use_ws,
             BN=BN, BK=bk, F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     elif kind == "gemv":
-        _w4a16_gemv_kernel[(n_blocks, split, m_blocks)](*args, SHIFT16=cfg.get("SHIFT16", True),
-                                                         PREFETCH=cfg.get("PREFETCH", False), **common)
+        _w4a16_gemv_kernel[(n_blocks, split, m_blocks)](*args, SHIFT16=cfg.get("SHIFT16", True), **common)
     else:
         unpack = cfg.get("UNPACK", 2)
         if unpack == 1 and x.dtype != torch.bfloat16:  # fp16 x * 2**-12 could go subnormal
