@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_gemm import GS, SHAPES, make_w4, rel_err  # noqa: E402
 from fitllm.kernels.fp8 import _cfg as f8cfg, fp8_gemm_triton, quantize_fp8_per_token  # noqa: E402
-from fitllm.kernels.w4a16 import _gemv, _pairs, dequantize_packed, w4a16_gemm_triton  # noqa: E402
+from fitllm.kernels.w4a16 import _pairs, _tc, dequantize_packed, w4a16_gemm_triton  # noqa: E402
 
 BW = 4.22e12
 T0 = time.time()
@@ -63,9 +63,12 @@ def graph_us(fns, target_ms=40.0):
     return sorted(t)[2] * 1e3 / len(fns)
 
 
-def candidates():
-    out = [("table", None), ("gemv bn256 bk64 w4 wv8", _gemv(256, 64, 4, 1, waves=8))]
-    for bn, bk, warps, waves in itertools.product((64, 128, 256), (64, 128), (2, 4, 8), (2, 4, 8)):
+def candidates(M):
+    out = [("table", None), ("tc M<=16 row", _tc(16, 64, 128, 4, 3, waves=4, swap=True, unpack=2))]
+    sweep = [(64, 128, 2, 8), (64, 128, 4, 8), (128, 64, 4, 4), (256, 64, 4, 4), (128, 128, 4, 4), (64, 64, 2, 8)]
+    if M == 1:
+        sweep = list(itertools.product((64, 128, 256), (64, 128), (2, 4, 8), (2, 4, 8)))
+    for bn, bk, warps, waves in sweep:
         out.append((f"pairs bn{bn} bk{bk} w{warps} wv{waves}", _pairs(bn, bk, warps, waves)))
     return out
 
@@ -139,6 +142,7 @@ def main():
     ap.add_argument("--out", default="out")
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--parts", default="w4,fp8")
+    ap.add_argument("--m", default="1", help="w4: comma-separated batch sizes")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -147,17 +151,24 @@ def main():
         json.dump(fp8_part(dev, args.budget_s), open(os.path.join(args.out, "gemv_fp8.json"), "w"), indent=1)
     if "w4" not in args.parts:
         return
+    for M in [int(m) for m in args.m.split(",")]:
+        res = w4_part(dev, M, args.budget_s)
+        json.dump(res, open(os.path.join(args.out, f"gemv_w4_m{M}.json"), "w"), indent=1)
+
+
+def w4_part(dev, M, budget_s):
+    """W4A16 at batch M per linear: bf16 cuBLAS, tinygemm, fitllm's table, the tc tile, pairs GEMV configs."""
     results = {}
-    cands = candidates()
+    cands = candidates(M)
     for name, (K, N) in SHAPES.items():
         nbytes = K * N // 2 + 2 * (K // GS) * N * 2
         copies = max(2, int(200e6 // nbytes) + 1)
         ws = [make_w4(K, N, dev) for _ in range(copies)]
         w16 = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(max(2, copies // 4))]
-        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         ref = x.double() @ dequantize_packed(**{k: ws[0][k] for k in ("qweight", "scales", "zeros", "group_size", "bits")},
                                              dtype=torch.float64)
-        row = {"bytes": nbytes, "roof_us": nbytes / BW * 1e6}
+        row = {"bytes": nbytes, "roof_us": nbytes / BW * 1e6, "rel_err": {}}
         row["cublas"] = graph_us([lambda w=w: F.linear(x, w) for w in w16])
         try:
             tg = []
@@ -170,50 +181,31 @@ def main():
         except Exception as e:  # noqa: BLE001
             log("tinygemm failed", repr(e)[:120])
         for cname, cfg in cands:
-            if time.time() - T0 > args.budget_s:
+            if time.time() - T0 > budget_s:
                 break
             try:
-                y = torch.full((1, N), float("nan"), device=dev, dtype=torch.bfloat16)
+                y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
                 w4a16_gemm_triton(x, **ws[0], config=cfg, out=y)
                 err = rel_err(y, ref)
                 if not err < 1e-2:
                     row[cname] = f"ERR {err:.2e}"
                     continue
-                row.setdefault("rel_err", {})[cname] = err
-                outs = [torch.empty(1, N, device=dev, dtype=torch.bfloat16) for _ in ws]
+                row["rel_err"][cname] = err
+                outs = [torch.empty(M, N, device=dev, dtype=torch.bfloat16) for _ in ws]
                 row[cname] = graph_us([lambda w=w, o=o: w4a16_gemm_triton(x, **w, config=cfg, out=o)
                                        for w, o in zip(ws, outs)])
             except Exception as e:  # noqa: BLE001
-                row[cname] = f"FAIL {repr(e)[:100]}"
+                row[cname] = f"FAIL {repr(e)[:300]}"
         results[name] = row
-        log(name, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
-                   if k in ("roof_us", "cublas", "tinygemm", "table")})
+        log(f"w4 M={M}", name, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
+                                if k in ("roof_us", "cublas", "tinygemm", "table")})
         del ws, w16
         torch.cuda.empty_cache()
-    json.dump(results, open(os.path.join(args.out, "gemv_explore.json"), "w"), indent=1)
-    # per-variant layer total
-    names = [c for c, _ in cands]
-    tot = {}
-    for c in ["cublas", "tinygemm", "roof_us"] + names:
-        vals = [results[s].get(c) for s in SHAPES]
-        if all(isinstance(v, float) for v in vals):
-            tot[c] = sum(vals)
-    best = sorted(((v, k) for k, v in tot.items() if k not in ("roof_us",)))[:12]
-    print("\nlayer total µs (qkv+o+gate_up+down), best first:")
-    for v, k in best:
-        per = " ".join(f"{s}={results[s][k]:.1f}" for s in SHAPES)
-        print(f"  {k:32s} {v:7.1f}   {per}")
-    print(f"  roofline {tot.get('roof_us', 0):.1f}; table {tot.get('table', 0):.1f}")
-    print("rel. error vs float64, table config:", {s: f"{results[s]['rel_err'].get('table', float('nan')):.1e}" for s in SHAPES})
-    # best per shape
-    print("\nbest variant per shape:")
-    for s in SHAPES:
-        vals = [(v, k) for k, v in results[s].items() if k in names and isinstance(v, float)]
-        v, k = min(vals)
-        print(f"  {s:8s} {k:32s} {v:6.1f} µs (roof {results[s]['roof_us']:.1f}, cublas {results[s]['cublas']:.1f}, "
-              f"tinygemm {results[s].get('tinygemm', float('nan')):.1f}, table {results[s].get('table', float('nan'))})")
-    bad = {s: {k: v for k, v in results[s].items() if isinstance(v, str)} for s in SHAPES}
-    print("errors:", {s: v for s, v in bad.items() if v})
+    print(f"\n== W4A16 M={M}")
+    summarize(results, [c for c, _ in cands], ["cublas", "tinygemm", "roof_us"])
+    print("rel. error vs float64, table config:",
+          {s: f"{results[s]['rel_err'].get('table', float('nan')):.1e}" for s in SHAPES})
+    return results
 
 
 if __name__ == "__main__":

@@ -295,6 +295,19 @@ if triton is not None:
         return t
 
     @triton.jit
+    def _rows_out(acc0, acc1, acc2, acc3, m0, M, BM: tl.constexpr):
+        """Per-row [BK/pack, BN] partial sums -> the [BM, BN] output rows m0.. (rows past M masked)."""
+        offs_m = m0 + tl.arange(0, BM)
+        rows = offs_m[:, None] + tl.zeros((1, acc0.shape[1]), dtype=tl.int32)
+        out = tl.where(rows == m0, tl.sum(acc0, axis=0)[None, :], 0.0)
+        if BM > 1:
+            out = tl.where(rows == m0 + 1, tl.sum(acc1, axis=0)[None, :], out)
+        if BM > 2:
+            out = tl.where(rows == m0 + 2, tl.sum(acc2, axis=0)[None, :], out)
+            out = tl.where(rows == m0 + 3, tl.sum(acc3, axis=0)[None, :], out)
+        return out, offs_m, offs_m < M
+
+    @triton.jit
     def _w4a16_gemv_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC,
@@ -351,50 +364,51 @@ if triton is not None:
             if BM > 2:
                 acc2 += t2 * s[None, :]
                 acc3 += t3 * s[None, :]
-        offs_m = m0 + tl.arange(0, 4)
-        rows = offs_m[:, None] + tl.zeros((1, BN), dtype=tl.int32)
-        out = tl.where(rows == m0, tl.sum(acc0, axis=0)[None, :], 0.0)
-        if BM > 1:
-            out = tl.where(rows == m0 + 1, tl.sum(acc1, axis=0)[None, :], out)
-        if BM > 2:
-            out = tl.where(rows == m0 + 2, tl.sum(acc2, axis=0)[None, :], out)
-            out = tl.where(rows == m0 + 3, tl.sum(acc3, axis=0)[None, :], out)
-        m_mask = (offs_m < M) & (offs_m < m0 + BM)
+        out, offs_m, m_mask = _rows_out(acc0, acc1, acc2, acc3, m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
 
-    # Batch-1 GEMV with packed 16-bit math. One word holds fields 0..7 (4 bits each); `(w >> 4i) &
+    # Small-M GEMV with packed 16-bit math. One word holds fields 0..7 (4 bits each); `(w >> 4i) &
     # 0x000F000F | magic` turns fields i and i + 4 into two 16-bit floats magic + q in one LOP3
-    # (magic 128 in bf16, 1024 in fp16: q lands in the mantissa exactly). One packed FMA per pair
-    # subtracts magic + z (exact), four packed FMAs multiply by the matching x pair and add, so two
-    # weights cost about one instruction instead of three fp32 ones. The four-term 16-bit sum
-    # (relative rounding 2**-9 in bf16, 2**-12 in fp16) goes to fp32 once per word.
-    _PAIR_ASM_HEAD = """
-    {
-    .reg .b32 a, b, c, d, t, one, nzero, acc;
-    mov.b32 one, ONE;
-    mov.b32 nzero, 0x80008000;
-    lop3.b32 a, $1, 0x000F000F, MAGIC, 0xEA;
-    shr.u32 t, $1, 4;
-    lop3.b32 b, t, 0x000F000F, MAGIC, 0xEA;
-    shr.u32 t, $1, 8;
-    lop3.b32 c, t, 0x000F000F, MAGIC, 0xEA;
-    shr.u32 t, $1, 12;
-    lop3.b32 d, t, 0x000F000F, MAGIC, 0xEA;
-    fma.rn.T a, a, one, $2;
-    fma.rn.T b, b, one, $2;
-    fma.rn.T c, c, one, $2;
-    fma.rn.T d, d, one, $2;
-    fma.rn.T acc, a, $3, nzero;
-    fma.rn.T acc, b, $4, acc;
-    fma.rn.T acc, c, $5, acc;
-    fma.rn.T acc, d, $6, acc;
-    """
-    _PAIR_ASM_BF16 = tl.constexpr(_PAIR_ASM_HEAD.replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300").replace(".T", ".bf16x2")
-                      + "shl.b32 t, acc, 16;\n and.b32 acc, acc, 0xFFFF0000;\n add.f32 $0, t, acc;\n }")
-    _PAIR_ASM_F16 = tl.constexpr(_PAIR_ASM_HEAD.replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400").replace(".T", ".f16x2")
-                     + ".reg .f16 lo, hi;\n .reg .f32 flo, fhi;\n mov.b32 {lo, hi}, acc;\n"
-                     + " cvt.f32.f16 flo, lo;\n cvt.f32.f16 fhi, hi;\n add.f32 $0, flo, fhi;\n }")
+    # (magic 128 in bf16, 1024 in fp16: q lands in the mantissa exactly), and one packed FMA
+    # subtracts magic + z (exact): _UNPACK_ASM, once per word for all rows of x. Per row, four
+    # packed FMAs multiply by the matching x pairs and add (_DOT_ASM), so two weights cost about one
+    # instruction instead of three fp32 ones. The four-term 16-bit sum (relative rounding 2**-9 in
+    # bf16, 2**-12 in fp16) goes to fp32 once per word and row.
+    def _ptx_unpack(word, nz, outs, kind, one, magic):
+        """Fields i, i+4 of `word` -> outs[i] = 16-bit pair (q - z) (nz holds -(magic + z) twice)."""
+        lines = [f"mov.b32 one, {one};"]
+        for i, r in enumerate(outs):
+            if i:
+                lines.append(f"shr.u32 t, {word}, {4 * i};")
+            lines.append(f"lop3.b32 {r}, {'t' if i else word}, 0x000F000F, {magic}, 0xEA;")  # (a & b) | c
+        return lines + [f"fma.rn.{kind} {r}, {r}, one, {nz};" for r in outs]
+
+    def _ptx_dot(pairs, xs, dst, kind):
+        """dst (fp32) = Σ of the products of four 16-bit pairs with four x pairs."""
+        lines = ["mov.b32 nzero, 0x80008000;", f"fma.rn.{kind} acc, {pairs[0]}, {xs[0]}, nzero;"]
+        lines += [f"fma.rn.{kind} acc, {p}, {x}, acc;" for p, x in zip(pairs[1:], xs[1:])]
+        if kind == "f16x2":
+            return lines + ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;",
+                            f"add.f32 {dst}, flo, fhi;"]
+        return lines + ["shl.b32 t, acc, 16;", "and.b32 acc, acc, 0xFFFF0000;", f"add.f32 {dst}, t, acc;"]
+
+    def _ptx(lines):
+        return ("{\n.reg .b32 a, b, c, d, t, one, nzero, acc;\n.reg .f16 lo, hi;\n.reg .f32 flo, fhi;\n"
+                + "\n".join(lines) + "\n}")
+
+    _BF16 = ("bf16x2", "0x3F803F80", "0x43004300")  # packed op, 1.0 twice, magic 128 twice
+    _F16 = ("f16x2", "0x3C003C00", "0x64006400")  # magic 1024
+    # one word, all rows: $0..$3 <- ($4 = word, $5 = nz); one row: $0 <- ($1..$4 pairs, $5..$8 x pairs)
+    _UNPACK_BF16 = tl.constexpr(_ptx(_ptx_unpack("$4", "$5", ["$0", "$1", "$2", "$3"], *_BF16)))
+    _UNPACK_F16 = tl.constexpr(_ptx(_ptx_unpack("$4", "$5", ["$0", "$1", "$2", "$3"], *_F16)))
+    _DOT_BF16 = tl.constexpr(_ptx(_ptx_dot(["$1", "$2", "$3", "$4"], ["$5", "$6", "$7", "$8"], "$0", _BF16[0])))
+    _DOT_F16 = tl.constexpr(_ptx(_ptx_dot(["$1", "$2", "$3", "$4"], ["$5", "$6", "$7", "$8"], "$0", _F16[0])))
+    # batch 1, both in one block: $0 <- ($1 = word, $2 = nz, $3..$6 x pairs)
+    _ONE_ROW_BF16 = tl.constexpr(_ptx(_ptx_unpack("$1", "$2", ["a", "b", "c", "d"], *_BF16)
+                                      + _ptx_dot(["a", "b", "c", "d"], ["$3", "$4", "$5", "$6"], "$0", _BF16[0])))
+    _ONE_ROW_F16 = tl.constexpr(_ptx(_ptx_unpack("$1", "$2", ["a", "b", "c", "d"], *_F16)
+                                     + _ptx_dot(["a", "b", "c", "d"], ["$3", "$4", "$5", "$6"], "$0", _F16[0])))
 
     @triton.jit
     def _half(v, HIGH: tl.constexpr, F16: tl.constexpr):
@@ -405,65 +419,122 @@ if triton is not None:
         return ((v & -65536) if HIGH else (v << 16)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _pair_dot(qw, nz, x0, x1, x2, x3, F16: tl.constexpr, ASM: tl.constexpr):
-        """Σ over one word's 8 fields of x·(q - z) in fp32. nz: the pair (-(magic + z), same),
-        x0..x3: the pairs (x[i], x[i + 4]). ASM=False computes the same function in fp32 (the
-        interpreter, and cards without packed bf16 math)."""
+    def _pair(lo, hi, DT: tl.constexpr):
+        """Two fp32 values (exact in DT) -> their 16-bit pair in one int32."""
+        lo16 = lo.to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi16 = hi.to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return lo16 | (hi16 << 16)
+
+    @triton.jit
+    def _unpack_q_minus_z(qw, nz, F16: tl.constexpr, ASM: tl.constexpr):
+        """Word -> four int32 pairs (q_i - z, q_{i+4} - z) in 16-bit floats, i = 0..3. nz: the pair
+        (-(magic + z), same). ASM=False computes the same values with plain ops (the interpreter,
+        and cards without packed bf16 math)."""
         if ASM:
-            r = tl.inline_asm_elementwise(_PAIR_ASM_F16 if F16 else _PAIR_ASM_BF16, "=r,r,r,r,r,r,r",
-                                          [qw, nz, x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
-            return r.to(tl.float32, bitcast=True)
-        magic = 0x64006400 if F16 else 0x43004300
+            # early-clobber outputs: they are written while the inputs are still read
+            return tl.inline_asm_elementwise(_UNPACK_F16 if F16 else _UNPACK_BF16, "=&r,=&r,=&r,=&r,r,r", [qw, nz],
+                                             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
+        magic: tl.constexpr = 0x64006400 if F16 else 0x43004300
         lo_z = _half(nz, False, F16)
         hi_z = _half(nz, True, F16)
-        total = tl.zeros(qw.shape, dtype=tl.float32)
-        for i in tl.static_range(4):
-            xi = x0 if i == 0 else (x1 if i == 1 else (x2 if i == 2 else x3))
-            p = ((qw >> (4 * i)) & 0x000F000F) | magic
-            total += (_half(p, False, F16) + lo_z) * _half(xi, False, F16)
-            total += (_half(p, True, F16) + hi_z) * _half(xi, True, F16)
+        p0 = ((qw >> 0) & 0x000F000F) | magic
+        p1 = ((qw >> 4) & 0x000F000F) | magic
+        p2 = ((qw >> 8) & 0x000F000F) | magic
+        p3 = ((qw >> 12) & 0x000F000F) | magic
+        return (_pair(_half(p0, False, F16) + lo_z, _half(p0, True, F16) + hi_z, DT),
+                _pair(_half(p1, False, F16) + lo_z, _half(p1, True, F16) + hi_z, DT),
+                _pair(_half(p2, False, F16) + lo_z, _half(p2, True, F16) + hi_z, DT),
+                _pair(_half(p3, False, F16) + lo_z, _half(p3, True, F16) + hi_z, DT))
+
+    @triton.jit
+    def _dot_pairs(a, b, c, d, x0, x1, x2, x3, F16: tl.constexpr, ASM: tl.constexpr):
+        """Σ of the 8 products of one word's (q - z) pairs with the x pairs (x[i], x[i + 4]), fp32."""
+        if ASM:
+            r = tl.inline_asm_elementwise(_DOT_F16 if F16 else _DOT_BF16, "=r,r,r,r,r,r,r,r,r",
+                                          [a, b, c, d, x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
+            return r.to(tl.float32, bitcast=True)
+        total = _half(a, False, F16) * _half(x0, False, F16) + _half(a, True, F16) * _half(x0, True, F16)
+        total += _half(b, False, F16) * _half(x1, False, F16) + _half(b, True, F16) * _half(x1, True, F16)
+        total += _half(c, False, F16) * _half(x2, False, F16) + _half(c, True, F16) * _half(x2, True, F16)
+        total += _half(d, False, F16) * _half(x3, False, F16) + _half(d, True, F16) * _half(x3, True, F16)
         return total
 
     @triton.jit
+    def _x_pairs(x_ptr, row, M, stride_xw, offs_r, r_mask, BKP: tl.constexpr, BN: tl.constexpr):
+        """One row of x (int32 view: 16-bit pairs) as the pairs (x[8r+i], x[8r+i+4]), i = 0..3, [BK/8, BN]."""
+        base = x_ptr + row * stride_xw + offs_r * 4
+        ok = r_mask & (row < M)
+        # the four int32 words of x for word row r hold (x0,x1) (x2,x3) (x4,x5) (x6,x7)
+        xa = tl.load(base, mask=ok, other=0)
+        xb = tl.load(base + 1, mask=ok, other=0)
+        xc = tl.load(base + 2, mask=ok, other=0)
+        xd = tl.load(base + 3, mask=ok, other=0)
+        x0 = tl.broadcast_to(((xa & 0xFFFF) | (xc << 16))[:, None], (BKP, BN))  # (x0, x4)
+        x1 = tl.broadcast_to((((xa >> 16) & 0xFFFF) | (xc & -65536))[:, None], (BKP, BN))  # (x1, x5)
+        x2 = tl.broadcast_to(((xb & 0xFFFF) | (xd << 16))[:, None], (BKP, BN))  # (x2, x6)
+        x3 = tl.broadcast_to((((xb >> 16) & 0xFFFF) | (xd & -65536))[:, None], (BKP, BN))  # (x3, x7)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _one_row_dot(qw, nz, x0, x1, x2, x3, F16: tl.constexpr, ASM: tl.constexpr):
+        """Batch 1: unpack and dot in one PTX block (fewer live registers than the two-step path)."""
+        if ASM:
+            r = tl.inline_asm_elementwise(_ONE_ROW_F16 if F16 else _ONE_ROW_BF16, "=r,r,r,r,r,r,r",
+                                          [qw, nz, x0, x1, x2, x3], dtype=tl.int32, is_pure=True, pack=1)
+            return r.to(tl.float32, bitcast=True)
+        a, b, c, d = _unpack_q_minus_z(qw, nz, F16, ASM)
+        return _dot_pairs(a, b, c, d, x0, x1, x2, x3, F16, ASM)
+
+    @triton.jit
+    def _row_dot(x_ptr, row, M, stride_xw, offs_r, r_mask, a, b, c, d, F16: tl.constexpr, ASM: tl.constexpr,
+                 BKP: tl.constexpr, BN: tl.constexpr):
+        x0, x1, x2, x3 = _x_pairs(x_ptr, row, M, stride_xw, offs_r, r_mask, BKP, BN)
+        return _dot_pairs(a, b, c, d, x0, x1, x2, x3, F16, ASM)
+
+    @triton.jit
     def _w4a16_gemv_pairs_kernel(
-        x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, K_ITERS, SPLIT,
+        x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym, K_ITERS, SPLIT,
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
     ):
-        """y[0, n] = Σ_k x[k] w[k, n] for one row of x, 4-bit weights, bf16/fp16 (see _pair_dot).
-        x_ptr is x viewed as int32 (pairs of 16-bit values). Program (n, k) owns BN columns and
-        K_ITERS tiles of BK (one group per tile); split-K as in the other small-M kernels."""
+        """y = x w for up to 4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), 4-bit weights,
+        bf16/fp16. x_ptr is x viewed as int32 (pairs of 16-bit values), stride_xw its row stride in
+        words. Program (n, k, m) owns BN columns and K_ITERS tiles of BK (one group per tile); each
+        word is unpacked once for all BM rows; split-K as in the other small-M kernels."""
         BKP: tl.constexpr = BK // 8
         MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
         DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        m0 = tl.program_id(2) * BM
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         offs_r0 = tl.arange(0, BKP)
-        acc = tl.zeros((BKP, BN), dtype=tl.float32)
+        acc0 = tl.zeros((BKP, BN), dtype=tl.float32)
+        acc1 = tl.zeros((BKP, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BKP, BN), dtype=tl.float32)
+        acc3 = tl.zeros((BKP, BN), dtype=tl.float32)
         for it in range(0, K_ITERS):
             qw, s, z, offs_r, r_mask = _word_tile(q_ptr, s_ptr, z_ptr, pid_k * K_ITERS + it, offs_r0, offs_n, n_mask,
                                                   N, K, 8, BK, GROUP_SIZE)
             h = (-(z + MAGICF)).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            nz = h | (h << 16)
-            # the four int32 words of x for word row r hold (x0,x1) (x2,x3) (x4,x5) (x6,x7)
-            xa = tl.load(x_ptr + offs_r * 4, mask=r_mask, other=0)
-            xb = tl.load(x_ptr + offs_r * 4 + 1, mask=r_mask, other=0)
-            xc = tl.load(x_ptr + offs_r * 4 + 2, mask=r_mask, other=0)
-            xd = tl.load(x_ptr + offs_r * 4 + 3, mask=r_mask, other=0)
-            x0 = (xa & 0xFFFF) | (xc << 16)  # (x0, x4)
-            x1 = ((xa >> 16) & 0xFFFF) | (xc & -65536)  # (x1, x5)
-            x2 = (xb & 0xFFFF) | (xd << 16)  # (x2, x6)
-            x3 = ((xb >> 16) & 0xFFFF) | (xd & -65536)  # (x3, x7)
-            t = _pair_dot(qw, tl.broadcast_to(nz[None, :], (BKP, BN)), tl.broadcast_to(x0[:, None], (BKP, BN)),
-                          tl.broadcast_to(x1[:, None], (BKP, BN)), tl.broadcast_to(x2[:, None], (BKP, BN)),
-                          tl.broadcast_to(x3[:, None], (BKP, BN)), F16, ASM)
-            acc += t * s[None, :]
-        out = tl.sum(acc, axis=0)[None, :]
-        offs_m = tl.arange(0, 1)
-        _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < 1, n_mask, N, N,
-                    pid_n, SPLIT, HAS_BIAS, USE_WS)
+            nz = tl.broadcast_to((h | (h << 16))[None, :], (BKP, BN))
+            if BM == 1:
+                x0, x1, x2, x3 = _x_pairs(x_ptr, m0, M, stride_xw, offs_r, r_mask, BKP, BN)
+                acc0 += _one_row_dot(qw, nz, x0, x1, x2, x3, F16, ASM) * s[None, :]
+            else:
+                a, b, c, d = _unpack_q_minus_z(qw, nz, F16, ASM)
+                acc0 += _row_dot(x_ptr, m0, M, stride_xw, offs_r, r_mask, a, b, c, d, F16, ASM, BKP, BN) * s[None, :]
+                acc1 += _row_dot(x_ptr, m0 + 1, M, stride_xw, offs_r, r_mask, a, b, c, d, F16, ASM, BKP, BN) * s[None, :]
+                if BM > 2:
+                    acc2 += _row_dot(x_ptr, m0 + 2, M, stride_xw, offs_r, r_mask, a, b, c, d, F16, ASM, BKP,
+                                     BN) * s[None, :]
+                    acc3 += _row_dot(x_ptr, m0 + 3, M, stride_xw, offs_r, r_mask, a, b, c, d, F16, ASM, BKP,
+                                     BN) * s[None, :]
+        out, offs_m, m_mask = _rows_out(acc0, acc1, acc2, acc3, m0, M, BM)
+        _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
 
     @triton.jit
     def _unpack_pairs16(qw, MAGIC2, BITS: tl.constexpr, DT: tl.constexpr, INTERLEAVE: tl.constexpr):
@@ -576,9 +647,9 @@ def _gemv(bn, bk, warps, stages=1, waves=4.0, shift16=True, bm=4):
     return _cfg(bm, bn, bk, False, warps, stages, waves, "gemv", SHIFT16=shift16)
 
 
-def _pairs(bn, bk, warps, waves=4.0):
-    """Batch-1 GEMV with packed 16-bit math (4-bit weights, bf16/fp16, one row of x)."""
-    return _cfg(1, bn, bk, False, warps, 1, waves, "pairs")
+def _pairs(bn, bk, warps, waves=4.0, bm=4):
+    """GEMV with packed 16-bit math (4-bit weights, bf16/fp16); bm = most rows of x per program."""
+    return _cfg(bm, bn, bk, False, warps, 1, waves, "pairs")
 
 
 def _tc(bm, bn, bk, warps, stages, waves=0.0, swap=False, unpack=2):
@@ -598,13 +669,15 @@ W4A16_CONFIGS = {
     # BM64 tc (dequant + cuBLAS 351; BM32 tiles 690). The tc kernel does the same work for every
     # M <= 16, so 2..16 use it (GEMV with 4 rows measured 173-212 at M=3).
     "sm90": [
-        (1, _pairs(64, 128, 2, waves=8)),  # 60 µs (GEMV with fp32 math: 85; tinygemm 70), gemv_explore.py
+        # M <= 4: packed-pairs GEMV, µs per layer (gemv_explore.py): 60-63 at M=1 (fp32-math GEMV 85,
+        # tinygemm 70), 95 at M=2, 116-118 at M=3/4 (tc tile 127; tinygemm 73/83/96)
+        (4, _pairs(64, 128, 4, waves=8)),
         (16, _tc(16, 64, 128, 4, 3, waves=4, swap=True, unpack=2)),
         (64, _tc(64, 64, 128, 4, 3, waves=2, unpack=2)),
         (1 << 62, _cfg(128, 128, 64, False, 8, 4, backend="dequant")),
     ],
     "default": [
-        (1, _pairs(128, 64, 4, waves=4)),
+        (4, _pairs(128, 64, 4, waves=4)),
         (64, _tc(16, 64, 64, 4, 2, waves=2)),
         (1 << 62, _cfg(64, 64, 64, False, 4, 2)),
     ],
@@ -673,13 +746,13 @@ def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bia
     M, K = x.shape
     N = qweight.shape[1]
     num_groups = scales.shape[0]
-    if kind == "pairs" and (M != 1 or bits != 4 or x.dtype not in (torch.bfloat16, torch.float16)):
-        kind = "gemv"  # the packed-pairs GEMV is batch-1, 4-bit, 16-bit activations only
+    if kind == "pairs" and (bits != 4 or x.dtype not in (torch.bfloat16, torch.float16)):
+        kind = "gemv"  # the packed-pairs GEMV is for 4-bit weights and 16-bit activations
     bk = _small_m_block_k(cfg, kind, x, K, group_size, num_groups, bits, g_idx)
     if bk is None:
         return False
     BN = cfg["BN"]
-    BM = min(triton.next_power_of_2(M), cfg["BM"] or 4, 4) if kind == "gemv" else cfg["BM"]
+    BM = min(triton.next_power_of_2(M), cfg["BM"] or 4, 4) if kind in ("gemv", "pairs") else cfg["BM"]
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
     tiles_mn = m_blocks * n_blocks
     k_tiles = triton.cdiv(K, bk)
@@ -693,10 +766,12 @@ def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bia
     common = dict(BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None,
                   USE_WS=use_ws, BM=BM, BN=BN, BK=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if kind == "pairs":
-        _w4a16_gemv_pairs_kernel[(n_blocks, split)](
-            x.view(torch.int32), qweight, scales, zeros, args[4], y, ws, cnt, N, K, k_iters, split,
-            GROUP_SIZE=group_size, HAS_BIAS=bias is not None, USE_WS=use_ws,
-            BN=BN, BK=bk, F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
+        if x.stride(0) % 2 or x.storage_offset() % 2:  # viewed as int32 pairs below
+            x = x.clone(memory_format=torch.contiguous_format)
+        _w4a16_gemv_pairs_kernel[(n_blocks, split, m_blocks)](
+            x.view(torch.int32), qweight, scales, zeros, args[4], y, ws, cnt, M, N, K, x.stride(0) // 2, y.stride(0),
+            k_iters, split, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, USE_WS=use_ws,
+            BM=BM, BN=BN, BK=bk, F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     elif kind == "gemv":
         _w4a16_gemv_kernel[(n_blocks, split, m_blocks)](*args, SHIFT16=cfg.get("SHIFT16", True), **common)
