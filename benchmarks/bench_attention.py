@@ -25,7 +25,7 @@ from fitllm.kernels import paged_attention as pa  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 KINDS = {"bf16": pa.KIND_FLOAT, "fp8": pa.KIND_FP8, "int8": pa.KIND_INT8, "int4": pa.KIND_INT4}
-INT4_GROUP = 32
+INT4_GROUPS = (16, 32)  # (key, value) values per scale/zero: the cache's defaults
 
 
 def graph_time_us(fn, inner: int = 10, outer: int = 0) -> float:
@@ -70,7 +70,8 @@ class Pool:
     def __init__(self, kind: str, batch: int, ctx: int, seed: int = 0):
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.kind, self.k_id = kind, KINDS[kind]
-        self.group = INT4_GROUP if kind == "int4" else D
+        self.group = INT4_GROUPS if kind == "int4" else D
+        self.k_group, self.v_group = pa.split_group(self.group)
         pages = math.ceil(ctx / PAGE)
         nb = batch * pages
         dc = D // 2 if kind == "int4" else D
@@ -84,14 +85,14 @@ class Pool:
         else:
             mk = lambda: torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=g)  # noqa: E731
         self.k, self.v = mk(), mk()
-        ms = (nb, PAGE, HKV, D // self.group)
+        kms, vms = (nb, PAGE, HKV, D // self.k_group), (nb, PAGE, HKV, D // self.v_group)
         self.ks = self.vs = self.kz = self.vz = None
         if kind in ("int8", "int4"):
-            self.ks = (torch.rand(ms, device="cuda", generator=g) * 0.02 + 0.01).half()
-            self.vs = (torch.rand(ms, device="cuda", generator=g) * 0.02 + 0.01).half()
+            self.ks = (torch.rand(kms, device="cuda", generator=g) * 0.02 + 0.01).half()
+            self.vs = (torch.rand(vms, device="cuda", generator=g) * 0.02 + 0.01).half()
         if kind == "int4":
-            self.kz = (torch.randn(ms, device="cuda", generator=g) * 0.1).half()
-            self.vz = (torch.randn(ms, device="cuda", generator=g) * 0.1).half()
+            self.kz = (torch.randn(kms, device="cuda", generator=g) * 0.1).half()
+            self.vz = (torch.randn(vms, device="cuda", generator=g) * 0.1).half()
         perm = torch.randperm(nb, device="cuda", generator=g).int()
         self.tables = perm.view(batch, pages)
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
@@ -99,9 +100,10 @@ class Pool:
         self.batch, self.ctx = batch, ctx
         qdt = torch.bfloat16 if kind == "bf16" else torch.float16
         self.q = torch.randn(batch, HQ, D, device="cuda", generator=g).to(qdt)
-        rows = 2 * batch * ctx * HKV  # K and V rows read
-        row_bytes = dc * self.k.element_size() + (0 if self.ks is None else 2 * (D // self.group)) * (2 if self.kz is not None else 1)
-        self.bytes = rows * row_bytes
+        def row_bytes(scales, zeros):  # one head of one token: codes + its scales/zeros
+            return dc * self.k.element_size() + sum(t.shape[-1] * 2 for t in (scales, zeros) if t is not None)
+
+        self.bytes = batch * ctx * HKV * (row_bytes(self.ks, self.kz) + row_bytes(self.vs, self.vz))
 
     def args(self):
         return (self.q, self.k, self.v, self.ks, self.vs, self.kz, self.vz, self.tables, self.query_start,
@@ -113,14 +115,14 @@ class Pool:
 
     def dense(self):
         """Contiguous dequantized K/V [B, HKV, ctx, D] bf16 (for SDPA and for checking)."""
-        def one(codes, s, z):
+        def one(codes, s, z, group):
             rows = codes[self.tables.long()].flatten(1, 2)[:, : self.ctx]  # [B, ctx, HKV, dc]
             if self.kind == "bf16":
                 return rows.transpose(1, 2).contiguous()
             sr = None if s is None else s[self.tables.long()].flatten(1, 2)[:, : self.ctx]
             zr = None if z is None else z[self.tables.long()].flatten(1, 2)[:, : self.ctx]
-            return pa.dequantize_ref(rows, sr, zr, self.k_id, self.group).to(torch.bfloat16).transpose(1, 2).contiguous()
-        return one(self.k, self.ks, self.kz), one(self.v, self.vs, self.vz)
+            return pa.dequantize_ref(rows, sr, zr, self.k_id, group).to(torch.bfloat16).transpose(1, 2).contiguous()
+        return one(self.k, self.ks, self.kz, self.k_group), one(self.v, self.vs, self.vz, self.v_group)
 
 
 def sdpa_gqa_folded(q, k, v):
@@ -171,7 +173,8 @@ def check_correctness(log) -> bool:
             c = [None if t is None else t.clone() for t in (pool.k, pool.v, pool.ks, pool.vs, pool.kz, pool.vz)]
             fn(k, v, c[0], c[1], c[2], c[3], c[4], c[5], slots, pool.k_id, pool.group)
             rows = lambda t: None if t is None else t.flatten(0, 1)  # noqa: E731
-            outs.append(pa.dequantize_ref(rows(c[0]), rows(c[2]), rows(c[4]), pool.k_id, pool.group))
+            outs.append(torch.cat([pa.dequantize_ref(rows(c[0]), rows(c[2]), rows(c[4]), pool.k_id, pool.k_group),
+                                   pa.dequantize_ref(rows(c[1]), rows(c[3]), rows(c[5]), pool.k_id, pool.v_group)]))
         e = rel(outs[0], outs[1])
         good = e < 1e-3
         ok &= good

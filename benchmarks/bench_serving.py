@@ -109,26 +109,56 @@ def part_offline(args) -> None:
     RESULTS["offline"] = rows
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+
+
 def part_profile(args) -> None:
-    model = build("int4")
-    engine = engine_for(model, max_num_seqs=8)
-    prompt = list(range(100, 228))
+    """int4 batch-1 decode steps: wall time per step (no profiler), then under the profiler the
+    GPU time per step and the host calls that wait for the GPU (the engine's target: one)."""
     from fitllm.serve.sampling import SamplingParams
 
-    engine.add_request("p", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
-    for _ in range(8):
-        engine.step()
-    sync()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
+    model = build("int4")
+    rows = []
+    for sampling in args.profile_sampling.split(","):
+        engine = engine_for(model, max_num_seqs=8)
+        params = SamplingParams(max_tokens=400, ignore_eos=True, **({"temperature": 0.0} if sampling == "greedy" else
+                                                                     {"temperature": 0.8, "top_p": 0.95, "seed": 1}))
+        engine.add_request("p", list(range(100, 228)), params)
+        for _ in range(8):  # prefill and warm-up
             engine.step()
         sync()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
-    host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-    print(table, flush=True)
-    print(host, flush=True)
-    RESULTS["profile"] = {"by_cuda_time": table, "by_cpu_time": host}
-    free(engine)
+        t, n = time.perf_counter(), 100
+        for _ in range(n):
+            engine.step()
+        sync()
+        wall = (time.perf_counter() - t) / n
+        steps = 20
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+        avg = prof.key_averages()
+        # GPU time: the kernel/memcpy events themselves (as the profiler's own "Self CUDA time total").
+        gpu = sum(e.self_device_time_total for e in avg
+                  if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation) / steps
+        waits = {e.key: e.count / steps for e in avg if e.key in SYNC_CALLS}
+        row = {"sampling": sampling, "wall_ms_per_step": 1e3 * wall, "gpu_ms_per_step": gpu / 1e3,
+               "host_waits_per_step": waits, "tokens_per_s": 1 / wall}
+        rows.append(row)
+        if sampling == "greedy":
+            print(avg.table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
+            print(avg.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+            row["by_cuda_time"] = avg.table(sort_by="self_cuda_time_total", row_limit=15)
+            row["by_cpu_time"] = avg.table(sort_by="self_cpu_time_total", row_limit=12)
+        free(engine)
+    print("\n| int4 batch 1 | wall ms/step | GPU ms/step | tok/s | host waits per step (profiler counts) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        waits = ", ".join(f"{k} {v:g}" for k, v in r["host_waits_per_step"].items()) or "none"
+        print(f"| {r['sampling']} | {r['wall_ms_per_step']:.2f} | {r['gpu_ms_per_step']:.2f} | {r['tokens_per_s']:.0f} "
+              f"| {waits} |", flush=True)
+    RESULTS["profile"] = rows
 
 
 def part_memory(args) -> None:
@@ -259,6 +289,7 @@ def main() -> int:
     ap.add_argument("--decode-kv", default="auto,fp8")
     ap.add_argument("--no-hf-peer", dest="hf_peer", action="store_false")
     ap.add_argument("--memory-configs", default="int4:auto,int4:fp8,fp8:auto,fp8:fp8")
+    ap.add_argument("--profile-sampling", default="greedy,top_p", help="profile: greedy and/or top_p (T=0.8)")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tokenizer", type=Path, default=Path(".gpu_assets/tokenizer"))

@@ -3,9 +3,10 @@
 Every window is scored as one prefill through the paged cache, so each token's attention reads the
 stored (quantized) K/V of all earlier tokens: the same numbers a decode over that cache would give.
 Calibration (fp8 scales, smoothing means) comes from the *end* of the test file, disjoint from the
-evaluated windows at its start.
+evaluated windows at its start. Quantized rows are compared with bf16 KV (the issue's baseline)
+and with fp32 KV (the model's own precision).
 
-    python benchmarks/kv_accuracy.py --windows 12 [--dtypes fp32,fp8,int8,int4] [--out FILE.json]
+    python benchmarks/kv_accuracy.py --windows 12 [--dtypes bf16,fp32,fp8,int8,int4,int4-norot] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ def main() -> None:
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--windows", type=int, default=12)
     ap.add_argument("--window-len", type=int, default=1024)
-    ap.add_argument("--dtypes", default="fp32,fp8,int8,int4")
+    ap.add_argument("--dtypes", default="bf16,fp32,fp8,int8,int4")
     ap.add_argument("--calib-seqs", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--int4-group", type=int, default=32)
+    ap.add_argument("--int4-group", type=int, default=32, help="values per int4 scale/zero of a value head")
+    ap.add_argument("--int4-key-group", type=int, default=16, help="values per int4 scale/zero of a key head")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -57,11 +59,14 @@ def main() -> None:
 
     rows = {}
     for kv in args.dtypes.split(","):
-        kwargs = {"kv_dtype": kv}
-        if kv in ("fp8", "int8", "int4"):
+        # "int4-norot": the same dtype with the Hadamard rotation off (the earlier scheme)
+        kwargs = {"kv_dtype": kv.removesuffix("-norot")}
+        if kv.endswith("-norot"):
+            kwargs["rotate"] = False
+        if kwargs["kv_dtype"] in ("fp8", "int8", "int4"):
             kwargs["calibration"] = cal
-        if kv == "int4":
-            kwargs["int4_group"] = args.int4_group
+        if kwargs["kv_dtype"] == "int4":
+            kwargs.update(int4_group=args.int4_group, int4_key_group=args.int4_key_group)
         nll, n, t0 = 0.0, 0, time.time()
         for w in windows:
             cache = make_cache(model, len(w), **kwargs)
@@ -71,14 +76,14 @@ def main() -> None:
             n += len(target)
         ppl = math.exp(nll / n)
         rows[kv] = {"ppl": ppl, "bytes_per_token": cache.bytes_per_token}
-        base = rows.get("fp32", rows[kv])["ppl"]
-        print(f"{kv:6s} ppl {ppl:.4f} ({100 * (ppl / base - 1):+.2f}%)  {cache.bytes_per_token} B/token  "
-              f"{time.time() - t0:.0f}s", flush=True)
+        print(f"{kv:6s} ppl {ppl:.4f}  {cache.bytes_per_token} B/token  {time.time() - t0:.0f}s", flush=True)
 
-    base = rows[args.dtypes.split(",")[0]]["ppl"]
-    print(f"\n| KV dtype | bytes/token | perplexity | vs {args.dtypes.split(',')[0]} |\n|---|---|---|---|")
+    def vs(kv, base):
+        return f"{100 * (rows[kv]['ppl'] / rows[base]['ppl'] - 1):+.2f}%" if base in rows else "—"
+
+    print("\n| KV dtype | bytes/token | perplexity | vs bf16 KV | vs fp32 KV |\n|---|---|---|---|---|")
     for kv, r in rows.items():
-        print(f"| {kv} | {r['bytes_per_token']} | {r['ppl']:.3f} | {100 * (r['ppl'] / base - 1):+.2f}% |")
+        print(f"| {kv} | {r['bytes_per_token']:,} | {r['ppl']:.3f} | {vs(kv, 'bf16')} | {vs(kv, 'fp32')} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"windows": args.windows, "window_len": args.window_len, "rows": rows}, indent=1))
 

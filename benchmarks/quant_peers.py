@@ -1,11 +1,16 @@
-"""Quantize the embedded model with every fitllm method and measure WikiText-2 perplexity,
-time and peak memory, one subprocess per method (so peak RSS is per method).
+"""Quantize the embedded model with every fitllm method and with the peers (llm-compressor,
+GPTQModel), and measure WikiText-2 perplexity, time and peak memory, one subprocess per method
+(so peak RSS is per method).
 
     python benchmarks/quant_peers.py [--windows 24] [--group-size 64] [--calib FILE] [--only rtn-asym,awq]
+        [--peer-python VENV/bin/python] [--gptqmodel-python VENV/bin/python]
 
-Perplexity: the first N non-overlapping 1024-token windows of wiki.test.raw, fp32, fitllm's
-decoder (the same numbers transformers gives for the unquantized model). Peers (llm-compressor,
-GPTQModel) are not run by this script in this version: their numbers come from the issue.
+Every row uses the same calibration token ids (fitllm's loader, written to WORKDIR/calib_ids.pt and
+handed to the peers) and the same windows. Perplexity: the first N non-overlapping 1024-token
+windows of wiki.test.raw, fp32, fitllm's decoder reading each saved checkpoint (so the peers'
+rows also check that fitllm reads their formats). `--hf-check NAME` also evaluates that peer's
+checkpoint with transformers in the peer venv. The peers live in their own venvs (llm-compressor
+0.14 pins transformers <= 5.17, GPTQModel 7.7 wants >= 5.20): see benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -27,8 +32,8 @@ CONFIGS = {  # name -> quantize_model kwargs
     "rtn-asym": dict(method="rtn", sym=False),
     "rtn-sym": dict(method="rtn", sym=True),
     "awq": dict(method="awq", sym=False),
-    "gptq-asym": dict(method="gptq", sym=False, act_order=True, static_groups=True),
-    "gptq-sym": dict(method="gptq", sym=True, act_order=True, static_groups=True),
+    "gptq-asym": dict(method="gptq", sym=False),  # defaults: act-order (static groups in
+    "gptq-sym": dict(method="gptq", sym=True),  # compressed-tensors), MSE-clipped grids, damp 0.3
     "fp8": dict(method="fp8"),
 }
 
@@ -52,29 +57,133 @@ def perplexity(model, wins: torch.Tensor) -> float:
     return math.exp(nll / count)
 
 
+PEERS = {  # name -> the option naming the venv it runs in
+    "llmc-gptq": "peer_python",  # llm-compressor 0.14 GPTQ int4 sym, its default act-order (static)
+    "llmc-awq": "peer_python",  # llm-compressor 0.14 AWQ + int4 asym (min-max)
+    "llmc-fp8": "peer_python",  # llm-compressor 0.14 FP8_DYNAMIC
+    "gptqmodel-gptq": "gptqmodel_python",  # GPTQModel 7.7 GPTQ int4 sym, its defaults
+}
+
+
 def run_one(name: str, args) -> dict:
-    from fitllm.models.hub import resolve_model
     from fitllm.models.loader import load_model
-    from fitllm.models.tokenizer import load_tokenizer
     from fitllm.quant.layers import load_quantized_model
     from fitllm.quant.pipeline import quantize_model
 
-    base = resolve_model(None)
-    wins = windows(load_tokenizer(base), args.windows)
+    wins = torch.load(Path(args.workdir) / "windows.pt")
     row = {"name": name}
+    out = Path(args.workdir) / name
     if name == "base":
-        model = load_model(base, "cpu", torch.float32)
+        model = load_model(args.base, "cpu", torch.float32)
+    elif name in PEERS:
+        row.update(peer_subprocess(name, args, "--peer"))
+        model = load_quantized_model(out, "cpu", torch.float32)
     else:
-        out = Path(args.workdir) / name
         t0, c0 = time.time(), time.process_time()
-        r = quantize_model(base, out, group_size=args.group_size, calib=args.calib, calib_samples=args.calib_samples,
-                           calib_len=args.calib_len, force=True, progress=False, log=lambda s: None, **CONFIGS[name])
+        r = quantize_model(Path(args.base), out, group_size=args.group_size, calib=args.calib,
+                           calib_samples=args.calib_samples, calib_len=args.calib_len, force=True, progress=False,
+                           log=lambda s: None, **CONFIGS[name])
         row.update(seconds=round(time.time() - t0, 1), cpu_seconds=round(time.process_time() - c0, 1),
                    peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                    mean_layer_err=round(sum(r.layer_errors) / len(r.layer_errors), 4), note=r.group_note)
         model = load_quantized_model(out, "cpu", torch.float32)
     row["ppl"] = round(perplexity(model, wins), 3)
+    if name in (args.hf_check or "").split(","):
+        row["hf_ppl"] = peer_subprocess(name, args, "--hf-eval")["hf_ppl"]
     return row
+
+
+def peer_subprocess(name: str, args, mode: str) -> dict:
+    """Run `mode` for peer `name` in its own venv; returns the dict it printed."""
+    python = getattr(args, PEERS[name])
+    if not python:
+        raise SystemExit(f"{name}: pass --{PEERS[name].replace('_', '-')} (the venv it is installed in)")
+    cmd = [python, __file__, mode, name, "--base", args.base, "--workdir", args.workdir,
+           "--group-size", str(args.group_size)] + (["--parallel"] if args.parallel else [])
+    log = Path(args.workdir) / f"{name}{mode}.log"  # the peer's progress, to follow a long run
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True)
+    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"{name} {mode} failed:\n{p.stdout[-3000:]}\n{log.read_text()[-5000:]}")
+    return json.loads(line[7:])
+
+
+# --- run inside the peers' venvs: torch, transformers and the peer only, no fitllm ---
+
+def peer_quantize(name: str, args) -> dict:
+    ids = torch.load(Path(args.workdir) / "calib_ids.pt")
+    out = Path(args.workdir) / name
+    t0, c0 = time.time(), time.process_time()
+    if name == "gptqmodel-gptq":
+        quantize_gptqmodel(args.base, ids, out, args.group_size)
+    else:
+        quantize_llmcompressor(name, args.base, ids, out, args.group_size)
+    return dict(seconds=round(time.time() - t0, 1), cpu_seconds=round(time.process_time() - c0, 1),
+                peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
+
+
+def quantize_llmcompressor(name: str, base: str, ids: torch.Tensor, out: Path, group: int) -> None:
+    import datasets
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.pipelines.cache import IntermediatesCache
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    IntermediatesCache.pin_memory = lambda self, *a, **k: None  # AWQ pins on CPU, which needs an accelerator
+
+    def int4(sym: bool) -> dict:
+        weights = QuantizationArgs(num_bits=4, type="int", symmetric=sym, strategy="group", group_size=group)
+        return {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+
+    recipe = {"llmc-gptq": [GPTQModifier(config_groups=int4(True), ignore=["lm_head"])],
+              "llmc-awq": [AWQModifier(), QuantizationModifier(config_groups=int4(False), ignore=["lm_head"])],
+              "llmc-fp8": [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])]}[name]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=len(ids),
+            max_seq_length=ids.shape[1], shuffle_calibration_samples=False)
+    model.save_pretrained(out, save_compressed=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+
+
+def quantize_gptqmodel(base: str, ids: torch.Tensor, out: Path, group: int) -> None:
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    from gptqmodel import GPTQModel, QuantizeConfig
+
+    model = GPTQModel.load(base, QuantizeConfig(bits=4, group_size=group, sym=True))
+    model.quantize([{"input_ids": row, "attention_mask": [1] * len(row)} for row in ids.tolist()])
+    model.save(str(out))
+
+
+@torch.inference_mode()
+def hf_perplexity(name: str, args) -> dict:
+    """The peer checkpoint evaluated by transformers (decompressed on load), same windows."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(args.workdir) / name, dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    for w in torch.load(Path(args.workdir) / "windows.pt"):
+        logits = model(input_ids=w[None]).logits[0, :-1].float()
+        nll += F.cross_entropy(logits, w[1:], reduction="sum").item()
+        count += w.numel() - 1
+    return {"hf_ppl": round(math.exp(nll / count), 3)}
+
+
+def prepare(args) -> None:
+    """Calibration ids and evaluation windows, written once and read by every row."""
+    from fitllm.models.tokenizer import load_tokenizer
+    from fitllm.quant.calibration import load_calibration
+
+    tok = load_tokenizer(Path(args.base))
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    ids = load_calibration(Path(args.base), tok, args.calib_samples, args.calib_len, args.calib)
+    for fname, t in (("calib_ids.pt", ids), ("windows.pt", windows(tok, args.windows))):
+        tmp = Path(args.workdir) / f".{fname}.{os.getpid()}"
+        torch.save(t, tmp)
+        os.replace(tmp, Path(args.workdir) / fname)  # atomic: other runs may share the workdir
 
 
 def main() -> None:
@@ -85,19 +194,31 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--calib-len", type=int, default=512)
     ap.add_argument("--workdir", default="/tmp/fitllm-quant-bench")
-    ap.add_argument("--only", default=None, help="comma-separated: base," + ",".join(CONFIGS))
+    ap.add_argument("--only", default=None, help="comma-separated: base," + ",".join([*CONFIGS, *PEERS]))
     ap.add_argument("--parallel", action="store_true", help="one process per method at once, 1 thread each")
+    ap.add_argument("--peer-python", default=None, help="python of the venv with llm-compressor")
+    ap.add_argument("--gptqmodel-python", default=None, help="python of the venv with GPTQModel")
+    ap.add_argument("--hf-check", default=None, help="peers whose checkpoints transformers also evaluates")
+    ap.add_argument("--base", default=None, help="model folder (default: the embedded model)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--hf-eval", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.one:
-        if args.parallel:
-            torch.set_num_threads(1)
-        print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
+    if args.parallel:
+        torch.set_num_threads(1)
+    if args.one or args.peer or args.hf_eval:
+        fn, name = (run_one, args.one) if args.one else (peer_quantize, args.peer) if args.peer else (hf_perplexity, args.hf_eval)
+        print("RESULT " + json.dumps(fn(name, args)), flush=True)
         return
-    names = args.only.split(",") if args.only else ["base", *CONFIGS]
+    if args.base is None:
+        from fitllm.models.hub import resolve_model
+
+        args.base = str(resolve_model(None))
+    prepare(args)
+    names = args.only.split(",") if args.only else ["base", *CONFIGS] + [p for p in PEERS if getattr(args, PEERS[p])]
     procs = []
     for name in names:
-        cmd = [sys.executable, __file__, "--one", name, *sys.argv[1:]]
+        cmd = [sys.executable, __file__, "--one", name, *sys.argv[1:], "--base", args.base]
         procs.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
         if not args.parallel:
             procs[-1] = (name, procs[-1][1].communicate())

@@ -3,6 +3,13 @@
     python benchmarks/spec_decode_gpu.py --tau self-int4/edit:2=2.3,4=2.9,6=3.1 --tau ngram/edit:2=1.7,4=1.9,6=2.0
     python benchmarks/spec_decode_gpu.py --device cpu --shape tiny       # dry run of the logic
 
+  0. a lossless check on the device first (--check-only to run just that): SmolLM2-135M shapes,
+     random weights, fp32 (where graphs vs eager rounding cannot flip a greedy token), 4 repetitive
+     prompts with k = 4, 2, 0, 3: greedy tokens with n-gram / draft-model speculation (the target
+     itself as the drafter: full acceptance, so every step runs the drafter's 2-token catch-up)
+     must equal those without, with the verification (q = k + 1) and catch-up (q = 2) CUDA graphs
+     in use.
+
 Self-contained (no network, no files): a random-weight Llama-3-8B-shaped bf16 target
 (benchmarks/gpu_engine_check.py's `random_model`) and its RTN-int4 copy as the self-drafter
 (fitllm.quant.inplace.quantized_copy: shares embeddings and norms, int4 linears on the w4a16 kernel).
@@ -13,9 +20,10 @@ script measures what the GPU costs:
   1. forward times (batch 1, context --prompt-len, each timed as many back-to-back
      ModelRunner.execute calls, host work included, which is what the engine pays per step):
      T_dec      target decode step (1 token; CUDA graph)
-     T_ver(k)   target verification step (k + 1 tokens, their logits; eager prefill/extend path)
-     T_dstep    int4 drafter decode step (CUDA graph); T_dcatch: its 2-token catch-up step (eager)
+     T_ver(k)   target verification step (k + 1 tokens, their logits; CUDA graph q = k + 1)
+     T_dstep    int4 drafter decode step (CUDA graph); T_dcatch: its 2-token catch-up step (graph q = 2)
      T_ngram    n-gram lookup on the host over the context
+     ..._eager  the same steps with the graphs switched off (the path before the q > 1 graphs)
   2. engine tokens/s at batch 1 on a repetitive prompt (a 32-token random block repeated):
      no speculation, n-gram (real acceptance of this random model, whatever it is) and int4
      self-draft, for each k; from these, the engine's wall time per target forward with
@@ -32,6 +40,7 @@ script measures what the GPU costs:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -90,6 +99,15 @@ def probe_table(bm, n: int) -> list[int]:
     return bm.table("probe")
 
 
+@contextlib.contextmanager
+def eager(runner):
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        yield
+    finally:
+        runner.graphs = graphs
+
+
 def step_times(engine: LLMEngine, args, ks: list[int]) -> dict:
     ctx, iters = args.prompt_len, args.iters
     table = probe_table(engine.block_manager, ctx + max(ks) + 1)
@@ -97,15 +115,34 @@ def step_times(engine: LLMEngine, args, ks: list[int]) -> dict:
     out = {"T_dec": timed(lambda: run([StepSeq([1], ctx, table, 1)]), iters)}
     for k in ks:
         out[f"T_ver({k})"] = timed(lambda: run([StepSeq([1] * (k + 1), ctx, table, k + 1)]), iters)
+    with eager(engine.runner):
+        out["T_dec_eager"] = timed(lambda: run([StepSeq([1], ctx, table, 1)]), iters)
+        for k in ks:
+            out[f"T_ver_eager({k})"] = timed(lambda: run([StepSeq([1] * (k + 1), ctx, table, k + 1)]), iters)
     drafter = engine.drafter
     if drafter is not None and drafter.needs_cache:
         dtable = probe_table(drafter.bm, ctx + max(ks) + 1)
         drun = drafter.runner.execute
         out["T_dstep"] = timed(lambda: drun([StepSeq([1], ctx, dtable, 1)]), iters)
         out["T_dcatch"] = timed(lambda: drun([StepSeq([1, 1], ctx, dtable, 1)]), iters)
+        with eager(drafter.runner):
+            out["T_dcatch_eager"] = timed(lambda: drun([StepSeq([1, 1], ctx, dtable, 1)]), iters)
     context = repetitive_prompt(engine.model_config.vocab_size, ctx + args.new_tokens)
     out["T_ngram"] = timed(lambda: NgramDrafter().propose(context, max(ks)), 20)
     return out
+
+
+def print_step_times(times: dict, ks: list[int]) -> None:
+    print("\n| step (batch 1, ms) | CUDA graph | eager |")
+    print("|---|---|---|")
+    print(f"| target decode | {1e3 * times['T_dec']:.2f} | {1e3 * times['T_dec_eager']:.2f} |")
+    for k in ks:
+        print(f"| target verify k={k} ({k + 1} tokens) | {1e3 * times[f'T_ver({k})']:.2f} | "
+              f"{1e3 * times[f'T_ver_eager({k})']:.2f} |")
+    if "T_dstep" in times:
+        print(f"| int4 draft decode | {1e3 * times['T_dstep']:.2f} | — |")
+        print(f"| int4 draft catch-up (2 tokens) | {1e3 * times['T_dcatch']:.2f} | {1e3 * times['T_dcatch_eager']:.2f} |")
+    print(f"| n-gram lookup (host) | {1e3 * times['T_ngram']:.3f} | — |", flush=True)
 
 
 def repetitive_prompt(vocab: int, n: int) -> list[int]:
@@ -131,6 +168,60 @@ def decode_run(engine: LLMEngine, args) -> dict:
     return dict(tps=tokens / dt, step=dt / steps, tau=tokens / steps, acceptance=c["accepted"] / max(c["drafted"], 1))
 
 
+def check_lossless(device: str) -> bool:
+    """Greedy tokens with and without speculation, fp32, CUDA graphs on (see the docstring)."""
+    model = random_model("smollm2-135m", device, torch.float32, seed=1)
+    vocab = model.config.vocab_size
+    prompts = [repetitive_prompt(vocab, n)[i:] for i, n in enumerate((100, 140, 60, 200))]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=2)
+    config = dict(device=device, max_model_len=512, max_num_seqs=8, num_kv_blocks=512, max_num_batched_tokens=512)
+
+    def run(speculative=None, draft_model=None):
+        engine = LLMEngine(EngineConfig(**config, speculative=speculative, num_speculative_tokens=4),
+                           model=model, draft_model=draft_model)
+        if device == "cpu":  # a dry run: the graph path's padding and buffers, run eagerly
+            engine.runner.capture_graphs(8, engine.max_model_len, emulate_on_cpu=True, query_lens=(1, 2, 3, 4, 5))
+            if engine.drafter is not None and engine.drafter.needs_cache:
+                engine.drafter.runner.capture_graphs(8, engine.max_model_len, emulate_on_cpu=True, query_lens=(1, 2))
+        shapes = []  # (runner, q) of every graph replay
+        for name, runner in (("target", engine.runner), ("draft", getattr(engine.drafter, "runner", None))):
+            graphs = getattr(runner, "graphs", None)
+            if graphs is not None:
+                graphs.run = lambda seqs, g=graphs, r=graphs.run, name=name: shapes.append((name, g._shape(seqs)[0])) or r(seqs)
+        for i, (prompt, k) in enumerate(zip(prompts, (4, 2, 0, 3))):
+            engine.add_request(str(i), prompt, params, num_speculative_tokens=k)
+        lps: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                lps.setdefault(o.request_id, []).extend(o.logprobs)
+        out = [lps[str(i)] for i in range(len(prompts))], shapes, engine.stats()
+        free(engine)
+        return out
+
+    plain_lps, _, _ = run()
+    plain = [[lp.token_id for lp in r] for r in plain_lps]
+    ok = True
+    for name, spec, draft in (("ngram", "ngram", None), ("draft-model (itself)", "draft-model", model)):
+        got_lps, shapes, stats = run(spec, draft)
+        got = [[lp.token_id for lp in r] for r in got_lps]
+        same = sum(a == b for x, y in zip(got, plain) for a, b in zip(x, y))
+        verify = sum(1 for who, q in shapes if who == "target" and q > 1)
+        catch_up = sum(1 for who, q in shapes if who == "draft" and q == 2)
+        good = got == plain and verify > 0 and (spec == "ngram" or catch_up > 0)
+        ok &= good
+        print(f"lossless check {name:22s}: {'OK' if good else 'MISMATCH'} ({same}/{sum(map(len, plain))} tokens equal; "
+              f"graph steps: verification {verify}, draft catch-up {catch_up}; "
+              f"tokens per verification {stats['spec_mean_accepted_len']:.2f})", flush=True)
+        for r, (x, y) in enumerate(zip(got, plain)):  # a divergence at a near-tie is rounding (TF32 dots), not a bug
+            j = next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None)
+            if j is not None:
+                top = plain_lps[r][j].top
+                print(f"   request {r} diverges at token {j}: top-2 logprob gap there without speculation "
+                      f"{top[0][1] - top[1][1]:.2e}, logprob of the token taken {got_lps[r][j].logprob:.4f} vs "
+                      f"{plain_lps[r][j].logprob:.4f}", flush=True)
+    return ok
+
+
 def parse_tau(items: list[str]) -> dict[str, dict[int, float]]:
     """--tau NAME:K=TAU,K=TAU (NAME starts with the drafter: self-int4... or ngram...)."""
     out = {}
@@ -150,10 +241,16 @@ def main() -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=512)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--tau", action="append", default=[], help="NAME:K=TAU,... from spec_decode_acceptance.py")
+    ap.add_argument("--check-only", action="store_true", help="run only the lossless check")
+    ap.add_argument("--no-check", dest="check", action="store_false", help="skip the lossless check")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
+    if args.check or args.check_only:
+        ok = check_lossless(args.device)
+        if args.check_only or not ok:
+            return 0 if ok else 1
     ks = [int(k) for k in args.ks.split(",")]
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     print(f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}  torch {torch.__version__}  "
@@ -166,7 +263,7 @@ def main() -> int:
     engine = make_engine(model, args, "draft-model", max(ks), int4)
     times = step_times(engine, args, ks)
     free(engine)
-    print("\nstep times (ms): " + ", ".join(f"{name} {1e3 * v:.3f}" for name, v in times.items()), flush=True)
+    print_step_times(times, ks)
 
     runs = {}
     engine = make_engine(model, args)

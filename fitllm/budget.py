@@ -137,11 +137,13 @@ def detect_scheme(config: ModelConfig) -> str:
 
 # ---------------------------------------------------------------- KV cache
 # Bytes per stored element, and per-(token, kv-head) metadata beside the blocks: int8 keeps an
-# fp16 scale, asymmetric int4 an fp16 scale and an fp16 zero per 32 channels. fp8 scales are per tensor or per
-# head (a few bytes per layer), so they count as zero. MUST match fitllm/models/kv_cache.py.
+# fp16 scale, asymmetric int4 an fp16 scale and an fp16 zero per 16 channels of a key and per 32
+# channels of a value. fp8 scales are per tensor or per head (a few bytes per layer), so they
+# count as zero. MUST match fitllm/models/kv_cache.py.
 KV_DTYPES = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 KV_META_BYTES = {"bf16": 0, "fp16": 0, "fp8": 0, "int8": 2, "int4": 4}  # per scale group
-KV_INT4_GROUP = 32  # int4 keeps one scale+zero per 32 channels of a head (kv_cache.py's int4_group)
+KV_INT4_KEY_GROUP = 16  # kv_cache.py's int4_key_group
+KV_INT4_GROUP = 32  # kv_cache.py's int4_group (values)
 
 
 def normalize_kv_dtype(kv_dtype: str) -> str:
@@ -154,9 +156,13 @@ def normalize_kv_dtype(kv_dtype: str) -> str:
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bf16") -> int:
     """K and V, every layer, every KV head (not query head: grouped-query attention shares them)."""
     kv = normalize_kv_dtype(kv_dtype)
-    groups = -(-config.head_dim // min(KV_INT4_GROUP, config.head_dim)) if kv == "int4" else 1
-    per_head = int(config.head_dim * KV_DTYPES[kv]) + KV_META_BYTES[kv] * groups
-    return 2 * config.num_layers * config.num_kv_heads * per_head
+    d = config.head_dim
+
+    def row(group: int) -> int:  # one head of K or of V
+        groups = -(-d // min(group, d)) if kv == "int4" else 1
+        return int(d * KV_DTYPES[kv]) + KV_META_BYTES[kv] * groups
+
+    return config.num_layers * config.num_kv_heads * (row(KV_INT4_KEY_GROUP) + row(KV_INT4_GROUP))
 
 
 def blocks_for_tokens(tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:

@@ -450,3 +450,65 @@ def test_engine_error_is_reported_not_propagated(client):
     assert "NaN" in err["message"]
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
     assert bad_stream.status_code == 500  # the error came before the first token: a plain HTTP error
+
+
+# ---- the streaming fast path: merged outputs and preformatted chunks ------------------------------
+
+def test_a_consumer_that_falls_behind_gets_the_pending_outputs_merged(tokenizer):
+    """All outputs waiting for a request come as one, with every token, text and logprob kept."""
+    import asyncio
+
+    from fitllm.serve.async_engine import AsyncEngine
+    from fitllm.serve.sampling import SamplingParams
+
+    async def run():
+        engine = AsyncEngine(FakeEngine(tokenizer))
+        outs = []
+        stream = engine.generate("r", [1, 2, 3], SamplingParams(max_tokens=12, logprobs=1))
+        outs.append(await anext(stream))  # the engine thread now produces the rest meanwhile
+        for _ in range(200):  # until the engine thread has finished the request
+            await asyncio.sleep(0.01)
+            if not engine.engine.has_unfinished_requests():
+                break
+        outs += [o async for o in stream]
+        await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(run())
+    assert len(outs) < 12  # fewer outputs than tokens: merged
+    assert sum(len(o.new_token_ids) for o in outs) == 12 and outs[-1].finished
+    assert "".join(o.new_text for o in outs) == tokenizer.decode([42] * 12)
+    assert sum(len(o.logprobs) for o in outs) == 12
+    assert outs[-1].num_generated_tokens == 12 and outs[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("text", ["plain", 'quo"te \\ back', "new\nline\ttab", "héllo 😀 你好", "\u0001ctl", ""])
+def test_chunk_templates_serialize_like_the_models(text):
+    from fitllm.serve import protocol as P
+
+    completion = P.CompletionResponse(id="cmpl-1", model="m", created=5, choices=[
+        P.CompletionChoice(index=3, text=P.TextTemplate.MARK)])
+    want = completion.model_copy(update={"choices": [P.CompletionChoice(index=3, text=text)]})
+    assert json.loads(P.TextTemplate(completion).fill(text)) == json.loads(want.model_dump_json())
+    chat = P.ChatCompletionChunk(id="chatcmpl-1", model="m", created=5, choices=[
+        P.ChatChunkChoice(index=0, delta=P.ChatDelta(content=P.TextTemplate.MARK))])
+    want = chat.model_copy(update={"choices": [P.ChatChunkChoice(index=0, delta=P.ChatDelta(content=text))]})
+    assert json.loads(P.TextTemplate(chat).fill(text)) == json.loads(want.model_dump_json())
+    with pytest.raises(ValueError, match="exactly once"):
+        P.TextTemplate(P.CompletionResponse(id=P.TextTemplate.MARK, model="m", choices=[
+            P.CompletionChoice(index=0, text=P.TextTemplate.MARK)]))
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", OK_COMPLETION), ("/v1/chat/completions", OK_CHAT)])
+def test_streamed_text_and_usage_with_a_slow_engine(tokenizer, path, body):
+    """Per-token chunks (the preformatted path) carry the whole text; usage counts every token."""
+    with make_client(tokenizer, step_delay=0.01) as c:
+        req = {**body, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+        r = c.post(path, json=req)
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    text = "".join(ch.get("text") or ch.get("delta", {}).get("content") or "" for ch in choices)
+    assert text == tokenizer.decode([42] * 5)
+    assert choices[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 5 and events[-1]["choices"] == []
+    assert len({e["created"] for e in events}) == 1 and len({e["id"] for e in events}) == 1

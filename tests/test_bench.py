@@ -36,3 +36,14 @@ def test_summary_percentiles_and_errors():
     assert s["ttft_ms"]["p50"] == pytest.approx(550.0)
     assert s["itl_ms"]["mean"] == pytest.approx(20.0)
     assert math.isnan(percentiles([])["p99"])
+
+
+def test_sse_events_survive_any_split_of_the_stream():
+    from fitllm.serve.bench import _sse_events
+
+    stream = b'data: {"a": 1}\n\ndata: {"b": 2}\n\n: comment\n\ndata: [DONE]\n\n'
+    for cut in range(1, len(stream)):
+        buffer, events = bytearray(), []
+        for part in (stream[:cut], stream[cut:]):
+            events += _sse_events(buffer, part)
+        assert events == [b'{"a": 1}', b'{"b": 2}', b"[DONE]"], cut

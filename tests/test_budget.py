@@ -25,8 +25,9 @@ def test_kv_bytes_per_token_llama3():
     assert bm.kv_bytes_per_token(LLAMA3, "fp8") == 2 * 32 * 8 * 128 * 1 == 65536
     # int8: 128 B of values + an fp16 scale per (token, kv head)
     assert bm.kv_bytes_per_token(LLAMA3, "int8") == 2 * 32 * 8 * (128 + 2) == 66560
-    # int4 asymmetric: 64 B of nibbles + an fp16 scale and zero per 32 channels (4 groups of 128)
-    assert bm.kv_bytes_per_token(LLAMA3, "int4") == 2 * 32 * 8 * (64 + 4 * 4) == 40960
+    # int4 asymmetric: 64 B of nibbles + an fp16 scale and zero per 16 channels of a key (8 groups
+    # of 128) and per 32 channels of a value (4 groups)
+    assert bm.kv_bytes_per_token(LLAMA3, "int4") == 32 * 8 * ((64 + 4 * 8) + (64 + 4 * 4)) == 45056
 
 
 def test_kv_bytes_per_token_smollm2():

@@ -129,16 +129,16 @@ def test_stop_conditions_and_prompt_logprobs(embedded_model, embedded_tokenizer,
 def test_nan_logits_fail_only_that_request(embedded_model, embedded_tokenizer, prompts, reference):
     eng = make_engine(embedded_model, embedded_tokenizer)
     broken = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    sampler = eng.sampler
+    sample = eng.sampler.sample
 
     def poisoned(logits, rows):
         logits = logits.clone()
         for i, r in enumerate(rows):
             if r.params is broken:
                 logits[i, 0] = float("nan")
-        return sampler(logits, rows)
+        return sample(logits, rows)
 
-    eng.sampler = poisoned
+    eng.sampler.sample = poisoned
     outs = eng.generate([prompts[0], prompts[1]], [broken, GREEDY])
     assert outs[0].finish_reason == "error" and outs[0].error
     assert outs[1].new_token_ids == reference[1]
@@ -195,14 +195,19 @@ def test_decode_graph_path_emulated_on_cpu(embedded_model, embedded_tokenizer, p
     attention, run eagerly: greedy tokens must not change."""
     eng = make_engine(embedded_model, embedded_tokenizer, max_num_seqs=8, max_model_len=128)
     assert eng.runner.capture_graphs(8, eng.max_model_len, emulate_on_cpu=True)
-    assert eng.runner.graphs.sizes == [1, 2, 4, 8]
+    assert eng.runner.graphs.shapes == {1: [1, 2, 4, 8]}
     used = []
     run = eng.runner.graphs.run
-    eng.runner.graphs.run = lambda seqs: used.append(len(seqs)) or run(seqs)
+    eng.runner.graphs.run = lambda seqs, *ids: used.append(len(seqs)) or run(seqs, *ids)
     picks = [0, 4, 12, 13, 14]  # 5 decodes pad to 8; later 4 and fewer
-    outs = eng.generate([prompts[i] for i in picks], GREEDY)
+    params = SamplingParams(**{**vars(GREEDY), "logprobs": 2})
+    outs = eng.generate([prompts[i] for i in picks], params)
     assert [o.new_token_ids for o in outs] == [reference[i] for i in picks]
     assert used and max(used) == 5
+    eager = make_engine(embedded_model, embedded_tokenizer).generate([prompts[i] for i in picks], params)
+    for o, e in zip(outs, eager):  # logprobs through the one host copy, graph path vs eager
+        assert [lp.top for lp in o.logprobs] == [[(t, pytest.approx(v, abs=1e-4)) for t, v in lp.top]
+                                                 for lp in e.logprobs]
 
 
 def test_int8_kv_cache_and_copy_on_write_copies(embedded_model, embedded_tokenizer, prompts, reference):
@@ -214,3 +219,58 @@ def test_int8_kv_cache_and_copy_on_write_copies(embedded_model, embedded_tokeniz
     before = [t[:, 0].clone() for t in (cache.k, cache.v, cache.k_scales)]
     eng.runner.copy_blocks([(0, 3)])  # what the block manager queues for copy-on-write
     assert all(torch.equal(b, t[:, 3]) for b, t in zip(before, (cache.k, cache.v, cache.k_scales)))
+
+
+def test_look_ahead_steps_change_no_output(embedded_model, embedded_tokenizer, prompts, reference):
+    """async_scheduling queues decode step N + 1 before step N's tokens are read (its input ids
+    on the device). Outputs must equal the engine without it, including requests that step N
+    finishes (a stop token: the look-ahead row is wasted), seeded sampling, logprobs, and the
+    graph path; every block comes back."""
+    picks = [0, 3, 12, 13, 14]
+    stop = next(j for j in range(2, 5) if reference[3][j] not in reference[3][:j])  # a token seen first at j
+    stop_at_third = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[reference[3][stop]])
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2), stop_at_third,
+              SamplingParams(max_tokens=9, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.7, top_k=20, seed=3, ignore_eos=True)]
+    results = {}
+    for ahead, graphs in ((False, False), (True, False), (True, True)):
+        eng = make_engine(embedded_model, embedded_tokenizer, max_num_seqs=8, max_model_len=128,
+                          max_num_batched_tokens=256, async_scheduling=ahead)
+        if graphs:
+            assert eng.runner.capture_graphs(8, eng.max_model_len, emulate_on_cpu=True)
+        outs = eng.generate([prompts[i] for i in picks], params)
+        results[ahead, graphs] = outs
+        assert (eng.num_look_ahead_steps > 5) == ahead
+        assert eng.stats()["kv_blocks_used"] == 0 and not eng.has_unfinished_requests()
+    base = results[False, False]
+    assert base[0].new_token_ids[:5] == reference[0] and base[1].new_token_ids == reference[3][:stop + 1]
+    assert base[1].finish_reason == "stop"
+    for key, outs in results.items():
+        for o, b in zip(outs, base):
+            assert (o.new_token_ids, o.finish_reason, o.num_generated_tokens) == \
+                (b.new_token_ids, b.finish_reason, b.num_generated_tokens), key
+            assert [lp.token_id for lp in o.logprobs] == [lp.token_id for lp in b.logprobs]
+            assert [lp.logprob for lp in o.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
+
+
+def test_abort_while_a_look_ahead_step_is_queued(embedded_model, embedded_tokenizer, prompts, reference):
+    eng = make_engine(embedded_model, embedded_tokenizer, max_num_batched_tokens=256)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for i in (0, 12):
+        eng.add_request(f"r{i}", prompts[i], params)
+    tokens = {"r0": [], "r12": []}
+    while eng._inflight is None or "r0" not in {r.request_id for r in eng._inflight[0].num_tokens}:
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+    eng.abort_request("r0")  # in the queued step: its row is computed, its output dropped
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                assert out.request_id not in finals, "an output after the request finished"
+                finals[out.request_id] = out.finish_reason
+    assert finals == {"r0": "abort", "r12": "length"}
+    assert tokens["r0"] == reference[0][:len(tokens["r0"])] and tokens["r12"][:5] == reference[12]
+    assert len(tokens["r12"]) == 10 and eng.stats()["kv_blocks_used"] == 0

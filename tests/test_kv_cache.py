@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 from fitllm.models.generate import generate, make_cache  # noqa: E402
 from fitllm.models.kv_cache import (AttentionMetadata, ForwardContext, KVCalibration, NoCacheContext,  # noqa: E402
-                                    PagedKVCache, calibrate_kv_scales, causal_attention)
+                                    PagedKVCache, calibrate_kv_scales, causal_attention, hadamard)
 
 L, H, G, D, PAGE = 2, 2, 3, 32, 4
 
@@ -22,8 +22,21 @@ def random_calibration(seed=0):
     return KVCalibration(mean, mean - spread, mean + spread, mean * 0.1, mean * 0.1 - 2, mean * 0.1 + 2)
 
 
-def make(kv_dtype, num_blocks=24, **kw):
+def with_rotated_stats(cal):
+    """The calibration plus min/max in the Hadamard basis, bounded from the per-channel ranges
+    (|sum_i x_i r_ij| <= sum_i |x_i| |r_ij|): wide, but a valid calibration for the tests."""
+    rot = hadamard(D)
+    centre, half = (cal.k_max + cal.k_min) / 2, (cal.k_max - cal.k_min) / 2
+    vc, vh = (cal.v_max + cal.v_min) / 2, (cal.v_max - cal.v_min) / 2
+    return KVCalibration(cal.k_mean, cal.k_min, cal.k_max, cal.v_mean, cal.v_min, cal.v_max,
+                         centre @ rot - half @ rot.abs(), centre @ rot + half @ rot.abs(),
+                         vc @ rot - vh @ rot.abs(), vc @ rot + vh @ rot.abs())
+
+
+def make(kv_dtype, num_blocks=24, rotated_stats=False, **kw):
     cal = random_calibration() if kv_dtype in ("fp8", "int8", "int4") else None
+    if rotated_stats:
+        cal = with_rotated_stats(cal)
     return PagedKVCache(L, num_blocks, PAGE, H, D, dtype=torch.float32, device="cpu", kv_dtype=kv_dtype,
                         calibration=cal, **kw)
 
@@ -53,11 +66,16 @@ def run_steps(cache, seed=0):
     return outs, tables, [torch.cat(x) for x in ks], [torch.cat(x) for x in vs]
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8", "int8", "int4"])
-def test_attention_equals_plain_attention_over_dequantized_cache(kv_dtype):
-    """Smoothing is folded into q and the output: attention over the cache must equal plain
-    attention over the dequantized K/V in model space (and be close to the unquantized one)."""
-    cache = make(kv_dtype)
+ROTATED = {"fp8": dict(rotated_stats=True), "int8": dict(rotate=True), "int4": dict(rotate=True)}
+
+
+@pytest.mark.parametrize("kv_dtype,rotate", [("fp32", False), ("bf16", False), ("fp8", False), ("int8", False),
+                                             ("int4", False), ("fp8", True), ("int8", True), ("int4", True)])
+def test_attention_equals_plain_attention_over_dequantized_cache(kv_dtype, rotate):
+    """Smoothing and rotation are folded into q and the output: attention over the cache must equal
+    plain attention over the dequantized K/V in model space (and be close to the unquantized one)."""
+    cache = make(kv_dtype, **(ROTATED[kv_dtype] if rotate else dict(rotate=False)))
+    assert (cache.rotation is not None) == rotate
     outs, tables, ks, vs = run_steps(cache)
     for i, length, q, out in outs:
         k, v = cache.gather(0, torch.tensor(tables[i]), length)
@@ -76,20 +94,49 @@ def test_triton_path_matches_torch_path(kv_dtype, monkeypatch):
     monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "torch")
     ref_outs = run_steps(make(kv_dtype))[0]
     monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
-    tri_outs = run_steps(make(kv_dtype))[0]
+    tri_cache = make(kv_dtype)
+    assert (tri_cache.rotation is not None) == (kv_dtype == "int4")  # the rotated path, through the kernels
+    tri_outs = run_steps(tri_cache)[0]
     for (_, _, _, a), (_, _, _, b) in zip(ref_outs, tri_outs):
         tol = 2e-2 if kv_dtype != "int4" else 5e-2  # interpreter rounds to bf16/fp8 by truncation
         assert ((a - b).norm() / a.norm()) < tol
 
 
-@pytest.mark.parametrize("kv_dtype,row", [("fp32", 4 * D), ("bf16", 2 * D), ("fp8", D), ("int8", D + 2),
-                                          ("int4", D // 2 + 4 * (D // 8))])
-def test_bytes_per_token_is_the_storage(kv_dtype, row):
-    cache = make(kv_dtype, int4_group=8)
-    assert cache.bytes_per_token == 2 * L * H * row
+@pytest.mark.parametrize("kv_dtype,k_row,v_row", [
+    ("fp32", 4 * D, 4 * D), ("bf16", 2 * D, 2 * D), ("fp8", D, D), ("int8", D + 2, D + 2),
+    ("int4", D // 2 + 4 * (D // 4), D // 2 + 4 * (D // 8))])
+def test_bytes_per_token_is_the_storage(kv_dtype, k_row, v_row):
+    cache = make(kv_dtype, int4_group=8, int4_key_group=4)
+    assert cache.bytes_per_token == L * H * (k_row + v_row)
     per_token = [t for t in (cache.k, cache.v, cache.k_scales, cache.v_scales, cache.k_zeros, cache.v_zeros)
                  if t is not None]
     assert sum(t.numel() * t.element_size() for t in per_token) == cache.bytes_per_token * cache.num_blocks * PAGE
+
+
+@pytest.mark.parametrize("n", [64, 32, 96, 24])
+def test_hadamard_is_orthonormal_and_spreads(n):
+    h = hadamard(n)
+    assert torch.allclose(h @ h.mT, torch.eye(n), atol=1e-6)
+    block = n & -n
+    assert torch.allclose(h.abs()[:block, :block], torch.full((block, block), block ** -0.5))
+    # an outlier channel is spread evenly over a block: what makes per-token int4/fp8 scales fit
+    x = torch.zeros(n)
+    x[0] = 10.0
+    assert (x @ h).abs().max() == pytest.approx(10 * block ** -0.5)
+
+
+def test_rotation_default_and_its_requirements():
+    assert make("int4").rotation is not None and make("int8").rotation is None
+    assert make("fp8").rotation is None  # checkpoint-style calibration: no rotated statistics
+    assert make("fp8", rotated_stats=True).rotation is not None
+    with pytest.raises(ValueError, match="rotated basis"):
+        make("fp8", rotate=True)
+
+
+@pytest.mark.parametrize("groups", [dict(int4_group=24), dict(int4_key_group=3), dict(int4_key_group=12)])
+def test_int4_groups_must_divide_head_dim(groups):
+    with pytest.raises(ValueError, match="power of two"):
+        make("int4", **groups)
 
 
 def test_fp8_and_int4_need_calibration():
@@ -150,7 +197,11 @@ def test_calibration_and_quantized_logits(tiny_model):
     c = tiny_model.config
     assert cal.k_mean.shape == (c.num_layers, c.num_kv_heads, c.head_dim)
     assert (cal.k_max >= cal.k_min).all() and torch.isfinite(cal.v_mean).all()
-    assert KVCalibration.from_state_dict(cal.state_dict()).k_max.equal(cal.k_max)
+    # the rotated statistics describe the same keys: their mean lies inside the rotated range
+    k_mean_rot = cal.k_mean @ hadamard(c.head_dim)
+    assert cal.has_rotated and ((cal.k_rot_min <= k_mean_rot + 1e-5) & (k_mean_rot <= cal.k_rot_max + 1e-5)).all()
+    back = KVCalibration.from_state_dict(cal.state_dict())
+    assert back.k_max.equal(cal.k_max) and back.v_rot_max.equal(cal.v_rot_max)
     from fitllm.models.generate import prompt_logits
 
     ids = torch.randint(0, 256, (40,)).tolist()

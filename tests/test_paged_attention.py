@@ -1,23 +1,18 @@
-"""Paged attention kernels: Triton (under TRITON_INTERPRET=1) == torch reference == plain attention.
+"""Paged attention kernels: Triton (under TRITON_INTERPRET=1, set by conftest.py) == torch reference
+== plain attention."""
+import math
 
-The interpreter flag must be set before triton decorates the kernels, hence at the top.
-"""
-import os
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from fitllm.kernels import paged_attention as pa  # noqa: E402
-from fitllm.models.kv_cache import causal_attention  # noqa: E402
+from fitllm.kernels import paged_attention as pa
+from fitllm.models.kv_cache import causal_attention
 
 H, G, D, PAGE = 2, 2, 32, 4
 STORE = {"fp32": (pa.KIND_FLOAT, torch.float32, D), "bf16": (pa.KIND_FLOAT, torch.bfloat16, D),
          "fp8": (pa.KIND_FP8, torch.float8_e4m3fn, D), "int8": (pa.KIND_INT8, torch.int8, D),
-         "int4": (pa.KIND_INT4, torch.uint8, 8)}
+         "int4": (pa.KIND_INT4, torch.uint8, 8),
+         "int4-kv": (pa.KIND_INT4, torch.uint8, (4, 16))}  # smaller key groups than value groups
 
 
 def rel(a, b):
@@ -40,13 +35,14 @@ class Pool:
             self.v = torch.full(shape, nan).to(dtype)
         else:
             self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-        ms = (nb, PAGE, H, D // self.group)
+        self.k_group, self.v_group = pa.split_group(self.group)
+        kms, vms = (nb, PAGE, H, D // self.k_group), (nb, PAGE, H, D // self.v_group)
         # Poison: any slot never written dequantizes to NaN, so reading one shows in the output.
         self.ks = self.vs = self.kz = self.vz = None
         if self.kind >= pa.KIND_INT8:
-            self.ks, self.vs = torch.full(ms, nan).half(), torch.full(ms, nan).half()
+            self.ks, self.vs = torch.full(kms, nan).half(), torch.full(vms, nan).half()
         if self.kind == pa.KIND_INT4:
-            self.kz, self.vz = torch.full(ms, nan).half(), torch.full(ms, nan).half()
+            self.kz, self.vz = torch.full(kms, nan).half(), torch.full(vms, nan).half()
         perm = torch.randperm(nb, generator=g).tolist()
         self.tables, o = [], 0
         for n in pages:
@@ -90,8 +86,11 @@ def test_cache_write_triton_matches_reference(name):
     a.write_all(pa.cache_write_ref)
     b.write_all(pa.cache_write)
     for i, n in enumerate(a.seq_lens):
-        ka = pa.gather_ref(a.k, a.ks, a.kz, a.bt[i], n, a.kind, a.group)
-        kb = pa.gather_ref(b.k, b.ks, b.kz, b.bt[i], n, b.kind, b.group)
+        va = pa.gather_ref(a.v, a.vs, a.vz, a.bt[i], n, a.kind, a.v_group)
+        vb = pa.gather_ref(b.v, b.vs, b.vz, b.bt[i], n, b.kind, b.v_group)
+        assert torch.isfinite(vb).all() and rel(vb, va) < (1e-6 if a.kind >= pa.KIND_INT8 else 0.13)
+        ka = pa.gather_ref(a.k, a.ks, a.kz, a.bt[i], n, a.kind, a.k_group)
+        kb = pa.gather_ref(b.k, b.ks, b.kz, b.bt[i], n, b.kind, b.k_group)
         # The interpreter rounds fp32 -> bf16/fp8 by truncation, the GPU and torch to nearest:
         # allow one step of the format there, nothing elsewhere.
         tol = {"bf16": 1e-2, "fp8": 0.13}.get(name, 1e-6)
@@ -106,7 +105,7 @@ def test_cache_write_triton_matches_reference(name):
             assert close.all()
         # and the stored values are the quantization of the input
         err = rel(ka, a.k_raw[i])
-        assert err < {"fp32": 1e-7, "bf16": 5e-3, "fp8": 5e-2, "int8": 1e-2, "int4": 0.12}[name]
+        assert err < {"fp32": 1e-7, "bf16": 5e-3, "fp8": 5e-2, "int8": 1e-2, "int4": 0.12, "int4-kv": 0.1}[name]
 
 
 def test_padding_slots_are_not_written():
@@ -118,7 +117,7 @@ def test_padding_slots_are_not_written():
     assert changed.nonzero().flatten().tolist() == [5]
 
 
-@pytest.mark.parametrize("name,window", [(n, None) for n in STORE] + [("bf16", 5), ("int4", 5)])
+@pytest.mark.parametrize("name,window", [(n, None) for n in STORE] + [("bf16", 5), ("int4", 5), ("int4-kv", 5)])
 def test_decode_and_mixed_batches_match_reference(name, window):
     pool = Pool(name, [1, 9, 23, 16], seed=1)
     pool.write_all(pa.cache_write_ref)

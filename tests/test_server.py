@@ -302,3 +302,17 @@ def test_errors_through_the_client(client, server):
         bad.models.list()
     assert httpx.get(server.url + "/health").status_code == 200  # no key needed
     assert httpx.get(server.url + "/metrics").status_code == 401
+
+
+def test_load_generator_against_the_server(server):
+    """`quant bench serve`'s client (its own small HTTP/1.1 code): every request streams, with the
+    API key, and the output tokens it counts are the server's usage counts."""
+    from fitllm.serve.bench import make_workload, run_online
+
+    workload = make_workload(6, 8, 5, vocab_size=49152, seed=1)
+    summary = asyncio.run(run_online(server.url, workload, float("inf"), api_key=KEY, max_concurrency=3))
+    assert summary["completed"] == 6 and summary["errors"] == 0, summary["error_examples"]
+    assert summary["output_tokens_per_s"] * summary["duration_s"] == pytest.approx(30)  # 6 x 5, EOS ignored
+    bad = asyncio.run(run_online(server.url, make_workload(1, 8, 2, vocab_size=49152), float("inf"),
+                                 model="SmolLM2-135M-Instruct", api_key="wrong"))
+    assert bad["errors"] == 1 and bad["error_examples"] == ["HTTP 401"]

@@ -7,6 +7,7 @@ import torch
 
 from fitllm.models.config import ModelConfig
 from fitllm.models.decoder import CausalLM
+from fitllm.models.generate import prompt_logits
 from fitllm.models.kv_cache import NoCacheContext
 from fitllm.quant.inplace import quantized_copy
 from fitllm.serve import spec_decode
@@ -99,6 +100,61 @@ def test_greedy_batch_of_16_mixed_requests(embedded_model, embedded_tokenizer, i
     want[5] = make_engine(embedded_model, embedded_tokenizer).generate([prompts[5]], params[5])[0].new_token_ids
     assert [results[str(i)] for i in range(16)] == want
     assert eng.stats()["spec_acceptance_rate"] > 0.2
+    assert_all_blocks_back(eng)
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft-model"])
+def test_graph_paths_emulated_on_cpu_are_token_identical(embedded_model, embedded_tokenizer, int4_drafter, prompts,
+                                                         reference, speculative):
+    """The graph path's buffers and padding, run eagerly: verification steps on the q = k + 1
+    graphs (shorter drafts and plain decodes in the same batch padded up to q), and the draft
+    model's catch-up on its q = 2 graphs. Greedy tokens and logprobs must not change."""
+    eng = make_engine(embedded_model, embedded_tokenizer, int4_drafter, speculative=speculative, max_num_seqs=8)
+    assert eng.runner.capture_graphs(8, eng.max_model_len, emulate_on_cpu=True, query_lens=(1, 2, 3, 4, 5))
+    runners = [eng.runner]
+    if eng.drafter.needs_cache:
+        assert eng.drafter.runner.capture_graphs(8, eng.max_model_len, emulate_on_cpu=True, query_lens=(1, 2))
+        runners.append(eng.drafter.runner)
+    used = [[] for _ in runners]  # per runner: (q, lengths of the real sequences)
+    for runner, log in zip(runners, used):
+        graphs, run = runner.graphs, runner.graphs.run
+        graphs.run = lambda seqs, run=run, graphs=graphs, log=log: (
+            log.append((graphs._shape(seqs)[0], [len(s.token_ids) for s in seqs])) or run(seqs))
+    picks, ks = [0, 1, 2, 7, 11, 12], [4, 0, 2, 3, 4, 1]
+    params = SamplingParams(**{**vars(GREEDY), "logprobs": 1})
+    for i, k in zip(picks, ks):
+        eng.add_request(str(i), prompts[i], params, num_speculative_tokens=k)
+    results: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            results.setdefault(o.request_id, []).extend(o.logprobs)
+    assert [[lp.token_id for lp in results[str(i)]] for i in picks] == [reference[0][i] for i in picks]
+    for i in picks:
+        assert [lp.logprob for lp in results[str(i)]] == pytest.approx(reference[1][i], abs=1e-4)
+    verify = [lens for q, lens in used[0] if q > 1]
+    assert any(len(lens) > 1 and min(lens) < max(lens) for lens in verify)  # padded sequences inside a batch
+    if len(runners) > 1:
+        assert any(q == 2 and max(lens) == 2 for q, lens in used[1])  # catch-up of two tokens on its graph
+    assert eng.stats()["spec_mean_accepted_len"] > 1.5
+    assert_all_blocks_back(eng)
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft-model"])
+def test_sampled_verification_reports_the_emitted_tokens_logprobs(embedded_model, embedded_tokenizer, int4_drafter,
+                                                                   prompts, speculative):
+    """Temperature > 0: the logprobs that come back with a verification step are the raw
+    model's, of the tokens actually emitted (accepted drafts, then the correction or bonus)."""
+    eng = make_engine(embedded_model, embedded_tokenizer, int4_drafter, speculative=speculative)
+    params = SamplingParams(max_tokens=12, temperature=0.5, seed=3, ignore_eos=True, logprobs=2)
+    prompt = prompts[2]  # counting: drafts get accepted
+    out = eng.generate([prompt], params)[0]
+    assert out.spec_mean_accepted_len > 1.0 and len(out.logprobs) == len(out.new_token_ids) == 12
+    lps = torch.log_softmax(prompt_logits(embedded_model, prompt + out.new_token_ids), -1)
+    for j, lp in enumerate(out.logprobs):
+        row = lps[len(prompt) - 1 + j]
+        assert lp.token_id == out.new_token_ids[j]
+        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == row.topk(2).indices.tolist()
     assert_all_blocks_back(eng)
 
 

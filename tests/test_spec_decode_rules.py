@@ -17,8 +17,9 @@ def test_greedy_acceptance_stops_at_first_mismatch():
     logits = torch.full((4, 10), -5.0)
     for row, best in enumerate([3, 4, 9, 2]):
         logits[row, best] = 5.0
-    assert accept_greedy([3, 4, 5], logits) == [3, 4, 9]
-    assert accept_greedy([3, 4, 9], logits) == [3, 4, 9, 2]
+    best = logits.argmax(-1).tolist()
+    assert accept_greedy([3, 4, 5], best) == [3, 4, 9]
+    assert accept_greedy([3, 4, 9], best) == [3, 4, 9, 2]
 
 
 def _first_token_histogram(draft_probs, target_probs, trials, generator, sampler=accept_sampled):

@@ -11,10 +11,12 @@ is `block * block_size + offset`. `kind` says how a stored row decodes (see `KIN
   int4:  asymmetric, two codes per byte (element 2j in the low nibble, 2j+1 in the high one),
          fp16 scale and zero per `group` values: x = code * scale + zero
 Scales/zeros: `[num_blocks, block_size, kv_heads, head_dim // group]` fp16 (None for float/fp8).
+`group` is one int for keys and values, or a pair (key group, value group): int4 keys use
+smaller groups than values (keys carry most of int4's error; see kv_cache.py).
 
 Attention kernels take queries already transformed into the cache's space (see kv_cache.py: the
-calibrated key mean/scale and value mean are folded into q and the output) and return the raw
-attention output (fp32 for quantized caches).
+calibrated key mean/scale, the value mean and the Hadamard rotation are folded into q and the
+output) and return the raw attention output (fp32 for quantized caches).
 """
 from __future__ import annotations
 
@@ -78,12 +80,19 @@ def dequantize_ref(codes: torch.Tensor, scales: Optional[torch.Tensor], zeros: O
     return c.reshape(shape)
 
 
+def split_group(group) -> tuple[int, int]:
+    """`group` as (key group, value group): an int means the same for both."""
+    return (group, group) if isinstance(group, int) else (int(group[0]), int(group[1]))
+
+
 def cache_write_ref(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, slot_mapping, kind, group):
     """Quantize k/v [T, H, D] and store them at their slots (negative slots are skipped: padding)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    for x, cache, scales, zeros in ((k[keep], k_cache, k_scales, k_zeros), (v[keep], v_cache, v_scales, v_zeros)):
-        codes, s, z = quantize_ref(x, kind, group, cache.dtype)
+    kg, vg = split_group(group)
+    for x, cache, scales, zeros, g in ((k[keep], k_cache, k_scales, k_zeros, kg),
+                                       (v[keep], v_cache, v_scales, v_zeros, vg)):
+        codes, s, z = quantize_ref(x, kind, g, cache.dtype)
         h = cache.shape[-2]
         if codes.dtype == torch.float8_e4m3fn:  # no index_copy_ for fp8 on CPU: copy the bytes
             cache, codes = cache.view(torch.uint8), codes.view(torch.uint8)
@@ -106,18 +115,19 @@ def gather_ref(cache, scales, zeros, table, length, kind, group) -> torch.Tensor
 
 
 def paged_attention_ref(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, block_tables,
-                        query_start: list[int], seq_lens: list[int], scale: float, kind: int, group: int,
+                        query_start: list[int], seq_lens: list[int], scale: float, kind: int, group,
                         sliding_window: Optional[int] = None, out_dtype=None) -> torch.Tensor:
     """q [T, Hq, D]: each sequence's new queries over its cached keys (causal). Output [T, Hq, D]."""
     from fitllm.models.kv_cache import causal_attention  # the one definition of the math
 
     out = torch.zeros(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    kg, vg = split_group(group)
     for i, length in enumerate(seq_lens):
         lo, hi = query_start[i], query_start[i + 1]
         if hi == lo:
             continue
-        k = gather_ref(k_cache, k_scales, k_zeros, block_tables[i], length, kind, group)
-        v = gather_ref(v_cache, v_scales, v_zeros, block_tables[i], length, kind, group)
+        k = gather_ref(k_cache, k_scales, k_zeros, block_tables[i], length, kind, kg)
+        v = gather_ref(v_cache, v_scales, v_zeros, block_tables[i], length, kind, vg)
         qf = q[lo:hi].float()
         out[lo:hi] = causal_attention(qf, k, v, scale, sliding_window).to(out.dtype)
     return out
@@ -171,16 +181,15 @@ def _store_quantized(X, x_row, CODES, SCALES, ZEROS, row_c, row_s, ok,
 @triton.jit
 def _cache_write_kernel(K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, s_kt, s_kh, s_vt, s_vh,
                         H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
-                        KIND: tl.constexpr, GROUP: tl.constexpr):
+                        KIND: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(SLOTS + t).to(tl.int64)
     ok = slot >= 0  # a negative slot marks a padding token: nothing is written
     slot = tl.maximum(slot, 0)
     row_c = (slot * H + h) * DC
-    row_s = (slot * H + h) * (D // GROUP)
-    _store_quantized(K, t * s_kt + h * s_kh, KC, KS, KZ, row_c, row_s, ok, D, KIND, GROUP)
-    _store_quantized(V, t * s_vt + h * s_vh, VC, VS, VZ, row_c, row_s, ok, D, KIND, GROUP)
+    _store_quantized(K, t * s_kt + h * s_kh, KC, KS, KZ, row_c, (slot * H + h) * (D // KGROUP), ok, D, KIND, KGROUP)
+    _store_quantized(V, t * s_vt + h * s_vh, VC, VS, VZ, row_c, (slot * H + h) * (D // VGROUP), ok, D, KIND, VGROUP)
 
 
 @triton.jit
@@ -213,8 +222,8 @@ def _load_rows(CODES, SCALES, ZEROS, slot, head, valid, offs_d,
 def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, scale, window, num_splits,
                    s_qt, s_qh, s_bt, s_ot, s_oh,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
-                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                   DIRECT: tl.constexpr, UPCAST: tl.constexpr):
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
+                   VGROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr):
     """One (sequence, kv head, split): the G query heads sharing that kv head against one slice of
     the sequence. Partial results (unnormalised acc, running max, sum) go to PO/PML for the reduce,
     or straight to OUT when there is a single split (DIRECT)."""
@@ -247,14 +256,14 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, scale, wind
         valid = pos < hi
         page = tl.load(BT + b * s_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
         slot = page * PAGE + pos % PAGE
-        k = _load_rows(KC, KS, KZ, slot, kvh, valid, offs_d, H, D, DC, KIND, GROUP).to(q.dtype)
+        k = _load_rows(KC, KS, KZ, slot, kvh, valid, offs_d, H, D, DC, KIND, KGROUP).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, GROUP).to(q.dtype)
+        v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, VGROUP).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -291,8 +300,8 @@ def _reduce_kernel(PO, PML, OUT, num_splits, s_ot, s_oh, HQ: tl.constexpr, D: tl
 def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, window,
                     s_qt, s_qh, s_bt, s_ot, s_oh,
                     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
+                    VGROUP: tl.constexpr, UPCAST: tl.constexpr):
     """BLOCK_M new queries of one (sequence, head) against the cached prefix plus the new tokens
     (already written to the cache), causal. Query i of a chunk of q_len sits at position
     seq_len - q_len + i."""
@@ -327,7 +336,7 @@ def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, wind
         valid = pos < hi
         page = tl.load(BT + b * s_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
         slot = page * PAGE + pos % PAGE
-        k = _load_rows(KC, KS, KZ, slot, kvh, valid, offs_d, H, D, DC, KIND, GROUP).to(q.dtype)
+        k = _load_rows(KC, KS, KZ, slot, kvh, valid, offs_d, H, D, DC, KIND, KGROUP).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if window > 0:
@@ -338,7 +347,7 @@ def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, wind
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, GROUP).to(q.dtype)
+        v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, VGROUP).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -362,7 +371,12 @@ def cache_write(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, sl
         k, v, k_cache, v_cache, _dummy(k_scales, k_cache), _dummy(v_scales, v_cache),
         _dummy(k_zeros, k_cache), _dummy(v_zeros, v_cache), slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=h, D=d, DC=k_cache.shape[-1], KIND=kind, GROUP=group if kind >= KIND_INT8 else d, num_warps=1)
+        H=h, D=d, DC=k_cache.shape[-1], KIND=kind, **_group_args(kind, group, d), num_warps=1)
+
+
+def _group_args(kind: int, group, d: int) -> dict:
+    kg, vg = split_group(group) if kind >= KIND_INT8 else (d, d)
+    return dict(KGROUP=kg, VGROUP=vg)
 
 
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -373,7 +387,7 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int
 
 
 def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, block_tables,
-                    query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float, kind: int, group: int,
+                    query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float, kind: int, group,
                     sliding_window: Optional[int] = None, out_dtype=None, *, max_query_len: int,
                     max_seq_len: int, num_splits: Optional[int] = None, block_n: Optional[int] = None,
                     num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> torch.Tensor:
@@ -386,7 +400,7 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
     if t == 0 or batch == 0:
         return out
     window = sliding_window or 0
-    group = group if kind >= KIND_INT8 else d
+    groups = _group_args(kind, group, d)
     args = (k_cache, v_cache, _dummy(k_scales, k_cache), _dummy(v_scales, v_cache),
             _dummy(k_zeros, k_cache), _dummy(v_zeros, v_cache), block_tables, seq_lens)
     g = hq // h
@@ -409,7 +423,7 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
             q, *args, out, po, pml, scale, window, num_splits,
             q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
             H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
-            KIND=kind, GROUP=group, DIRECT=direct, UPCAST=upcast, num_warps=num_warps or 4, num_stages=num_stages)
+            KIND=kind, **groups, DIRECT=direct, UPCAST=upcast, num_warps=num_warps or 4, num_stages=num_stages)
         if not direct:
             _reduce_kernel[(batch, hq)](po, pml, out, num_splits, out.stride(0), out.stride(1),
                                         HQ=hq, D=d, SP=triton.next_power_of_2(num_splits), num_warps=4)
@@ -420,6 +434,6 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
     _prefill_kernel[grid](
         q, *args, query_start, out, scale, window,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        H=h, G=g, D=d, DC=dc, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, KIND=kind, GROUP=group, UPCAST=upcast,
+        H=h, G=g, D=d, DC=dc, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, KIND=kind, **groups, UPCAST=upcast,
         num_warps=num_warps or 4, num_stages=num_stages or 2)
     return out

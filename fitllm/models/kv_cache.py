@@ -11,6 +11,7 @@ bytes for int4), plus fp16 scales `[..., num_kv_heads, groups]` beside them for 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -70,10 +71,22 @@ KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "int4")
 _FLOAT_KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def hadamard(n: int) -> torch.Tensor:
+    """An orthonormal [n, n] Hadamard matrix (symmetric, its own inverse). For an n that is not a
+    power of two: block-diagonal with the largest power-of-two block that divides n."""
+    b = n & -n  # largest power of two dividing n
+    h = torch.ones(1, 1)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return torch.block_diag(*[h / math.sqrt(b)] * (n // b))
+
+
 @dataclass
 class KVCalibration:
     """Per-channel statistics of every layer's keys and values (after RoPE): [L, kv_heads, D] each.
-    From them the cache derives fp8 scales and the smoothing of keys/values (see PagedKVCache)."""
+    From them the cache derives fp8 scales and the smoothing of keys/values (see PagedKVCache).
+    The rot_* fields are the min/max of the same keys/values rotated by hadamard(D) (the basis the
+    fp8 cache stores); None when unknown (checkpoint scales), which turns the rotation off."""
 
     k_mean: torch.Tensor
     k_min: torch.Tensor
@@ -81,18 +94,26 @@ class KVCalibration:
     v_mean: torch.Tensor
     v_min: torch.Tensor
     v_max: torch.Tensor
+    k_rot_min: Optional[torch.Tensor] = None
+    k_rot_max: Optional[torch.Tensor] = None
+    v_rot_min: Optional[torch.Tensor] = None
+    v_rot_max: Optional[torch.Tensor] = None
+
+    @property
+    def has_rotated(self) -> bool:
+        return all(t is not None for t in (self.k_rot_min, self.k_rot_max, self.v_rot_min, self.v_rot_max))
 
     def state_dict(self) -> dict:
-        return dict(vars(self))
+        return {k: t for k, t in vars(self).items() if t is not None}
 
     @classmethod
     def from_state_dict(cls, d: dict) -> "KVCalibration":
-        return cls(**{k: d[k].float().cpu() for k in ("k_mean", "k_min", "k_max", "v_mean", "v_min", "v_max")})
+        return cls(**{k: t.float().cpu() for k, t in d.items() if k in cls.__dataclass_fields__})
 
     @classmethod
     def from_scales(cls, k_scales, v_scales, num_kv_heads: int, head_dim: int) -> "KVCalibration":
         """From a checkpoint's fp8 scales (vLLM's k_scale/v_scale: amax / 448, one per layer or per
-        layer and head). No means: keys and values are then stored unsmoothed."""
+        layer and head). No means: keys and values are then stored unsmoothed and unrotated."""
         def bounds(s):
             s = torch.as_tensor(s, dtype=torch.float32).reshape(len(s), -1)
             return (s * 448.0).expand(-1, num_kv_heads)[..., None].expand(-1, -1, head_dim).contiguous()
@@ -102,19 +123,22 @@ class KVCalibration:
 
 
 class _Stats:
-    """A NoCacheContext that records per-channel K/V statistics on the way."""
+    """A NoCacheContext that records per-channel K/V statistics on the way, in the model's basis
+    and rotated by hadamard(D)."""
 
     def __init__(self, inner: "NoCacheContext", store: dict):
         self.inner, self.store = inner, store
 
     def attend(self, layer, q, k, v, scale):
         s = self.store.setdefault(layer, {"n": 0})
+        rot = hadamard(k.shape[-1]).to(k.device, torch.float64)
         for name, x in (("k", k), ("v", v)):
             x = x.double()
             s[name + "_sum"] = s.get(name + "_sum", 0) + x.sum(0)
-            lo, hi = x.amin(0), x.amax(0)
-            s[name + "_min"] = torch.minimum(s[name + "_min"], lo) if name + "_min" in s else lo
-            s[name + "_max"] = torch.maximum(s[name + "_max"], hi) if name + "_max" in s else hi
+            for tag, y in ((name, x), (name + "_rot", x @ rot)):
+                lo, hi = y.amin(0), y.amax(0)
+                s[tag + "_min"] = torch.minimum(s[tag + "_min"], lo) if tag + "_min" in s else lo
+                s[tag + "_max"] = torch.maximum(s[tag + "_max"], hi) if tag + "_max" in s else hi
         s["n"] += k.shape[0]
         return self.inner.attend(layer, q, k, v, scale)
 
@@ -122,8 +146,9 @@ class _Stats:
 @torch.inference_mode()
 def calibrate_kv_scales(model, token_batches: Optional[list[list[int]]] = None) -> KVCalibration:
     """Run token sequences through the model and record each layer's per-channel key/value mean,
-    min and max. A few thousand tokens of ordinary text suffice. Without `token_batches` the model
-    samples its own text from BOS (data-free; real text from the target domain is better)."""
+    min and max (also in the rotated basis). A few thousand tokens of ordinary text suffice.
+    Without `token_batches` the model samples its own text from BOS (data-free; real text from
+    the target domain is better)."""
     if token_batches is None:
         token_batches = _self_generated(model)
     store: dict = {}
@@ -132,12 +157,14 @@ def calibrate_kv_scales(model, token_batches: Optional[list[list[int]]] = None) 
         model(t, torch.arange(len(ids), device=model.device), _Stats(NoCacheContext([len(ids)]), store))
     layers = [store[i] for i in range(model.config.num_layers)]
 
-    def stack(key, fn=lambda s, x: x):
-        return torch.stack([fn(s, s[key]) for s in layers]).float().cpu()
+    def stack(key):
+        return torch.stack([s[key] for s in layers]).float().cpu()
 
-    mean = lambda s, x: x / s["n"]  # noqa: E731
-    return KVCalibration(stack("k_sum", mean), stack("k_min"), stack("k_max"),
-                         stack("v_sum", mean), stack("v_min"), stack("v_max"))
+    def mean(name):
+        return torch.stack([s[name + "_sum"] / s["n"] for s in layers]).float().cpu()
+
+    return KVCalibration(mean("k"), stack("k_min"), stack("k_max"), mean("v"), stack("v_min"), stack("v_max"),
+                         stack("k_rot_min"), stack("k_rot_max"), stack("v_rot_min"), stack("v_rot_max"))
 
 
 def _self_generated(model, num_seqs: int = 4, length: int = 256, seed: int = 0) -> list[list[int]]:
@@ -154,32 +181,38 @@ class PagedKVCache:
 
     kv_dtype: "auto" (the `dtype` argument), "bf16", "fp16", "fp32", "fp8" (e4m3), "int8"
     (symmetric, one fp16 scale per token and head), "int4" (asymmetric, fp16 scale and zero per
-    `int4_group` values of a token's head).
+    `int4_key_group` values of a token's key head and per `int4_group` values of its value head).
 
     Quantized caches store keys and values *smoothed* by per-channel statistics from `calibration`
-    (required for fp8 and int4; see calibrate_kv_scales):
-      k' = (k - k_mean) / lam      v' = v - v_mean     (lam = per-channel key range ** 0.5, int4 only)
+    (required for fp8 and int4; see calibrate_kv_scales) and, for fp8 and int4, *rotated* by an
+    orthonormal Hadamard matrix R (`rotate`; default on for int4, and for fp8 when the calibration
+    has statistics in the rotated basis):
+      k' = ((k - k_mean) @ R) * k_mul      v' = ((v - v_mean) @ R) * v_mul
     Attention is unchanged by this: q.(k - k_mean) differs from q.k by a constant per query, which
-    softmax ignores, and (q * lam).k' = q.(k - k_mean); the weights sum to one, so adding v_mean
-    to the output restores the values. Subtracting the mean removes the large constant offsets
-    keys carry in a few channels, which is most of fp8's and int4's error; lam evens the channels'
-    ranges so a per-token int4 scale fits them all (the static form of KIVI's per-channel keys).
-    fp8 then divides by a calibrated scale per tensor (fp8_scales="tensor") or per kv head ("head");
-    it is folded into q and the output the same way.
+    softmax ignores; (q @ R / k_mul).k' = q.(k - k_mean) since R R^T = I; the weights sum to one, so
+    out = (out' / v_mul) @ R^T + v_mean restores the values. The queries and the output are
+    transformed here, around the kernels, so every backend computes the same thing and the
+    kernels only ever see cache space. Subtracting the mean removes the large constant offsets
+    keys carry in a few channels; the rotation spreads the remaining outlier channels over the
+    whole head, so one scale per token group (int4) or per tensor (fp8) fits every channel.
+    k_mul/v_mul: fp8 divides by a calibrated scale per tensor (fp8_scales="tensor") or per kv
+    head ("head"), measured in the basis it stores; unrotated int4 keys divide by lam = per-channel
+    range ** 0.5 (the static form of KIVI's per-channel keys); otherwise 1.
 
-    bytes_per_token = 2 (K and V) * num_layers * num_kv_heads * row, where row is
+    bytes_per_token = num_layers * num_kv_heads * (K row + V row), where a row is
       float: head_dim * element size;  fp8: head_dim;  int8: head_dim + 2 (fp16 scale);
-      int4: head_dim / 2 + 4 * head_dim / g, g = min(int4_group, head_dim) (fp16 scale and zero
-            per group; head_dim 128: 80 bytes, 64: 40).
+      int4: head_dim / 2 + 4 * head_dim / g (fp16 scale and zero per group), g = the key or value
+            group capped at head_dim (head_dim 128, groups 16/32: K 96 + V 80 bytes; 64: 48 + 40).
     That is every byte the per-token storage uses; the per-layer constants (means, lam, fp8
-    scales: a few KB) are not per token and not counted.
+    scales, the rotation: a few KB) are not per token and not counted.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  sliding_window: Optional[int] = None, kv_dtype: str = "auto",
                  calibration: Optional[KVCalibration] = None, fp8_scales: str = "tensor",
-                 int4_group: int = 32, smooth: bool = True):
+                 int4_group: int = 32, int4_key_group: int = 16, smooth: bool = True,
+                 rotate: Optional[bool] = None):
         from fitllm.kernels import paged_attention as pa
 
         if kv_dtype not in KV_DTYPES:
@@ -193,9 +226,14 @@ class PagedKVCache:
         self.compute_dtype = dtype
         self.device = torch.device(device)
         self.kind = {"fp8": pa.KIND_FP8, "int8": pa.KIND_INT8, "int4": pa.KIND_INT4}.get(kv_dtype, pa.KIND_FLOAT)
-        self.group = {"int8": head_dim, "int4": min(int4_group, head_dim)}.get(kv_dtype, head_dim)
-        if head_dim % self.group or (self.kind == pa.KIND_INT4 and self.group % 2):
-            raise ValueError(f"int4_group={int4_group} must be even and divide head_dim={head_dim}")
+        # (key group, value group): values per scale; int4 keys get smaller groups (they carry most
+        # of int4's error), int8 one scale per token and head.
+        self.group = (head_dim, head_dim)
+        if self.kind == pa.KIND_INT4:
+            self.group = (min(int4_key_group, head_dim), min(int4_group, head_dim))
+            for name, g in (("int4_key_group", int4_key_group), ("int4_group", int4_group)):
+                if head_dim % min(g, head_dim) or g % 2 or g & (g - 1):
+                    raise ValueError(f"{name}={g} must be a power of two >= 2 dividing head_dim={head_dim}")
         storage = {pa.KIND_FP8: torch.float8_e4m3fn, pa.KIND_INT8: torch.int8, pa.KIND_INT4: torch.uint8}.get(
             self.kind, _FLOAT_KV.get(kv_dtype, dtype))
         self.dtype = storage
@@ -205,63 +243,84 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=storage, device=device)
         self.k_scales = self.v_scales = self.k_zeros = self.v_zeros = None
         if self.kind in (pa.KIND_INT8, pa.KIND_INT4):
-            meta = (num_layers, num_blocks, block_size, num_kv_heads, head_dim // self.group)
-            self.k_scales = torch.zeros(meta, dtype=torch.float16, device=device)
-            self.v_scales = torch.zeros(meta, dtype=torch.float16, device=device)
+            k_meta, v_meta = ((num_layers, num_blocks, block_size, num_kv_heads, head_dim // g) for g in self.group)
+            self.k_scales = torch.zeros(k_meta, dtype=torch.float16, device=device)
+            self.v_scales = torch.zeros(v_meta, dtype=torch.float16, device=device)
             if self.kind == pa.KIND_INT4:
-                self.k_zeros = torch.zeros(meta, dtype=torch.float16, device=device)
-                self.v_zeros = torch.zeros(meta, dtype=torch.float16, device=device)
-        self._setup_transform(calibration if self.kind != pa.KIND_FLOAT else None, smooth, fp8_scales)
+                self.k_zeros = torch.zeros(k_meta, dtype=torch.float16, device=device)
+                self.v_zeros = torch.zeros(v_meta, dtype=torch.float16, device=device)
+        self._setup_transform(calibration if self.kind != pa.KIND_FLOAT else None, smooth, fp8_scales, rotate)
         self.supports_cuda_graphs = self.device.type == "cuda"
 
-    def _setup_transform(self, cal: Optional[KVCalibration], smooth: bool, fp8_scales: str) -> None:
-        """Per-layer affine maps between model space and cache space (all [L, kv_heads, D] fp32):
-        stored k' = (k - k_shift) * k_mul, stored v' = (v - v_shift) * v_mul;
-        attention uses q' = q / k_mul and out = out' / v_mul + v_shift."""
-        self.transformed = cal is not None
-        if cal is None:
-            return
+    def _setup_transform(self, cal: Optional[KVCalibration], smooth: bool, fp8_scales: str,
+                         rotate: Optional[bool]) -> None:
+        """Per-layer maps between model space and cache space (shifts and muls [L, kv_heads, D] fp32,
+        R = self.rotation or the identity): stored k' = ((k - k_shift) @ R) * k_mul and
+        v' = ((v - v_shift) @ R) * v_mul; attention uses q' = (q @ R) / k_mul and
+        out = (out' / v_mul) @ R^T + v_shift."""
         from fitllm.kernels import paged_attention as pa
 
+        self.transformed, self.rotation = cal is not None, None
+        if cal is None:
+            return
         shape = cal.k_mean.shape
         if tuple(shape) != (self.num_layers, self.num_kv_heads, self.head_dim):
             raise ValueError(f"calibration shape {tuple(shape)} does not match the cache's "
                              f"{(self.num_layers, self.num_kv_heads, self.head_dim)}")
+        if fp8_scales not in ("tensor", "head"):
+            raise ValueError(f"fp8_scales must be 'tensor' or 'head', not {fp8_scales!r}")
+        fp8, int4 = self.kind == pa.KIND_FP8, self.kind == pa.KIND_INT4
+        if rotate is None:  # where it pays: int4 always, fp8 when its scales can be set in the rotated basis
+            rotate = int4 or (fp8 and cal.has_rotated)
+        if rotate and fp8 and not cal.has_rotated:
+            raise ValueError("rotate=True for fp8 needs calibration statistics in the rotated basis "
+                             "(calibrate_kv_scales records them; checkpoint scales do not)")
         zero = torch.zeros(shape)
         k_shift = cal.k_mean if smooth else zero
         v_shift = cal.v_mean if smooth else zero
-        k_amax = torch.maximum(cal.k_max - k_shift, k_shift - cal.k_min).clamp_min(1e-6)
-        v_amax = torch.maximum(cal.v_max - v_shift, v_shift - cal.v_min).clamp_min(1e-6)
+        rot = hadamard(self.head_dim) if rotate else None
         k_mul, v_mul = torch.ones(shape), torch.ones(shape)
-        if self.kind == pa.KIND_INT4 and smooth:
-            lam = k_amax.sqrt()
-            k_mul, k_amax = 1 / lam, k_amax / lam
-        if self.kind == pa.KIND_FP8:
+        if int4 and smooth and not rotate:
+            lam = _amax(cal.k_min, cal.k_max, k_shift).sqrt()
+            k_mul = 1 / lam
+        if fp8:
+            if rotate:
+                k_amax = _amax(cal.k_rot_min, cal.k_rot_max, k_shift @ rot)
+                v_amax = _amax(cal.v_rot_min, cal.v_rot_max, v_shift @ rot)
+            else:
+                k_amax = _amax(cal.k_min, cal.k_max, k_shift)
+                v_amax = _amax(cal.v_min, cal.v_max, v_shift)
             # Scale so the calibrated range maps to half of e4m3's 448: headroom for unseen
             # outliers costs fp8 nothing but a little range at the bottom.
             dims = (1, 2) if fp8_scales == "tensor" else (2,)
-            if fp8_scales not in ("tensor", "head"):
-                raise ValueError(f"fp8_scales must be 'tensor' or 'head', not {fp8_scales!r}")
             self.k_scale = (2 * k_amax.amax(dim=dims, keepdim=True) / pa.FP8_MAX).expand(shape)[..., 0].contiguous()
             self.v_scale = (2 * v_amax.amax(dim=dims, keepdim=True) / pa.FP8_MAX).expand(shape)[..., 0].contiguous()
             k_mul, v_mul = k_mul / self.k_scale[..., None], v_mul / self.v_scale[..., None]
         dev = self.device
         self.k_shift, self.k_mul = k_shift.float().to(dev), k_mul.float().to(dev)
         self.v_shift, self.v_mul = v_shift.float().to(dev), v_mul.float().to(dev)
+        self.rotation = None if rot is None else rot.to(dev)
 
     @property
     def bytes_per_token(self) -> int:
-        row = self.k.shape[-1] * self.k.element_size()
-        if self.k_scales is not None:
-            row += self.k_scales.shape[-1] * 2 * (2 if self.k_zeros is not None else 1)
-        return 2 * self.num_layers * self.num_kv_heads * row
+        def row(codes, scales, zeros):
+            meta = [t for t in (scales, zeros) if t is not None]
+            return codes.shape[-1] * codes.element_size() + sum(t.shape[-1] * t.element_size() for t in meta)
+
+        per_head = row(self.k, self.k_scales, self.k_zeros) + row(self.v, self.v_scales, self.v_zeros)
+        return self.num_layers * self.num_kv_heads * per_head
 
     # ---- model space <-> cache space --------------------------------------------------------------
+    def _rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        if self.rotation is None:
+            return x
+        return x @ (self.rotation.mT if inverse else self.rotation)
+
     def _to_cache_space(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if not self.transformed:
             return k, v
-        return ((k.float() - self.k_shift[layer]) * self.k_mul[layer],
-                (v.float() - self.v_shift[layer]) * self.v_mul[layer])
+        return (self._rotate(k.float() - self.k_shift[layer]) * self.k_mul[layer],
+                self._rotate(v.float() - self.v_shift[layer]) * self.v_mul[layer])
 
     def _query_to_cache_space(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         # Quantized K/V are dequantized to fp16 inside the kernels (fp8 and int codes convert to it
@@ -271,15 +330,15 @@ class PagedKVCache:
         if not self.transformed:
             return q if self.kind == 0 else q.to(dt)
         t, hq, d = q.shape
-        q = q.float().view(t, self.num_kv_heads, hq // self.num_kv_heads, d) / self.k_mul[layer][:, None, :]
-        return q.reshape(t, hq, d).to(dt)
+        q = self._rotate(q.float().view(t, self.num_kv_heads, hq // self.num_kv_heads, d))
+        return (q / self.k_mul[layer][:, None, :]).reshape(t, hq, d).to(dt)
 
     def _output_to_model_space(self, layer: int, out: torch.Tensor) -> torch.Tensor:
         if not self.transformed:
             return out
         t, hq, d = out.shape
-        out = out.float().view(t, self.num_kv_heads, hq // self.num_kv_heads, d)
-        out = out / self.v_mul[layer][:, None, :] + self.v_shift[layer][:, None, :]
+        out = out.float().view(t, self.num_kv_heads, hq // self.num_kv_heads, d) / self.v_mul[layer][:, None, :]
+        out = self._rotate(out, inverse=True) + self.v_shift[layer][:, None, :]
         return out.reshape(t, hq, d).to(self.compute_dtype)
 
     def _use_triton(self) -> bool:
@@ -326,15 +385,20 @@ class PagedKVCache:
         from fitllm.kernels import paged_attention as pa
 
         k = pa.gather_ref(self.k[layer], self._m(self.k_scales, layer), self._m(self.k_zeros, layer), table,
-                          length, self.kind, self.group)
+                          length, self.kind, self.group[0])
         v = pa.gather_ref(self.v[layer], self._m(self.v_scales, layer), self._m(self.v_zeros, layer), table,
-                          length, self.kind, self.group)
+                          length, self.kind, self.group[1])
         if self.transformed:
-            k = k / self.k_mul[layer] + self.k_shift[layer]
-            v = v / self.v_mul[layer] + self.v_shift[layer]
+            k = self._rotate(k / self.k_mul[layer], inverse=True) + self.k_shift[layer]
+            v = self._rotate(v / self.v_mul[layer], inverse=True) + self.v_shift[layer]
         elif self.kind == pa.KIND_FLOAT:
             k, v = k.to(self.dtype), v.to(self.dtype)
         return k, v
+
+
+def _amax(lo: torch.Tensor, hi: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Largest |x - shift| per channel for x in [lo, hi]."""
+    return torch.maximum(hi - shift, shift - lo).clamp_min(1e-6)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -208,7 +208,7 @@ def make_scheme(config: ModelConfig, method: str, bits: int, group_size: Optiona
 
 def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_size: Optional[int] = None,
                    sym: Optional[bool] = None, fmt: str = "compressed-tensors", calib: Optional[str] = None,
-                   calib_samples: int = 32, calib_len: int = 512, act_order: bool = False,
+                   calib_samples: int = 32, calib_len: int = 512, act_order: Optional[bool] = None,
                    static_groups: bool = False, fp8_static: bool = False, force: bool = False,
                    device: str = "cpu", batch: int = 4, progress: bool = True,
                    log: Callable[[str], None] = print) -> ConvertResult:
@@ -219,6 +219,8 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
     check_not_quantized(folder, config, src)
     if sym is None:
         sym = False  # asymmetric: better on every model we measured, and all three formats carry it
+    if act_order is None:
+        act_order = method == "gptq"  # GPTQ: outlier-heavy inputs (q/k/v) gain most from it (RESULTS.md)
     scheme, note = make_scheme(config, method, bits, group_size, sym, fmt, act_order, static_groups, fp8_static)
     format_mod = get_format(fmt)
     log(f"{method.upper()} -> {fmt}: {note}")

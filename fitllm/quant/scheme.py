@@ -31,7 +31,7 @@ class QuantScheme:
     sym: bool = False
     act_order: bool = False  # GPTQ: columns in decreasing Hessian diagonal order
     static_groups: bool = False  # GPTQ act-order: groups fixed by column index (no g_idx needed)
-    damp: float = 0.01  # GPTQ: dampening, fraction of mean diagonal
+    damp: float = 0.3  # GPTQ: dampening, fraction of mean diagonal (0.01 overfits calibration text)
     fp8_static_input: bool = False  # FP8: static per-tensor activation scale from calibration
     zero_min: int = 0  # GPTQ v1 stores zero-1, so zero 0 cannot be written: that format sets 1
     scale_dtype: torch.dtype = torch.float32  # the dtype scales are stored in (rounded to it)

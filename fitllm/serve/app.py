@@ -74,9 +74,13 @@ def error_response(status: int, message: str, param=None, code=None, headers=Non
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def sse(payload: Union[BaseModel, dict]) -> str:
-    data = payload.model_dump_json(exclude_none=False) if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+def sse(payload: Union[BaseModel, dict, str]) -> str:
+    """One SSE event; a str payload is JSON already (a filled P.TextTemplate)."""
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json(exclude_none=False)
+    elif not isinstance(payload, str):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
 
 
 def safe_logprob(x: float) -> float:
@@ -300,12 +304,14 @@ class Server:
 
     # -- running requests --
 
-    async def outputs(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, object]]:
-        """(choice, RequestOutput) pairs from all choices as they come. Leaving early (client gone,
-        timeout) cancels the readers, which closes the engine iterators, which abort the requests."""
+    async def outputs(self, choices: list[Choice], deadline: Optional[float] = None
+                      ) -> AsyncIterator[tuple[Choice, object]]:
+        """(choice, RequestOutput) pairs from all choices as they come; asyncio.TimeoutError when
+        waiting for one past `deadline`. Leaving early (client gone, timeout) cancels the readers,
+        which closes the engine iterators, which abort the requests."""
         if len(choices) == 1:
             c = choices[0]
-            stream = self.engine.generate(c.request_id, c.prompt_ids, c.params)
+            stream = self.engine.generate(c.request_id, c.prompt_ids, c.params, deadline)
             try:
                 async for out in stream:
                     yield c, out
@@ -315,7 +321,7 @@ class Server:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def read(c: Choice):
-            stream = self.engine.generate(c.request_id, c.prompt_ids, c.params)
+            stream = self.engine.generate(c.request_id, c.prompt_ids, c.params, deadline)
             try:
                 async for out in stream:
                     queue.put_nowait((c, out, None))
@@ -395,7 +401,9 @@ class Server:
         output (overload, bad input the engine found, timeout) become HTTP errors; errors after
         the headers went out become a final SSE error event."""
         deadline = arrival + self.config.request_timeout
-        outputs = self.outputs(choices)
+        # Streams: the engine iterator enforces the deadline with one timer (asyncio.wait_for per
+        # output cost a task and a timer per token); whole answers: `guarded` does.
+        outputs = self.outputs(choices, deadline if stream else None)
         if not stream:
             async def run():
                 try:
@@ -406,7 +414,10 @@ class Server:
                     await outputs.aclose()
             await self.guarded(request, run(), deadline)
             return None
-        first = await self.guarded(request, anext(outputs), deadline)
+        try:
+            first = await self.guarded(request, anext(outputs), deadline)
+        except asyncio.TimeoutError:  # the engine iterator's timer fired first
+            raise self.timeout_error() from None
         try:
             self.record(*first, arrival)  # an engine error before any token is a plain HTTP error
         except APIError:
@@ -421,10 +432,11 @@ class Server:
         try:
             item = first
             while item is not None:
-                for chunk in chunks(*item):
-                    yield sse(chunk)
-                # The timeout covers the wait for the engine only, never a yield.
-                item = await asyncio.wait_for(anext(outputs, None), max(0.0, deadline - time.monotonic()))
+                # One write per output (an output may hold several tokens when the client is behind).
+                data = "".join(sse(chunk) for chunk in chunks(*item))
+                if data:
+                    yield data
+                item = await anext(outputs, None)  # raises asyncio.TimeoutError past the deadline
                 if item is not None:
                     self.record(*item, arrival)
             for chunk in chunks(None, None):  # the final usage chunk, when asked for
@@ -510,6 +522,8 @@ class CompletionShaper:
                  echo_texts: list[str]):
         self.server, self.body, self.rid, self.choices, self.echo_texts = server, body, rid, choices, echo_texts
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.created = P.now()  # one timestamp for every chunk of the response
+        self.templates: dict[int, P.TextTemplate] = {}  # choice index -> its plain text chunk
 
     def delta(self, c: Choice, out) -> tuple[str, Optional[P.CompletionLogprobs]]:
         lp = P.CompletionLogprobs() if self.body.logprobs is not None else None
@@ -550,14 +564,24 @@ class CompletionShaper:
     def chunks(self, c: Optional[Choice], out):
         if c is None:
             if self.include_usage:
-                yield P.CompletionResponse(id=self.rid, model=self.model, choices=[],
+                yield P.CompletionResponse(id=self.rid, model=self.model, created=self.created, choices=[],
                                            usage=self.server.usage(self.choices))
             return
         text, lp = self.delta(c, out)
-        if text or lp is not None or out.finished:
+        if text and lp is None and not out.finished:  # the per-token case: no model to build
+            yield self.text_template(c.index).fill(text)
+        elif text or lp is not None or out.finished:
             choice = P.CompletionChoice(index=c.index, text=text, logprobs=lp,
                                         finish_reason=c.finish_reason if out.finished else None)
-            yield P.CompletionResponse(id=self.rid, model=self.model, choices=[choice])
+            yield P.CompletionResponse(id=self.rid, model=self.model, created=self.created, choices=[choice])
+
+    def text_template(self, index: int) -> P.TextTemplate:
+        template = self.templates.get(index)
+        if template is None:
+            choice = P.CompletionChoice(index=index, text=P.TextTemplate.MARK)
+            template = self.templates[index] = P.TextTemplate(
+                P.CompletionResponse(id=self.rid, model=self.model, created=self.created, choices=[choice]))
+        return template
 
     @property
     def model(self) -> str:
@@ -588,6 +612,8 @@ class ChatShaper:
         self.server, self.body, self.rid, self.choices = server, body, rid, choices
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.top_n = body.top_logprobs or 0
+        self.created = P.now()  # one timestamp for every chunk of the response
+        self.templates: dict[int, P.TextTemplate] = {}  # choice index -> its content-delta chunk
 
     def logprobs(self, out) -> Optional[P.ChatLogprobs]:
         if not self.body.logprobs:
@@ -608,22 +634,30 @@ class ChatShaper:
 
     def chunk(self, c: Choice, delta: P.ChatDelta, logprobs=None, finish=None) -> P.ChatCompletionChunk:
         choice = P.ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish)
-        return P.ChatCompletionChunk(id=self.rid, model=self.model, choices=[choice])
+        return P.ChatCompletionChunk(id=self.rid, model=self.model, created=self.created, choices=[choice])
 
     def chunks(self, c: Optional[Choice], out):
         if c is None:
             if self.include_usage:
-                yield P.ChatCompletionChunk(id=self.rid, model=self.model, choices=[],
+                yield P.ChatCompletionChunk(id=self.rid, model=self.model, created=self.created, choices=[],
                                             usage=self.server.usage(self.choices))
             return
         if not c.announced:  # OpenAI opens each choice with the role
             c.announced = True
             yield self.chunk(c, P.ChatDelta(role="assistant", content=""))
         logprobs = self.logprobs(out)
-        if out.new_text or (logprobs and logprobs.content):
+        if out.new_text and logprobs is None:  # the per-token case: no model to build
+            yield self.content_template(c).fill(out.new_text)
+        elif out.new_text or (logprobs and logprobs.content):
             yield self.chunk(c, P.ChatDelta(content=out.new_text), logprobs)
         if out.finished:
             yield self.chunk(c, P.ChatDelta(), finish=c.finish_reason)
+
+    def content_template(self, c: Choice) -> P.TextTemplate:
+        template = self.templates.get(c.index)
+        if template is None:
+            template = self.templates[c.index] = P.TextTemplate(self.chunk(c, P.ChatDelta(content=P.TextTemplate.MARK)))
+        return template
 
     @property
     def model(self) -> str:

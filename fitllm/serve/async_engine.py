@@ -1,9 +1,11 @@
 """The engine behind an asyncio server: LLMEngine.step runs in one background thread.
 
 Only that thread touches the LLMEngine. Callers on the event loop send it commands (add, abort)
-through a thread-safe queue; it sends each request's outputs back to the caller's asyncio
-queue with `call_soon_threadsafe`. A consumer that stops iterating (a client that disconnects)
-aborts its request, which frees its blocks at once.
+through a thread-safe queue; it hands a step's outputs back with one `call_soon_threadsafe` per
+step (not per token: each call wakes the loop through a syscall). A consumer that has fallen
+behind takes all of its request's pending outputs at once, merged into one, so a busy server
+sends fewer, larger chunks instead of falling further behind. A consumer that stops iterating
+(a client that disconnects) aborts its request, which frees its blocks at once.
 """
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
 from typing import AsyncIterator, Optional
 
-from fitllm.serve.engine import LLMEngine, RequestOutput
+from fitllm.serve.engine import LLMEngine, RequestOutput, merge_outputs
 from fitllm.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -28,16 +30,62 @@ class EngineDead(RuntimeError):
     """The engine thread has stopped."""
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class _Timeout:
+    """Put in a stream when its deadline passes."""
 
-    def put(self, item) -> None:
+
+class _Stream:
+    """One request's pending outputs. Touched only on its event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: list = []
+        self.waiter: Optional[asyncio.Future] = None
+
+    def push(self, item) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list:
+        """Everything pending, waiting for at least one item."""
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+    def put_threadsafe(self, item) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.push, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             pass
+
+
+def _push_all(pairs: list) -> None:
+    for stream, out in pairs:
+        stream.push(out)
+
+
+def _coalesce(items: list) -> list:
+    """Each run of consecutive outputs merged into one; exceptions and timeouts kept in place.
+    A lone output is passed as it is; a merged one is a copy (the engine's lists stay untouched)."""
+    merged: list = []
+    copied = False  # merged[-1] is our own copy, safe to extend
+    for item in items:
+        last = merged[-1] if merged else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            if not copied:
+                merged[-1] = last = merge_outputs(None, last)
+                copied = True
+            merge_outputs(last, item)
+        else:
+            merged.append(item)
+            copied = False
+    return merged
 
 
 class AsyncEngine:
@@ -81,13 +129,16 @@ class AsyncEngine:
         return stats
 
     # ---- requests ----------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come. ValueError for a request the engine cannot serve,
-        EngineOverloaded when the waiting queue is full."""
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       deadline: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; a consumer that falls behind gets the outputs
+        pending for it merged into one. ValueError for a request the engine cannot serve,
+        EngineOverloaded when the waiting queue is full, asyncio.TimeoutError when the output
+        is still unfinished at `deadline` (time.monotonic())."""
         self.engine.validate_request(request_id, prompt_token_ids, params)
         self.start()
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -96,16 +147,25 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._queued += 1
         self._send(("add", request_id, list(prompt_token_ids), params))
+        # One timer per request, not one per awaited output.
+        timer = None if deadline is None else loop.call_later(max(0.0, deadline - time.monotonic()),
+                                                               stream.push, _Timeout())
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                for item in _coalesce(await stream.take()):
+                    if isinstance(item, _Timeout):
+                        raise asyncio.TimeoutError()
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    finished = item.finished
+                    yield item
+                    if finished:
+                        break
         finally:
+            if timer is not None:
+                timer.cancel()
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:  # the consumer left early: free the request's blocks now
@@ -155,17 +215,24 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(rid, prompt, params)
                 except ValueError as exc:
-                    stream.put(exc)
+                    stream.put_threadsafe(exc)
             else:
                 self.engine.abort_request(command[1])
         self._stats = self.engine.stats()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """One loop wake-up per step (per event loop) for all of the step's outputs."""
+        by_loop: dict = {}
         with self._lock:
-            targets = [(self._streams.get(o.request_id), o) for o in outputs]
-        for stream, out in targets:
-            if stream is not None:
-                stream.put(out)
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, pairs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_push_all, pairs)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         outputs = []

@@ -13,6 +13,10 @@ A block is in exactly one place: `_free` (ref 0, no content worth keeping), `_ev
 Copy-on-write: sequences can share a partially filled last block (`fork`). The first one to
 write into it gets a private copy; the copy (src, dst) is queued in `pending_copies` and the
 model runner performs it before the step's forward pass.
+
+A sequence's table list only ever grows in place (append); any other change (copy-on-write,
+truncate) puts a new list in its place. The model runner relies on it to update its device
+block tables incrementally (same list object and length: nothing changed).
 """
 from __future__ import annotations
 
@@ -97,6 +101,9 @@ class BlockManager:
         `num_new` tokens from position `num_computed` on are about to be written. `prefix` (from
         `match_prefix`, for a sequence holding no blocks yet; then `num_computed` counts its
         tokens) is shared rather than allocated. False, changing nothing, when the pool is short."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None and not prefix and self._writes_in_place(seq, num_computed, num_new):
+            return True  # the common decode step: nothing to take, copy or forget
         if not self.can_allocate(seq_id, num_computed, num_new, prefix):
             return False
         seq = self.seqs.setdefault(seq_id, SeqBlocks())
@@ -116,6 +123,8 @@ class BlockManager:
         Call after the forward pass: a block is shareable only once its K/V are written."""
         seq = self.seqs[seq_id]
         num_full = min(num_computed // self.block_size, len(seq.table))
+        if num_full <= seq.num_registered:
+            return  # no block filled up since the last call (most decode steps)
         self._extend_hashes(seq, token_ids, num_full)
         for i in range(seq.num_registered, num_full):
             block = self.blocks[seq.table[i]]
@@ -147,8 +156,9 @@ class BlockManager:
         """Keep only the first `num_tokens` tokens (rejected draft tokens are rolled back)."""
         seq = self.seqs[seq_id]
         keep = -(-num_tokens // self.block_size)
-        while len(seq.table) > keep:
-            self._release(seq.table.pop())
+        for block_id in reversed(seq.table[keep:]):
+            self._release(block_id)
+        seq.table = seq.table[:keep]  # a new list: see the module docstring
         full = num_tokens // self.block_size
         del seq.hashes[full:]
         seq.num_registered = min(seq.num_registered, full)
@@ -172,6 +182,15 @@ class BlockManager:
         """Prefix hits sitting in the evictable list stop being available once taken."""
         return sum(1 for b in prefix if b in self._evictable)
 
+    def _writes_in_place(self, seq: SeqBlocks, num_computed: int, num_new: int) -> bool:
+        """The table already covers the new tokens and the block they start in is this
+        sequence's alone and not in the prefix cache: `allocate` would change nothing."""
+        i = num_computed // self.block_size
+        if num_new <= 0 or num_computed + num_new > len(seq.table) * self.block_size:
+            return False
+        block = self.blocks[seq.table[i]]
+        return block.ref == 1 and block.hash is None
+
     def _needs_copy(self, seq: SeqBlocks, num_computed: int, num_new: int) -> bool:
         """The first block written to is shared: writing would change what the others read."""
         i = num_computed // self.block_size
@@ -189,7 +208,7 @@ class BlockManager:
         dst = self._take(self._pop_free())
         self.pending_copies.append((src, dst))
         self._release(src)
-        seq.table[i] = dst
+        seq.table = seq.table[:i] + [dst] + seq.table[i + 1:]  # a new list: see the module docstring
 
     def _extend_hashes(self, seq: SeqBlocks, token_ids: Sequence[int], num_full: int) -> None:
         num_full = min(num_full, len(token_ids) // self.block_size)

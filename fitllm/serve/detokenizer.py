@@ -11,7 +11,7 @@ decide; a stop string found (possibly spanning many tokens) ends the text just b
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 # Prompt tokens to decode in front of the first generated ones: SentencePiece tokenizers drop a
 # leading space when a token is decoded at the start of a text.
@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
                  skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special = tokenizer, skip_special_tokens
+        self._decode = _decoder(tokenizer, skip_special_tokens)
         self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.stop = [s for s in stop if s]
@@ -49,9 +50,6 @@ class IncrementalDetokenizer:
             self.text += tail[len(prev):]
             self.read_offset = len(self.ids)
         return self._emit(len(self.text))
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def _decode_new(self) -> str:
         prev = self._decode(self.ids[self.prefix_offset:self.read_offset])
@@ -88,3 +86,15 @@ class IncrementalDetokenizer:
         out = self.text[self.sent:upto]
         self.sent = max(self.sent, upto)
         return out
+
+
+def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
+    """ids -> text, without clean-up (it strips spaces before punctuation, which would change
+    the text; the server's own decode does not clean up either). A fast tokenizer is called
+    through its Rust backend: transformers' wrapper costs more than the decode itself, and the
+    engine thread runs this twice per generated token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode"):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)

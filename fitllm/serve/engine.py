@@ -7,11 +7,23 @@
 A request whose prompt is still being prefilled in chunks produces no output until its last
 chunk; a preempted request simply waits and is recomputed, its generated tokens included.
 
+One wait for the GPU per step: sampling (greedy, temperature, penalties, logprobs) is queued on
+the device (`_queue_outputs`), the host does the step's bookkeeping while the GPU runs, then one
+copy brings the sampled tokens and any requested logprobs over (`_apply_outputs`).
+
+Look-ahead (`EngineConfig.async_scheduling`): in steady decode the next step's batch is known
+before this step's tokens are: the same requests, one token each, one position further. Then
+`step` queues step N + 1 on the GPU (input ids: step N's sampled tokens, still on the device)
+before waiting for step N, so the GPU runs step N + 1 while the host applies step N's outputs and
+returns them. Whatever the host does per step is hidden behind the GPU as long as it takes less.
+A request that step N finishes by EOS or a stop string wastes its row in step N + 1.
+
 Speculative decoding (`EngineConfig.speculative`, see spec_decode.py) fits this loop without new
 machinery: before scheduling, each request about to decode gets up to k draft tokens appended to
 `req.token_ids` (`req.num_draft`); the scheduler gives it 1 + k tokens; `_step_seq` asks for
 1 + k logit rows (the verification rows, computed over the paged cache like a prompt chunk);
-`_verify` accepts a prefix of the draft plus one token of the target's, drops the draft from
+greedy requests' verification rows go through the sampler with the other rows (their argmax);
+`_accept` keeps a prefix of the draft plus one token of the target's, drops the draft from
 `token_ids`, lowers `num_computed` to the verified tokens and rolls the rejected tokens' K/V
 back with `block_manager.truncate`. Requests that do not speculate decode as usual in the same
 batch; a step with no drafts at all keeps the CUDA-graph decode path. Not speculated (they
@@ -31,10 +43,10 @@ from fitllm.models.kv_cache import KVCalibration
 from fitllm.serve.block_manager import BlockManager
 from fitllm.serve.detokenizer import IncrementalDetokenizer
 from fitllm.serve.model_runner import ModelRunner, StepSeq
-from fitllm.serve.sampling import (SampleInput, Sampler, SamplingParams, TokenLogprob, apply_logit_bias,
-                                   make_generator, token_logprobs)
+from fitllm.serve.sampling import (DeviceSample, HostFetch, LogprobTensors, SampleInput, Sampler, SamplingParams,
+                                   TokenLogprob, logprob_tensors, make_generator, to_device)
 from fitllm.serve.scheduler import Request, Scheduler, SchedulerOutput
-from fitllm.serve.spec_decode import (DraftItem, accept_greedy, accept_sampled, build_drafter, check_speculative,
+from fitllm.serve.spec_decode import (DraftItem, accept_greedy, build_drafter, check_speculative, rejection_sample,
                                       sampling_probs)
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "TokenLogprob", "SamplingParams"]
@@ -62,6 +74,7 @@ class EngineConfig:
     kv_calibration: Optional[KVCalibration] = None  # K/V statistics for fp8/int4 KV (else measured)
     speculative: Optional[str] = None  # None | "ngram" | "self-int4" | "draft-model:PATH"
     num_speculative_tokens: int = 4  # k: draft tokens per step (a request may ask for fewer)
+    async_scheduling: bool = True  # steady decode: queue step N + 1 on the GPU before step N's tokens are read
 
     def __post_init__(self):
         check_speculative(self.speculative)
@@ -110,7 +123,11 @@ class LLMEngine:
         if self.drafter is not None and self.drafter.needs_cache:
             self.drafter.allocate(num_blocks, config.max_num_seqs, self.max_model_len,
                                   config.max_num_batched_tokens, config.cuda_graphs)
-        self.cuda_graphs = config.cuda_graphs and self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
+        # Graphs for decode (q = 1) and, with speculation, verification of 1..k drafts (q = 2..k + 1).
+        spec_k = config.num_speculative_tokens if self.drafter is not None else 0
+        self.cuda_graphs = config.cuda_graphs and self.runner.capture_graphs(
+            config.max_num_seqs, self.max_model_len, query_lens=tuple(range(1, spec_k + 2)),
+            max_batched_tokens=config.max_num_batched_tokens)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefix_caching=config.enable_prefix_caching)
@@ -120,6 +137,8 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._outbox: list[RequestOutput] = []  # outputs produced between steps (aborts)
+        self._inflight: Optional[tuple[SchedulerOutput, _Pending]] = None  # queued, outputs not read yet
+        self.num_look_ahead_steps = 0
         self.num_generated_tokens = 0
         self.spec_counts = dict(drafted=0, accepted=0, steps=0)  # over all requests
 
@@ -168,8 +187,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(request_id, prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params)
+        generator = make_generator(params.seed, self.device)
         req.state.update(
-            generator=make_generator(params.seed, self.device),
+            generator=generator,
+            sample_input=None if params.has_penalties else SampleInput(params, generator),
             needs_prompt_logits=params.prompt_logprobs is not None,
             prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None,
             detok=None if self.tokenizer is None else IncrementalDetokenizer(
@@ -188,19 +209,37 @@ class LLMEngine:
             self._outbox.append(self._output(req, [], "", []))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._outbox)
+        return self.scheduler.has_unfinished() or bool(self._outbox) or self._inflight is not None
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step and return its outputs. With `async_scheduling`, the next step may
+        already be queued on the GPU when this returns (see `_look_ahead`)."""
         outputs, self._outbox = self._outbox, []
+        if self._inflight is None:
+            self._inflight = self._launch(outputs)
+            if self._inflight is None:
+                return outputs
+        pending = self._inflight[1]
+        self._inflight = self._look_ahead(pending) if self.config.async_scheduling else None
+        outputs += self._apply_outputs(pending)  # the step's one wait for the GPU
+        if self._inflight is not None:  # the next step's bookkeeping, now that this step's tokens are in
+            ahead = {r: n for r, n in self._inflight[0].num_tokens.items() if r.status == "running"}
+            self.scheduler.update_after_step(SchedulerOutput(ahead, []))
+        return outputs
+
+    def _launch(self, outputs: list[RequestOutput]) -> Optional[tuple[SchedulerOutput, "_Pending"]]:
+        """Schedule a step and queue it on the GPU: forward, sampling, the copy of its results.
+        None when there is nothing to run (or the forward failed: error outputs in `outputs`)."""
         if self.drafter is not None:
             self._propose_drafts()
         sched = self.scheduler.schedule()
-        for req in self.scheduler.running:  # drafts of a request left out of this step go stale
-            if req.num_draft and req not in sched.num_tokens:
-                req.drop_draft()
+        if self.drafter is not None:
+            for req in self.scheduler.running:  # drafts of a request left out of this step go stale
+                if req.num_draft and req not in sched.num_tokens:
+                    req.drop_draft()
         if not sched:
-            return outputs
+            return None
         seqs = [self._step_seq(req, n) for req, n in sched.num_tokens.items()]
         try:
             self.runner.copy_blocks(self.block_manager.take_copies())
@@ -210,9 +249,55 @@ class LLMEngine:
             for req in list(sched.num_tokens):
                 self._finish(req, "error")
                 outputs.append(self._output(req, [], "", [], error=f"{exc.__class__.__name__}: {exc}"))
-            return outputs
-        self.scheduler.update_after_step(sched)
-        return outputs + self._process(sched, seqs, logits)
+            return None
+        pending = self._queue_outputs(sched, seqs, logits)  # sampling queued on the GPU
+        self.scheduler.update_after_step(sched)  # host bookkeeping while the GPU works
+        return sched, pending
+
+    def _look_ahead(self, pending: "_Pending") -> Optional[tuple[SchedulerOutput, "_Pending"]]:
+        """Queue step N + 1 behind step N on the GPU, before step N's tokens reach the host, when
+        it can only be a decode of the same requests (`_look_ahead_batch`). Its input ids are step
+        N's sampled tokens, on the device. A request that step N finishes (EOS, a stop string)
+        wastes its row; its output is dropped. The bookkeeping (`update_after_step`) waits for
+        step N's tokens: full blocks are hashed by their tokens."""
+        reqs = self._look_ahead_batch(pending)
+        if reqs is None:
+            return None
+        bm, sched, seqs = self.block_manager, SchedulerOutput({}, []), []
+        for req in reqs:
+            if not bm.allocate(req.request_id, req.num_computed, 1):
+                return None  # (checked before; what was allocated is what the next step takes anyway)
+            sched.num_tokens[req] = 1
+            seqs.append(StepSeq([0], req.num_computed, bm.table(req.request_id), 1))  # token: on the device
+        try:
+            self.runner.copy_blocks(bm.take_copies())
+            logits = self.runner.execute(seqs, input_ids=pending.sampled.token_ids.clamp_min(0))
+        except Exception:  # the next step runs the ordinary way (and reports a persistent failure)
+            log.exception("queuing the next decode step ahead failed")
+            return None
+        self.num_look_ahead_steps += 1
+        return sched, self._queue_outputs(sched, seqs, logits)
+
+    def _look_ahead_batch(self, pending: "_Pending") -> Optional[list[Request]]:
+        """The requests of step N + 1 if they are certain now: every running request sampled one
+        token in step N and none can finish by length with it, no waiting request can be admitted
+        (none waits, or the batch is full: a request that step N finishes by EOS lets the next one
+        in a step later), no speculation, no penalties (they read the output tokens on the host),
+        and the pool has a block for each. Else None: the next step is scheduled after step N's tokens."""
+        running = self.scheduler.running
+        admits = self.scheduler.waiting and len(running) < self.config.max_num_seqs
+        if (self.drafter is not None or admits or pending.fetch or pending.sampled is None
+                or len(pending.todo) != len(running) or len(running) > self.block_manager.num_free_blocks):
+            return None
+        reqs = []
+        for kind, req, _ in pending.todo:
+            p = req.params
+            if (kind != "sample" or req.status != "running" or p.has_penalties
+                    or req.num_computed != len(req.token_ids) or len(req.token_ids) + 1 >= self.max_model_len
+                    or (p.max_tokens is not None and req.num_output + 1 >= p.max_tokens)):
+                return None
+            reqs.append(req)
+        return reqs
 
     def _propose_drafts(self) -> None:
         """Append draft tokens to the requests about to decode, within the step's token budget
@@ -243,52 +328,124 @@ class LLMEngine:
     def _step_seq(self, req: Request, n: int) -> StepSeq:
         start = req.num_computed
         if req.num_draft:  # verification rows: the last real token and every draft token
-            return StepSeq(req.token_ids[start:start + n], start, self.block_manager.table(req.request_id),
-                           1 + req.num_draft)
-        if req.state["needs_prompt_logits"]:
+            num_logits = 1 + req.num_draft
+        elif req.state["needs_prompt_logits"]:
             num_logits = n  # every position: each predicts the next prompt token (or the first output)
         else:
-            num_logits = 1 if start + n == req.num_tokens else 0
+            num_logits = 1 if start + n == len(req.token_ids) else 0
         return StepSeq(req.token_ids[start:start + n], start, self.block_manager.table(req.request_id), num_logits)
 
-    def _process(self, sched: SchedulerOutput, seqs: list[StepSeq], logits: torch.Tensor) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        sample_reqs, sample_rows, row = [], [], 0
+    def _queue_outputs(self, sched: SchedulerOutput, seqs: list[StepSeq], logits: torch.Tensor) -> "_Pending":
+        """Queue on the GPU what the step's outputs need: sampled tokens (for greedy verification,
+        the target's argmax of every verification row), logprobs, prompt logprobs. No waiting."""
+        pending = _Pending()
+        rows, inputs, row = [], [], 0
         for (req, n), seq in zip(sched.num_tokens.items(), seqs):
-            rows = logits[row: row + seq.num_logits]
-            row += seq.num_logits
+            first, row = row, row + seq.num_logits
             if req.state["needs_prompt_logits"]:
-                self._record_prompt_logprobs(req, seq, rows)
-            if req.num_computed < req.num_tokens:
+                self._queue_prompt_logprobs(pending, req, seq, logits[first:row])
+                if seq.start + n < len(req.token_ids):
+                    continue  # more prompt chunks to go
+                req.state["needs_prompt_logits"] = False
+            elif seq.start + n < len(req.token_ids):
                 continue  # more prompt chunks to go
-            req.state["needs_prompt_logits"] = False
             if req.params.max_tokens == 0:  # scoring only: no token to generate
+                pending.todo.append(("scored", req, None))
+            elif req.num_draft and req.params.greedy:
+                pending.todo.append(("verify", req, len(rows)))
+                rows += range(first, row)
+                inputs += [SampleInput(req.params)] * (row - first)
+            elif req.num_draft:  # temperature > 0: rejection sampling, on the device
+                pending.todo.append(("verify_sampled", req, len(pending.fetch)))
+                pending.fetch += self._queue_rejection_sampling(req, logits[first:row])
+            elif seq.num_logits:
+                pending.todo.append(("sample", req, len(rows)))
+                rows.append(row - 1)
+                inputs.append(self._sample_input(req))
+        if rows:
+            index = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) \
+                else to_device(rows, torch.long, logits.device)
+            pending.sampled = self.sampler.sample(logits[index], inputs)
+        lead = pending.sampled.tensors() if pending.sampled is not None else []
+        pending.host = HostFetch(lead + pending.fetch)  # queued now: a step queued after it does not delay it
+        return pending
+
+    def _queue_prompt_logprobs(self, pending: "_Pending", req: Request, seq: StepSeq, rows: torch.Tensor) -> None:
+        """Row j predicts the token at position start + j + 1; keep those inside the prompt."""
+        count = max(0, min(len(seq.token_ids), len(req.prompt_ids) - 1 - seq.start))
+        if count:
+            targets = req.prompt_ids[seq.start + 1: seq.start + 1 + count]
+            lps = logprob_tensors(rows[:count], to_device(targets, torch.long, rows.device), req.params.prompt_logprobs)
+            pending.todo.append(("prompt_logprobs", req, (seq.start, targets, len(pending.fetch))))
+            pending.fetch += lps.tensors()
+
+    def _apply_outputs(self, pending: "_Pending") -> list[RequestOutput]:
+        host = pending.host.wait()  # the one wait
+        lead = len(pending.sampled.tensors()) if pending.sampled is not None else 0
+        sampled = pending.sampled.from_host(host[:lead]) if lead else None
+        host = host[lead:]
+        outputs: list[RequestOutput] = []
+        for kind, req, info in pending.todo:
+            if req.status == "finished":  # aborted, or finished by the step before (a look-ahead row)
+                continue
+            if kind == "prompt_logprobs":
+                start, targets, at = info
+                found = LogprobTensors.to_list(targets, *host[at: at + 3], [req.params.prompt_logprobs] * len(targets))
+                req.state["prompt_logprobs"][start + 1: start + 1 + len(found)] = found  # by position
+            elif kind == "scored":
                 self._finish(req, "length")
                 outputs.append(self._output(req, [], "", []))
-            elif req.num_draft:
-                outputs.append(self._verify(req, rows))
-            elif seq.num_logits:
-                sample_reqs.append(req)
-                sample_rows.append(row - 1)
-        if sample_reqs:
-            index = torch.tensor(sample_rows, device=logits.device)
-            sampled = self.sampler(logits[index], [self._sample_input(r) for r in sample_reqs])
-            for i, req in enumerate(sample_reqs):
-                outputs.append(self._append(req, sampled.token_ids[i], sampled.logprobs[i], sampled.failed[i]))
+            elif kind == "sample":
+                outputs.append(self._append(req, sampled.token_ids[info], sampled.logprobs[info], sampled.failed[info]))
+            elif kind == "verify":
+                best = sampled.token_ids[info: info + req.num_draft + 1]
+                outputs.append(self._verify_greedy(req, best, sampled.logprobs[info: info + len(best)]))
+            else:
+                outputs.append(self._verify_sampled(req, host[info: info + 6]))
         return outputs
 
-    def _verify(self, req: Request, rows: torch.Tensor) -> RequestOutput:
-        """rows [1 + k, vocab]: row i predicts the token after draft[:i]. Keep the accepted
-        drafts plus one token of the target's (correction or bonus); roll back the rest."""
-        k, p = req.num_draft, req.params
-        draft, q = req.token_ids[-k:], req.state.pop("draft_probs", None)
-        req.drop_draft()
-        if not torch.isfinite(rows).all():
+    def _verify_greedy(self, req: Request, best: list[int], logprobs: list[Optional[TokenLogprob]]) -> RequestOutput:
+        """best[i]: the target's choice after draft[:i] (-1: non-finite logits)."""
+        if min(best) < 0:
+            req.drop_draft()
             return self._append(req, -1, None, failed=True)
-        if p.greedy:
-            tokens = accept_greedy(draft, apply_logit_bias(rows, [SampleInput(p)] * len(rows)))
-        else:
-            tokens = accept_sampled(draft, q, sampling_probs(rows, p), req.state["generator"])
+        tokens = accept_greedy(req.token_ids[-req.num_draft:], best)
+        return self._accept(req, tokens, logprobs[:len(tokens)])
+
+    def _queue_rejection_sampling(self, req: Request, rows: torch.Tensor) -> list[torch.Tensor]:
+        """rows [1 + k, vocab]: row i predicts the token after draft[:i]. Device tensors:
+        [all rows finite, accepted count n, the token after them] (+ logprobs of the emitted tokens)."""
+        k, p = req.num_draft, req.params
+        finite = torch.isfinite(rows).all()
+        rows = torch.where(finite, rows, torch.zeros((), device=rows.device))  # no NaN reaches the draws
+        draft = to_device(req.token_ids[-k:], torch.long, rows.device)
+        n, token = rejection_sample(draft, req.state.get("draft_probs"), sampling_probs(rows, p),
+                                    req.state["generator"])
+        out = [finite, n, token]
+        if p.logprobs is not None:  # of the raw distribution, as the sampler reports them
+            emitted = torch.where(torch.arange(k + 1, device=rows.device) == n, token, torch.cat([draft, token[None]]))
+            out += logprob_tensors(rows, emitted, p.logprobs).tensors()
+        return out
+
+    def _verify_sampled(self, req: Request, host: list[torch.Tensor]) -> RequestOutput:
+        """`host`: what `_queue_rejection_sampling` queued, on the host."""
+        if not bool(host[0]):
+            req.drop_draft()
+            return self._append(req, -1, None, failed=True)
+        n = int(host[1])
+        tokens = req.token_ids[-req.num_draft:][:n] + [int(host[2])]
+        logprobs = [None] * len(tokens)
+        if req.params.logprobs is not None:
+            chosen, top_ids, top_lp = (t[:len(tokens)] for t in host[3:6])
+            logprobs = LogprobTensors.to_list(tokens, chosen, top_ids, top_lp, [req.params.logprobs] * len(tokens))
+        return self._accept(req, tokens, logprobs)
+
+    def _accept(self, req: Request, tokens: list[int], logprobs: list[Optional[TokenLogprob]]) -> RequestOutput:
+        """Keep the accepted drafts plus one token of the target's (`tokens`: correction or
+        bonus last); roll back the rejected drafts' K/V."""
+        k = req.num_draft
+        req.state.pop("draft_probs", None)
+        req.drop_draft()
         accepted = len(tokens) - 1
         # K/V of the context and of the accepted drafts are valid; the rejected drafts' are not.
         req.num_computed = req.num_tokens + accepted
@@ -296,9 +453,6 @@ class LLMEngine:
         for key, value in (("drafted", k), ("accepted", accepted), ("steps", 1)):
             req.state["spec_" + key] += value
             self.spec_counts[key] += value
-        logprobs = [None] * len(tokens)
-        if p.logprobs is not None:  # of the raw distribution, as the sampler reports them
-            logprobs = token_logprobs(rows[:len(tokens)], torch.tensor(tokens, device=rows.device), p.logprobs)
         out = None
         for token, lp in zip(tokens, logprobs):
             out = merge_outputs(out, self._append(req, token, lp, False))
@@ -306,16 +460,10 @@ class LLMEngine:
                 break
         return out
 
-    def _record_prompt_logprobs(self, req: Request, seq: StepSeq, rows: torch.Tensor) -> None:
-        """Row j predicts the token at position start + j + 1; keep those inside the prompt."""
-        store, n_prompt = req.state["prompt_logprobs"], len(req.prompt_ids)
-        count = max(0, min(len(seq.token_ids), n_prompt - 1 - seq.start))
-        if count:
-            targets = torch.tensor(req.prompt_ids[seq.start + 1: seq.start + 1 + count], device=rows.device)
-            for j, lp in enumerate(token_logprobs(rows[:count], targets, req.params.prompt_logprobs)):
-                store[seq.start + 1 + j] = lp  # indexed by position: a recompute overwrites
-
     def _sample_input(self, req: Request) -> SampleInput:
+        fixed = req.state.get("sample_input")  # the same every step unless penalties look at the output
+        if fixed is not None:
+            return fixed
         if req.params.has_penalties:
             return SampleInput(req.params, req.state["generator"], req.prompt_ids, req.output_ids)
         return SampleInput(req.params, req.state["generator"])
@@ -333,8 +481,8 @@ class LLMEngine:
         elif detok is not None:
             text = detok.add(token)
             reason = "stop" if detok.stopped else None
-        if reason is None and ((p.max_tokens is not None and len(req.output_ids) >= p.max_tokens)
-                               or req.num_tokens >= self.max_model_len):
+        if reason is None and ((p.max_tokens is not None and req.num_output >= p.max_tokens)
+                               or len(req.token_ids) >= self.max_model_len):
             reason = "length"
         if reason is not None:
             if detok is not None:
@@ -350,14 +498,13 @@ class LLMEngine:
 
     def _output(self, req: Request, tokens: list[int], text: str, logprobs: list[TokenLogprob],
                 error: Optional[str] = None) -> RequestOutput:
-        prompt_lps = None
-        if req.state["prompt_logprobs"] is not None and not req.state["sent_prompt_logprobs"]:
-            prompt_lps, req.state["sent_prompt_logprobs"] = req.state["prompt_logprobs"], True
+        prompt_lps, s = None, req.state
+        if s["prompt_logprobs"] is not None and not s["sent_prompt_logprobs"]:
+            prompt_lps, s["sent_prompt_logprobs"] = s["prompt_logprobs"], True
         out = RequestOutput(req.request_id, tokens, text, req.status == "finished", req.finish_reason,
-                            len(req.prompt_ids), len(req.output_ids), logprobs, prompt_lps, error,
+                            len(req.prompt_ids), req.num_output, logprobs, prompt_lps, error,
                             req.num_cached_tokens)
-        if out.finished and req.state["spec_steps"]:
-            s = req.state
+        if out.finished and s["spec_steps"]:
             out.spec_acceptance_rate, out.spec_mean_accepted_len = spec_rates(s["spec_drafted"], s["spec_accepted"],
                                                                               s["spec_steps"])
         return out
@@ -393,6 +540,16 @@ class LLMEngine:
             **dict(zip(("spec_acceptance_rate", "spec_mean_accepted_len"),
                        spec_rates(**self.spec_counts) if self.drafter is not None else (None, None))),
         }
+
+
+@dataclass
+class _Pending:
+    """A step between queuing its outputs on the GPU and reading them back."""
+
+    todo: list = field(default_factory=list)  # (kind, request, info), in the step's order
+    fetch: list = field(default_factory=list)  # device tensors to bring over with the sampled tokens
+    sampled: Optional[DeviceSample] = None
+    host: Optional[HostFetch] = None  # the copy of `sampled` and `fetch` to the host, queued
 
 
 def spec_rates(drafted: int, accepted: int, steps: int) -> tuple[float, float]:

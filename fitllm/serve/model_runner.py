@@ -4,10 +4,19 @@ A step is a list of `StepSeq`s (new tokens, where they start, the sequence's blo
 many logits it needs). All new tokens of all sequences go through the model as one flat batch;
 only the rows that need logits go through the lm_head.
 
-On a GPU, decode-only steps (one new token per sequence) replay CUDA graphs captured for a set
-of batch sizes: a decode step of a small model is mostly kernel-launch overhead otherwise. The
-batch is padded up to the next captured size; padded rows read and write only a reserved
-scratch block, so they cannot disturb real sequences. On the CPU everything runs eagerly.
+On a GPU, steps where every sequence feeds only a few tokens replay CUDA graphs (a decode step
+is mostly kernel-launch overhead otherwise). A graph is captured per (q, batch size): every
+sequence feeds exactly q tokens. q = 1 is decode; q = k + 1 is speculative verification (the
+last real token plus k drafts); q = 2 a draft model's catch-up. A step runs on the smallest
+captured q that holds its longest sequence and the next captured batch size: shorter sequences
+are padded up to q tokens and the batch up to the size with whole padded sequences. Padded
+tokens write their K/V only to a reserved scratch block and come after the real tokens of
+their sequence, so causal attention keeps them out of every real token's view. On the CPU
+everything runs eagerly (`capture_graphs(emulate_on_cpu=True)` runs the graph path's padding
+and buffers eagerly, for tests).
+
+Host synchronisation: a step's inputs reach the device by non-blocking copies from pinned
+memory; nothing here waits for the GPU (the engine waits once per step, for the sampled tokens).
 
 KV cache sizing also lives here (it needs the model on the device): on a GPU from the memory
 left after loading, minus what fitllm.budget says steps and graphs will take; on the CPU a
@@ -15,18 +24,21 @@ fixed budget.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fitllm.models.decoder import CausalLM
 from fitllm.models.kv_cache import (AttentionMetadata, ForwardContext, KVCalibration, PagedKVCache,
                                     calibrate_kv_scales)
+from fitllm.serve.sampling import to_device
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +46,7 @@ CPU_KV_CACHE_BYTES = 1 << 30  # the CPU default: 1 GiB of KV (~23k tokens of Smo
 FALLBACK_GRAPH_GATHER_BYTES = 512 << 20
 NEEDS_CALIBRATION = ("fp8", "int4")  # PagedKVCache refuses these without K/V statistics
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+MULTI_TOKEN_GRAPH_MAX_BATCH = 64  # q > 1 graphs (speculation): speculation pays at small batches
 
 
 @dataclass
@@ -56,7 +69,7 @@ class ModelRunner:
             kv_calibration = calibrate_kv_scales(model)
         self.kv_calibration = kv_calibration
         self.cache: Optional[PagedKVCache] = None
-        self.graphs: Optional[DecodeGraphs] = None
+        self.graphs: Optional[StepGraphs] = None
 
     # ---- setup ---------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -123,14 +136,16 @@ class ModelRunner:
                             dtype=self.model.dtype, device=self.device, sliding_window=c.sliding_window,
                             kv_dtype=self.kv_dtype, calibration=self.kv_calibration)
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int, emulate_on_cpu: bool = False) -> bool:
-        """Capture decode graphs (GPU only; `emulate_on_cpu` runs the graph path's padding and
-        buffers eagerly, for tests). False when the cache's attention cannot be captured."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, emulate_on_cpu: bool = False,
+                       query_lens: tuple[int, ...] = (1,), max_batched_tokens: Optional[int] = None) -> bool:
+        """Capture step graphs for every q in `query_lens` (1: decode; more for speculation), GPU
+        only; `emulate_on_cpu` runs the graph path's padding and buffers eagerly, for tests.
+        False when the cache's attention cannot be captured."""
         if self.device.type != "cuda" and not emulate_on_cpu:
             return False
         attention = graph_safe_attention(self.cache)
         if attention is None:
-            log.warning("CUDA graphs off: %s has no capturable decode attention", type(self.cache).__name__)
+            log.warning("CUDA graphs off: %s has no capturable attention", type(self.cache).__name__)
             return False
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
         if not getattr(self.cache, "supports_cuda_graphs", False):
@@ -138,34 +153,57 @@ class ModelRunner:
             # a bounded graph pool (larger decode batches run eagerly).
             per_seq = 2 * max_model_len * self.cache.num_kv_heads * self.cache.head_dim * self.model.dtype.itemsize
             sizes = [b for b in sizes if b * per_seq <= FALLBACK_GRAPH_GATHER_BYTES] or [1]
-        self.graphs = DecodeGraphs(self.model, self.cache, attention, sizes, max_model_len, self.scratch_block)
+        shapes = {1: sizes}
+        for q in sorted(set(query_lens) - {1}):  # speculation: small batches, within the step budget
+            shapes[q] = [b for b in sizes if b <= MULTI_TOKEN_GRAPH_MAX_BATCH
+                         and (max_batched_tokens is None or b * q <= max_batched_tokens)] or [1]
+        self.graphs = StepGraphs(self.model, self.cache, attention, shapes, max_model_len, self.scratch_block)
         return True
 
     # ---- steps ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, seqs: list[StepSeq]) -> torch.Tensor:
-        """Run one step; float32 logits [sum(num_logits), vocab], in the order of `seqs`."""
+    def execute(self, seqs: list[StepSeq], input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run one step; float32 logits [sum(num_logits), vocab], in the order of `seqs`.
+        `input_ids`: a decode step's input tokens already on the device (one per sequence; the
+        engine's look-ahead feeds the previous step's sampled tokens): they replace the
+        sequences' own token_ids, which are then placeholders."""
+        if input_ids is not None and not all(len(s.token_ids) == 1 for s in seqs):
+            raise ValueError("input_ids on the device are for decode steps (one token per sequence)")
         if self.graphs is not None and self.graphs.fits(seqs):
-            hidden = self.graphs.run(seqs)
+            hidden, rows = self.graphs.run(seqs, input_ids) if input_ids is not None else self.graphs.run(seqs)
         else:
-            hidden = self._run_eager(seqs)
-        rows, end = [], 0
-        for s in seqs:
-            end += len(s.token_ids)
-            rows.extend(range(end - s.num_logits, end))
-        if not rows:
+            hidden, rows = self._run_eager(seqs, input_ids)
+        hidden = hidden[rows]
+        if hidden.shape[0] == 0:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        index = torch.tensor(rows, device=self.device)
-        return self.model.compute_logits(hidden[index]).float()
+        return self.model.compute_logits(hidden).float()
 
-    def _run_eager(self, seqs: list[StepSeq]) -> torch.Tensor:
-        seq_lens = [s.start + len(s.token_ids) for s in seqs]
-        meta = AttentionMetadata.build([len(s.token_ids) for s in seqs], seq_lens, [s.block_table for s in seqs],
-                                       self.block_size, self.device)
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
-        pos = torch.tensor([p for s in seqs for p in range(s.start, s.start + len(s.token_ids))],
-                           dtype=torch.long, device=self.device)
-        return self.model(ids, pos, ForwardContext(self.cache, meta))
+    def _run_eager(self, seqs: list[StepSeq], input_ids: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | slice]:
+        """(hidden [T, H] of the flat batch, the rows that need logits: a slice when contiguous)."""
+        b = len(seqs)
+        n = np.fromiter((len(s.token_ids) for s in seqs), np.int64, b)
+        starts = np.fromiter((s.start for s in seqs), np.int64, b)
+        first = np.cumsum(n) - n  # each sequence's first row in the flat batch
+        tables = np.zeros((b, max((len(s.block_table) for s in seqs), default=1) or 1), np.int32)
+        _fill_rows(tables, [s.block_table for s in seqs])
+        owner = np.repeat(np.arange(b), n)
+        pos = np.arange(int(n.sum())) - first[owner] + starts[owner]
+        slots = tables[owner, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        seq_lens, query_start = starts + n, np.concatenate([[0], np.cumsum(n)])
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slots, torch.long, dev), query_start=to_device(query_start, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev), block_tables=to_device(tables, torch.int32, dev),
+            query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(),
+            max_query_len=int(n.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)))
+        ids = input_ids if input_ids is not None else to_device(
+            np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64), torch.long, dev)
+        hidden = self.model(ids, to_device(pos, torch.long, dev), ForwardContext(self.cache, meta))
+        rows = logit_rows(n, np.fromiter((s.num_logits for s in seqs), np.int64, b), first)
+        if len(rows) == 0 or rows[-1] == len(rows) - 1:  # decode-like: every row, in order (no index to copy)
+            return hidden, slice(0, len(rows))
+        return hidden, to_device(rows, torch.long, dev)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -175,8 +213,8 @@ class ModelRunner:
         if hasattr(self.cache, "copy_blocks"):
             self.cache.copy_blocks(pairs)
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        src = to_device([s for s, _ in pairs], torch.long, self.device)
+        dst = to_device([d for _, d in pairs], torch.long, self.device)
         # Every per-slot tensor of the cache ([layers, blocks, block_size, ...]: K, V, scales, zeros).
         c = self.cache
         for t in vars(c).values():
@@ -186,35 +224,38 @@ class ModelRunner:
 
 # ---- CUDA graphs -------------------------------------------------------------------------------
 def graph_safe_attention(cache: PagedKVCache) -> Optional[Callable]:
-    """Decode attention that reads only device tensors, so a captured graph stays valid when the
+    """Attention that reads only device tensors, so a captured graph stays valid when the
     batch's lengths and block tables change (the torch reference loops over host lengths:
     capturing it would freeze them). The Triton path says so with `supports_cuda_graphs`; for
     an unquantized cache without it (CPU emulation in tests) a padded torch version stands in."""
     if getattr(cache, "supports_cuda_graphs", False):
         return cache.attention
     if cache.k.dtype in (torch.float32, torch.float16, torch.bfloat16) and not getattr(cache, "transformed", False):
-        return partial(padded_decode_attention, cache)
+        return partial(padded_attention, cache)
     return None
 
 
-def padded_decode_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: AttentionMetadata,
-                            scale: float) -> torch.Tensor:
-    """One query per sequence over all blocks of its table, masked by length: [B, Hq, D].
-    The query heads that share a KV head ride along the query-length axis, so K/V are never
-    repeated per query head (a decode query has no causal mask to get wrong)."""
-    b, hq, d = q.shape
+def padded_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+    """The same number of queries per sequence (the last positions of each), over all blocks of
+    its table, masked causally by length: q [B * Q, Hq, D]. The query heads that share a KV head
+    ride along the query axis, so K/V are never repeated per query head."""
+    t, hq, d = q.shape
+    b = meta.block_tables.shape[0]
+    nq = t // b
     tables = meta.block_tables.long()  # [B, W]
     k = cache.k[layer][tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, W * block, D]
     v = cache.v[layer][tables].flatten(1, 2).transpose(1, 2)
-    hkv = k.shape[1]
-    pos = torch.arange(k.shape[2], device=q.device)[None, :]
-    lens = meta.seq_lens.long()[:, None]
-    valid = pos < lens
+    hkv, g = k.shape[1], hq // k.shape[1]
+    pos = torch.arange(k.shape[2], device=q.device)[None, None, :]
+    q_pos = meta.seq_lens.long()[:, None, None] - nq + torch.arange(nq, device=q.device)[None, :, None]  # [B, Q, 1]
+    valid = pos <= q_pos  # [B, Q, P]
     if cache.sliding_window is not None:
-        valid &= pos >= lens - cache.sliding_window
-    out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k.to(q.dtype), v.to(q.dtype),
-                                         attn_mask=valid[:, None, None, :], scale=scale)
-    return out.reshape(b, hq, d)
+        valid &= pos > q_pos - cache.sliding_window
+    qq = q.view(b, nq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, nq * g, d)
+    mask = valid[:, None, :, None, :].expand(b, 1, nq, g, valid.shape[-1]).reshape(b, 1, nq * g, -1)
+    out = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    return out.view(b, hkv, nq, g, d).permute(0, 2, 1, 3, 4).reshape(t, hq, d)
 
 
 class GraphContext(ForwardContext):
@@ -227,40 +268,72 @@ class GraphContext(ForwardContext):
         return self.attention(layer, q, self.meta, scale)
 
 
-class DecodeGraphs:
-    """Static input buffers and one graph per batch size, sharing one memory pool."""
+class StepGraphs:
+    """One graph per (q, batch size), sharing one memory pool, and their input buffers.
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, attention: Callable, sizes: list[int],
+    Inputs live in two device buffers, each filled by one non-blocking copy from a pinned host
+    mirror per step: int64 [ids | positions | slots | logit rows] and int32 [seq_lens | block
+    tables]. Each graph reads its own views at the front of the buffers (for q tokens x b
+    sequences: ids = longs[:T], positions = longs[T:2T], ...), so a step copies only what its
+    graph reads."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, attention: Callable, shapes: dict[int, list[int]],
                  max_model_len: int, scratch_block: int):
-        self.model, self.cache, self.sizes = model, cache, sorted(set(sizes))
+        self.model, self.cache = model, cache
+        self.shapes = {q: sorted(set(sizes)) for q, sizes in sorted(shapes.items())}
         self.block_size, self.max_model_len = cache.block_size, max_model_len
-        self.width = math.ceil(max_model_len / cache.block_size)
+        # Padded tokens sit up to q - 1 positions past a sequence's end: room in the table for them.
+        self.width = math.ceil((max_model_len + max(self.shapes)) / cache.block_size)
         self.scratch_block = scratch_block
-        n, dev = self.sizes[-1], model.device
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slots = torch.full((n,), scratch_block * cache.block_size, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.tables = torch.full((n, self.width), scratch_block, dtype=torch.int32, device=dev)
-        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.replays: dict[int, Callable[[], torch.Tensor]] = {}  # batch size -> run the graph
+        max_tokens = max(q * sizes[-1] for q, sizes in self.shapes.items())
+        max_seqs = max(sizes[-1] for sizes in self.shapes.values())
+        dev = model.device
+        self.longs = torch.zeros(4 * max_tokens, dtype=torch.long, device=dev)
+        self.ints = torch.zeros(max_seqs * (1 + self.width), dtype=torch.int32, device=dev)
+        pin = dev.type == "cuda"
+        self.host_longs = torch.zeros(self.longs.shape, dtype=torch.long, pin_memory=pin)
+        self.host_ints = torch.zeros(self.ints.shape, dtype=torch.int32, pin_memory=pin)
+        self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
+        self._host_longs, self._host_ints = self.host_longs.numpy(), self.host_ints.numpy()  # same memory
+        # Block tables by batch row, kept across steps (`_update_tables`), and where each row came from.
+        self._tables = np.full((max_seqs, self.width), scratch_block, np.int32)
+        self._table_rows: list[tuple[Optional[list[int]], int]] = [(None, 0)] * max_seqs
+        self.query_starts = {q: torch.arange(0, q * (max_seqs + 1), q, dtype=torch.int32, device=dev)
+                             for q in self.shapes}
+        self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}  # (q, batch size) -> run the graph
         self._capture(attention)
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _views(self, q: int, b: int, buf: Optional[torch.Tensor] = None, ints: Optional[torch.Tensor] = None):
+        """(ids, positions, slots, seq_lens, tables) of the (q, b) graph, in the device buffers
+        or in the given (host) ones."""
+        longs = self.longs if buf is None else buf
+        ints = self.ints if ints is None else ints
+        t = q * b
+        return (longs[:t], longs[t: 2 * t], longs[2 * t: 3 * t], ints[:b],
+                ints[b: b * (1 + self.width)].view(b, self.width))
+
+    def _meta(self, q: int, b: int) -> AttentionMetadata:
+        _, _, slots, seq_lens, tables = self._views(q, b)
         # Host-side fields are fixed at capture: the worst case (kernels may size grids from them).
         return AttentionMetadata(
-            slot_mapping=self.slots[:b], query_start=self.query_start[: b + 1], seq_lens=self.seq_lens[:b],
-            block_tables=self.tables[:b], query_start_list=list(range(b + 1)), seq_lens_list=[self.max_model_len] * b,
-            max_query_len=1, max_seq_len=self.max_model_len)
+            slot_mapping=slots, query_start=self.query_starts[q][: b + 1], seq_lens=seq_lens, block_tables=tables,
+            query_start_list=list(range(0, q * (b + 1), q)), seq_lens_list=[self.max_model_len] * b,
+            max_query_len=q, max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
     def _capture(self, attention: Callable) -> None:
         pool = None
-        for b in reversed(self.sizes):  # largest first: the smaller graphs fit in its pool
-            ctx = GraphContext(self.cache, self._meta(b), attention)
-            run = partial(self.model, self.ids[:b], self.pos[:b], ctx)
+        shapes = sorted(((q, b) for q, sizes in self.shapes.items() for b in sizes), key=lambda s: -s[0] * s[1])
+        for q, b in shapes:  # most tokens first: the smaller graphs fit in its pool
+            ids, pos, slots, seq_lens, tables = self._views(q, b)
+            # Capture on a padded batch (only the scratch block is touched).
+            slots.fill_(self.scratch_block * self.block_size)
+            tables.fill_(self.scratch_block)
+            seq_lens.fill_(q)
+            pos.copy_(torch.arange(q, device=pos.device).repeat(b))
+            run = partial(self.model, ids, pos, GraphContext(self.cache, self._meta(q, b), attention))
             if self.model.device.type != "cuda":
-                self.replays[b] = run  # CPU: the same buffers and padding, run eagerly (tests)
+                self.replays[q, b] = run  # CPU: the same buffers and padding, run eagerly (tests)
                 continue
             run()  # warm-up: lazy initialisation and autotuning stay out of the graph
             torch.cuda.synchronize()
@@ -268,32 +341,91 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 out = run()
             pool = graph.pool()
-            self.replays[b] = partial(_replay, graph, out)
+            self.replays[q, b] = partial(_replay, graph, out)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def _shape(self, seqs: list[StepSeq]) -> Optional[tuple[int, int]]:
+        longest = max((len(s.token_ids) for s in seqs), default=1)
+        for q, sizes in self.shapes.items():
+            if q >= longest and sizes[-1] >= len(seqs):
+                return q, next(b for b in sizes if b >= len(seqs))
+        return None
+
     def fits(self, seqs: list[StepSeq]) -> bool:
-        return (len(seqs) <= self.sizes[-1] and all(len(s.token_ids) == 1 and s.num_logits <= 1 for s in seqs)
+        return (bool(seqs) and self._shape(seqs) is not None
                 and all(len(s.block_table) <= self.width for s in seqs))
 
-    def run(self, seqs: list[StepSeq]) -> torch.Tensor:
-        b = len(seqs)
-        size = next(s for s in self.sizes if s >= b)
-        bs = self.block_size
-        tables = torch.full((size, self.width), self.scratch_block, dtype=torch.int32)
+    def run(self, seqs: list[StepSeq], input_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph for this step: (hidden [q * size, H], the rows that need logits).
+        `input_ids` (decode only): the sequences' tokens, on the device."""
+        q, size = self._shape(seqs)
+        b, t, width = len(seqs), q * size, self.width
+        scratch_slot = self.scratch_block * self.block_size
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's inputs have left the host mirrors
+        # Fill the host mirrors in place (numpy views of the pinned tensors), one sequence per row.
+        seq_lens, tables = self._host_ints[:size], self._host_ints[size: size * (1 + width)].reshape(size, width)
+        self._update_tables(seqs)
+        tables[:b], tables[b:] = self._tables[:b], self.scratch_block
+        ids, pos, slots = (self._host_longs[i * t: (i + 1) * t].reshape(size, q) for i in range(3))
+        n = np.fromiter((len(s.token_ids) for s in seqs), np.int64, b)
+        starts = np.fromiter((s.start for s in seqs), np.int64, b)
+        real = np.arange(q) < n[:, None]  # [b, q]: padded tokens come after the real ones
+        ids.fill(0)
+        if q == 1:  # decode: one token each
+            ids[:b, 0] = np.fromiter((s.token_ids[0] for s in seqs), np.int64, b)
+        else:
+            _fill_rows(ids[:b], [s.token_ids for s in seqs], real)
+        pos[:b] = starts[:, None] + np.arange(q)  # padded tokens: any valid position
+        pos[b:] = np.arange(q)  # whole padded sequences: positions 0..q-1 in the scratch block
+        seq_lens[:b], seq_lens[b:] = starts + q, q
+        slots.fill(scratch_slot)
+        p = pos[:b]
+        block = np.take_along_axis(tables[:b], p // self.block_size, axis=1)
+        slots[:b] = np.where(real, block * self.block_size + p % self.block_size, scratch_slot)
+        rows = logit_rows(n, np.fromiter((s.num_logits for s in seqs), np.int64, b), np.arange(b) * q)
+        self._host_longs[3 * t: 3 * t + len(rows)] = rows
+        n_longs, n_ints = 3 * t + len(rows), size * (1 + width)
+        self.longs[:n_longs].copy_(self.host_longs[:n_longs], non_blocking=True)
+        self.ints[:n_ints].copy_(self.host_ints[:n_ints], non_blocking=True)
+        if input_ids is not None:  # after the host copy, in stream order
+            self.longs[:b].copy_(input_ids)
+        if self.copied is not None:
+            self.copied.record()
+        return self.replays[q, size](), self.longs[3 * t: 3 * t + len(rows)]
+
+    def _update_tables(self, seqs: list[StepSeq]) -> None:
+        """Row i of `_tables` := seqs[i].block_table (scratch-padded), writing only what changed:
+        the block manager grows a table list in place and replaces it on any other change, so
+        the same list object at the same row needs only its new tail."""
         for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        ids = [s.token_ids[0] for s in seqs] + [0] * (size - b)
-        pos = [s.start for s in seqs] + [0] * (size - b)
-        slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in seqs]
-        slots += [self.scratch_block * bs] * (size - b)
-        lens = [s.start + 1 for s in seqs] + [1] * (size - b)
-        self.ids[:size].copy_(torch.tensor(ids), non_blocking=True)
-        self.pos[:size].copy_(torch.tensor(pos), non_blocking=True)
-        self.slots[:size].copy_(torch.tensor(slots), non_blocking=True)
-        self.seq_lens[:size].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.tables[:size].copy_(tables, non_blocking=True)
-        return self.replays[size]()[:b]
+            table, (cached, written) = s.block_table, self._table_rows[i]
+            if cached is table:
+                if len(table) != written:
+                    self._tables[i, written: len(table)] = table[written:]
+                    self._table_rows[i] = (table, len(table))
+                continue
+            self._tables[i, : len(table)] = table
+            self._tables[i, len(table):] = self.scratch_block
+            self._table_rows[i] = (table, len(table))
+
+
+def _fill_rows(out: np.ndarray, rows: list[list[int]], mask: Optional[np.ndarray] = None) -> None:
+    """out[i, :len(rows[i])] = rows[i] for every i, in one numpy assignment (`mask`: where the
+    values go, row-major, when the caller has it already)."""
+    if mask is None:
+        lens = np.fromiter(map(len, rows), np.int64, len(rows))
+        mask = np.arange(out.shape[1]) < lens[:, None]
+    out[mask] = np.fromiter(itertools.chain.from_iterable(rows), out.dtype)
+
+
+def logit_rows(num_tokens: np.ndarray, num_logits: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Rows of the flat batch whose logits are needed: sequence i's last num_logits[i] tokens,
+    its tokens starting at row first[i]."""
+    total = int(num_logits.sum())
+    before = np.cumsum(num_logits) - num_logits  # logit rows of the sequences before i
+    return np.repeat(first + num_tokens - num_logits - before, num_logits) + np.arange(total)
 
 
 def _replay(graph: "torch.cuda.CUDAGraph", out: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ Checks that need the model (vocabulary size, context length, chat template) live
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
@@ -344,6 +345,22 @@ class ChatCompletionChunk(Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: Optional[Usage] = None
+
+
+class TextTemplate:
+    """A response's JSON with one string field left open, filled per chunk: building and
+    serializing pydantic models for every streamed token costs more than the rest of the path.
+    The JSON around the text comes from the model itself, so the chunk's shape cannot drift."""
+
+    MARK = "@@fitllm-text@@"  # put in the open field; JSON-encodes to itself in quotes
+
+    def __init__(self, response: Response):
+        self.head, sep, self.tail = response.model_dump_json().partition(json.dumps(self.MARK))
+        if not sep or self.MARK in self.tail:
+            raise ValueError("the template must hold the mark exactly once")
+
+    def fill(self, text: str) -> str:
+        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
 
 
 class ModelCard(Response):

@@ -9,6 +9,11 @@ depend on which other requests share the batch.
 
 Logprobs are those of the model's raw distribution (before penalties, bias and temperature):
 what scoring and evals want, and what vLLM reports by default.
+
+Host synchronisation: `Sampler.sample` only queues GPU work and returns device tensors; the
+engine brings everything a step needs to the host with `fetch_to_host` (one copy into pinned
+memory, one wait). Host lists reach the device through `to_device` (pinned, non-blocking): a
+plain `torch.tensor(list, device="cuda")` would wait for the GPU each time.
 """
 from __future__ import annotations
 
@@ -101,9 +106,60 @@ class SampleOutput:
     failed: list[bool]  # NaN/inf logits: that request ends with an error, the others go on
 
 
+@dataclass
+class LogprobTensors:
+    """Logprobs of some rows, still on the device: chosen [n], top_ids / top_lp [n, top_n]."""
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_lp: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.chosen, self.top_ids, self.top_lp]
+
+    @staticmethod
+    def to_list(token_ids: Sequence[int], chosen, top_ids, top_lp, top_n: Sequence[int]) -> list[TokenLogprob]:
+        """Host tensors (from `fetch_to_host`) -> TokenLogprobs, row i cut to its own top_n[i]."""
+        chosen, top_ids, top_lp = chosen.tolist(), top_ids.long().tolist(), top_lp.tolist()
+        return [TokenLogprob(int(t), float(c), list(zip(ids[:n], lps[:n])))
+                for t, c, ids, lps, n in zip(token_ids, chosen, top_ids, top_lp, top_n)]
+
+
+@dataclass
+class DeviceSample:
+    """What `Sampler.sample` queued: token ids (-1: non-finite logits) and, for the rows that
+    asked for them (`logprob_rows`), their logprobs. All on the device until `to_host`."""
+
+    token_ids: torch.Tensor
+    logprob_rows: list[int]
+    logprob_top_n: list[int]
+    logprobs: Optional[LogprobTensors]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.token_ids] + (self.logprobs.tensors() if self.logprobs is not None else [])
+
+    def from_host(self, host: Sequence[torch.Tensor]) -> SampleOutput:
+        """Build the output from `fetch_to_host(self.tensors())`."""
+        tokens = host[0].long().tolist()
+        logprobs: list[Optional[TokenLogprob]] = [None] * len(tokens)
+        if self.logprobs is not None:
+            found = LogprobTensors.to_list([tokens[i] for i in self.logprob_rows], *host[1:4], self.logprob_top_n)
+            for i, lp in zip(self.logprob_rows, found):
+                logprobs[i] = lp
+        return SampleOutput(tokens, logprobs, [t < 0 for t in tokens])
+
+    def to_host(self) -> SampleOutput:
+        return self.from_host(fetch_to_host(self.tensors()))
+
+
 class Sampler:
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleInput]) -> SampleOutput:
+        """Sample and wait for the result (tests, simple callers; the engine uses `sample`)."""
+        return self.sample(logits, rows).to_host()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleInput]) -> DeviceSample:
+        """Queue the sampling of every row on the logits' device; nothing waits for the GPU."""
         logits = logits.float()
         finite = torch.isfinite(logits).all(dim=-1)
         raw = torch.where(finite[:, None], logits, torch.zeros((), device=logits.device))
@@ -111,37 +167,71 @@ class Sampler:
         tokens = x.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, device=x.device)
+            idx = to_device(random_rows, torch.long, x.device)
             tokens[idx] = sample_random(x[idx], [rows[i] for i in random_rows])
-        logprobs = self._logprobs(raw, tokens, rows)
-        failed = (~finite).tolist()
-        token_ids = [-1 if bad else t for t, bad in zip(tokens.tolist(), failed)]
-        return SampleOutput(token_ids, logprobs, failed)
-
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SampleInput]) -> list[Optional[TokenLogprob]]:
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        out: list[Optional[TokenLogprob]] = [None] * len(rows)
+        lps = None
         if wanted:
-            idx = torch.tensor(wanted, device=raw.device)
-            found = token_logprobs(raw[idx], tokens[idx], max(rows[i].params.logprobs for i in wanted))
-            for i, lp in zip(wanted, found):
-                lp.top = lp.top[: rows[i].params.logprobs]
-                out[i] = lp
-        return out
+            idx = to_device(wanted, torch.long, raw.device)
+            lps = logprob_tensors(raw[idx], tokens[idx], max(rows[i].params.logprobs for i in wanted))
+        tokens = tokens.masked_fill(~finite, -1)
+        return DeviceSample(tokens, wanted, [rows[i].params.logprobs for i in wanted], lps)
+
+
+def logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> LogprobTensors:
+    """Log-probability of `token_ids[i]` under row i, with the row's `top_n` best tokens (device)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids.long()[:, None]).squeeze(1)
+    top_lp, top_ids = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+    return LogprobTensors(chosen, top_ids, top_lp)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> list[TokenLogprob]:
-    """Log-probability of `token_ids[i]` under row i, with the row's `top_n` best tokens."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, token_ids.long()[:, None]).squeeze(1).tolist()
-    top_n = min(top_n, lp.shape[-1])
-    if top_n > 0:
-        top_lp, top_ids = lp.topk(top_n, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lp.tolist())]
-    else:
-        tops = [[] for _ in chosen]
-    return [TokenLogprob(int(t), float(c), top) for t, c, top in zip(token_ids.tolist(), chosen, tops)]
+    """`logprob_tensors`, brought to the host (waits for the GPU)."""
+    host = fetch_to_host([token_ids] + logprob_tensors(logits, token_ids, top_n).tensors())
+    return LogprobTensors.to_list(host[0].long().tolist(), *host[1:], [top_n] * len(token_ids))
+
+
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the GPU (pinned, non-blocking copy;
+    the pinned block is not reused before the copy has run: PyTorch's host allocator tracks it)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def fetch_to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Device tensors on the host, with one device->host copy and one wait."""
+    return HostFetch(tensors).wait()
+
+
+class HostFetch:
+    """Device tensors on their way to the host: one copy queued now (every tensor goes through
+    float64, exact for token ids and float32 logprobs, into one pinned buffer), one wait in
+    `wait`. Queuing it early lets the engine queue the next step's GPU work behind it without
+    delaying it."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.tensors, self.host, self.done = list(tensors), None, None
+        if not self.tensors or self.tensors[0].device.type != "cuda":
+            return
+        parts = [t.detach().reshape(-1).to(torch.float64) for t in self.tensors]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        self.host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+        self.host.copy_(flat, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.done is None:
+            return [t.detach() for t in self.tensors]
+        self.done.synchronize()
+        out, i = [], 0
+        for t in self.tensors:
+            out.append(self.host[i: i + t.numel()].view(t.shape).to(t.dtype))
+            i += t.numel()
+        return out
 
 
 def apply_logit_bias(x: torch.Tensor, rows: Sequence[SampleInput]) -> torch.Tensor:
@@ -150,8 +240,8 @@ def apply_logit_bias(x: torch.Tensor, rows: Sequence[SampleInput]) -> torch.Tens
         return x
     r, t, b = zip(*entries)
     x = x.clone()
-    x.index_put_((torch.tensor(r, device=x.device), torch.tensor(t, device=x.device)),
-                 torch.tensor(b, device=x.device), accumulate=True)
+    x.index_put_((to_device(r, torch.long, x.device), to_device(t, torch.long, x.device)),
+                 to_device(b, x.dtype, x.device), accumulate=True)
     return x
 
 
@@ -166,10 +256,10 @@ def apply_penalties(x: torch.Tensor, rows: Sequence[SampleInput]) -> torch.Tenso
     sub = [rows[i] for i in picked]
     out_counts = _token_counts([r.output_ids for r in sub], vocab, dev)
     seen = out_counts + _token_counts([r.prompt_ids for r in sub], vocab, dev) > 0
-    rep = torch.tensor([r.params.repetition_penalty for r in sub], device=dev)[:, None]
-    freq = torch.tensor([r.params.frequency_penalty for r in sub], device=dev)[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in sub], device=dev)[:, None]
-    idx = torch.tensor(picked, device=dev)
+    rep = to_device([r.params.repetition_penalty for r in sub], x.dtype, dev)[:, None]
+    freq = to_device([r.params.frequency_penalty for r in sub], x.dtype, dev)[:, None]
+    pres = to_device([r.params.presence_penalty for r in sub], x.dtype, dev)[:, None]
+    idx = to_device(picked, torch.long, dev)
     y = x[idx]
     y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
     y = y - freq * out_counts - pres * (out_counts > 0).float()
@@ -184,13 +274,14 @@ def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device) -> torch.Te
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
     counts = torch.zeros(len(seqs), vocab + 1, device=device)
-    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    ids = (ids.pin_memory() if torch.device(device).type == "cuda" else ids).to(device, non_blocking=True)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
     return counts[:, :vocab]
 
 
 def sample_random(x: torch.Tensor, rows: Sequence[SampleInput]) -> torch.Tensor:
     dev = x.device
-    temp = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
+    temp = to_device([r.params.temperature for r in rows], x.dtype, dev)[:, None]
     probs = torch.softmax(filter_logits(x / temp, [r.params for r in rows]), dim=-1)
     return (probs / exponential_noise(probs.shape, rows, dev)).argmax(dim=-1)
 
@@ -200,15 +291,15 @@ def filter_logits(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
     dev, vocab = x.device, x.shape[-1]
     if any(p.top_k > 1 or p.top_p < 1.0 for p in params):
         sorted_x, order = x.sort(dim=-1, descending=True)
-        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)[:, None]
+        k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, dev)[:, None]
         sorted_x = sorted_x.masked_fill(torch.arange(vocab, device=dev)[None, :] >= k, float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+        top_p = to_device([p.top_p for p in params], x.dtype, dev)[:, None]
         probs = torch.softmax(sorted_x, dim=-1)
         # Keep a token while the mass before it is still under top_p.
         sorted_x = sorted_x.masked_fill(probs.cumsum(dim=-1) - probs > top_p, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+        min_p = to_device([p.min_p for p in params], x.dtype, dev)[:, None]
         probs = torch.softmax(x, dim=-1)
         x = x.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return x

@@ -55,6 +55,11 @@ class Request:
         return self.token_ids[len(self.prompt_ids):]
 
     @property
+    def num_output(self) -> int:
+        """len(output_ids), without the copy."""
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
     def num_remaining(self) -> int:
         """Tokens still to be run through the model before the next one can be sampled."""
         return self.num_tokens - self.num_computed
@@ -97,13 +102,16 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # Decodes first (stable sort keeps admission order within each group).
-        for req in sorted(self.running, key=lambda r: r.num_remaining - r.num_draft > 1):
+        # Decodes first, each group in admission order.
+        decodes, chunks = [], []
+        for req in self.running:
+            (chunks if len(req.token_ids) - req.num_computed - req.num_draft > 1 else decodes).append(req)
+        for req in itertools.chain(decodes, chunks):
             if budget <= 0:
                 break
             if req.status != "running":  # preempted earlier in this loop
                 continue
-            n = min(req.num_remaining, budget)
+            n = min(len(req.token_ids) - req.num_computed, budget)
             if req.num_draft and (n < req.num_remaining or not self.bm.can_allocate(req.request_id,
                                                                                      req.num_computed, n)):
                 req.drop_draft()
@@ -147,9 +155,10 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """The forward pass wrote K/V for the scheduled tokens: count them and cache full blocks."""
+        cache_full_blocks = self.bm.cache_full_blocks
         for req, n in out.num_tokens.items():
             req.num_computed += n
-            self.bm.cache_full_blocks(req.request_id, req.token_ids, req.num_computed - req.num_draft)
+            cache_full_blocks(req.request_id, req.token_ids, req.num_computed - req.num_draft)
 
     def preempt(self, req: Request) -> None:
         req.drop_draft()

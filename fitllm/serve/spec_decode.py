@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from fitllm.serve.block_manager import BlockManager
 from fitllm.serve.model_runner import ModelRunner, StepSeq
-from fitllm.serve.sampling import SampleInput, SamplingParams, apply_logit_bias, filter_logits
+from fitllm.serve.sampling import SampleInput, SamplingParams, apply_logit_bias, fetch_to_host, filter_logits
 
 SPECULATIVE_CHOICES = "ngram | self-int4 | draft-model:PATH"
 
@@ -89,7 +89,10 @@ class NgramDrafter:
 class DraftModelDrafter:
     """A draft model with its own paged KV cache. Per proposal: one catch-up step (the tokens its
     cache lacks; the first time, the whole context) whose last row gives draft 1, then k - 1
-    decode steps, each batched over all requests still drafting (CUDA graphs apply on a GPU)."""
+    decode steps, each batched over all requests still drafting. On a GPU both replay CUDA
+    graphs: after a verification the catch-up is 1 or 2 tokens per sequence (the last accepted
+    draft, which was never fed back, and the target's token), captured as q = 2. Each step waits
+    for the GPU once, for all of its draft tokens."""
 
     needs_cache = True
 
@@ -112,7 +115,8 @@ class DraftModelDrafter:
         self.bm = BlockManager(num_blocks, self.block_size)
         self.max_batched_tokens = max_batched_tokens
         if cuda_graphs:
-            self.runner.capture_graphs(max_num_seqs, max_model_len)
+            self.runner.capture_graphs(max_num_seqs, max_model_len, query_lens=(1, 2),
+                                       max_batched_tokens=max_batched_tokens)
 
     def free(self, seq_id: Hashable) -> None:
         self.seen.pop(seq_id, None)
@@ -187,14 +191,15 @@ class DraftModelDrafter:
 
     @staticmethod
     def _sample(logits: torch.Tensor, items: Sequence[DraftItem]) -> list[tuple[int, Optional[torch.Tensor]]]:
-        out = []
-        for row, it in zip(logits, items):
-            if it.params.greedy:  # the greedy verifier compares tokens only: q is not needed
-                out.append((int(apply_logit_bias(row[None], [SampleInput(it.params)]).argmax()), None))
-            else:
-                q = sampling_probs(row[None], it.params)[0]
-                out.append((int(torch.multinomial(q, 1, generator=it.generator)), q))
-        return out
+        """One draft token per row (q: the distribution it came from; None when greedy, the greedy
+        verifier compares tokens only), brought to the host with one wait."""
+        tokens = apply_logit_bias(logits, [SampleInput(it.params) for it in items]).argmax(-1)
+        qs: list[Optional[torch.Tensor]] = [None] * len(items)
+        for i, (row, it) in enumerate(zip(logits, items)):
+            if not it.params.greedy:
+                qs[i] = sampling_probs(row[None], it.params)[0]
+                tokens[i] = draw(qs[i], it.generator)
+        return list(zip(fetch_to_host([tokens])[0].tolist(), qs))
 
 
 def _rfind_tokens(data: bytes, needle: bytes, end: int) -> int:
@@ -263,48 +268,58 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.softmax(filter_logits(x, [params] * logits.shape[0]), dim=-1)
 
 
-def accept_greedy(draft: list[int], target_logits: torch.Tensor) -> list[int]:
-    """target_logits [len(draft) + 1, vocab]: row i predicts the token after draft[:i].
+def accept_greedy(draft: list[int], target_best: list[int]) -> list[int]:
+    """target_best[i]: the target's greedy token after draft[:i] (len(draft) + 1 of them).
     Returns the accepted draft prefix plus the target's own next token (always >= 1 token)."""
-    best = target_logits.argmax(-1).tolist()
     out = []
     for i, tok in enumerate(draft):
-        if tok != best[i]:
-            out.append(best[i])
+        if tok != target_best[i]:
+            out.append(target_best[i])
             return out
         out.append(tok)
-    out.append(best[len(draft)])
+    out.append(target_best[len(draft)])
     return out
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """What to sample from after a rejection: normalize(max(0, p - q))."""
+    """What to sample from after a rejection: normalize(max(0, p - q)), per row."""
     residual = (p - q).clamp(min=0)
-    total = residual.sum()
+    total = residual.sum(-1, keepdim=True)
     # p == q exactly leaves no residual mass; then any draw from p is correct.
-    return residual / total if total > 0 else p
+    return torch.where(total > 0, residual / total.clamp_min(1e-30), p)
+
+
+def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row of `probs`, on the device (argmax of p / Exp(1) noise: torch.multinomial
+    would check its input with a wait for the GPU)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-20)
+    return (probs / noise).argmax(-1)
+
+
+def rejection_sample(draft: torch.Tensor, draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor,
+                     generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accept/reject rule on the device, without waiting: draft [k] token ids, draft_probs
+    [k, vocab] (None: a deterministic drafter, q one-hot), target_probs [k + 1, vocab] (after
+    temperature/top-p etc.). Returns (n, token): the first n drafts are accepted, then `token`
+    (drawn from normalize(max(0, p - q)) at the first rejection, or from p after all k).
+    A correction candidate is drawn at every position, independently of the accept draws, and
+    the one at position n is used: the same distribution as drawing it after the rejection."""
+    k = draft.shape[0]
+    p = target_probs[:k]
+    q = draft_probs if draft_probs is not None else F.one_hot(draft, p.shape[-1]).to(p.dtype)
+    p_tok, q_tok = p.gather(1, draft[:, None])[:, 0], q.gather(1, draft[:, None])[:, 0]
+    ratio = torch.where(q_tok > 0, p_tok / q_tok.clamp_min(1e-30), torch.zeros_like(p_tok)).clamp(max=1.0)
+    rejected = torch.rand(k, generator=generator, device=p.device) >= ratio
+    # The first rejection (argmax returns the first maximum), or k when every draft is accepted.
+    n = torch.where(rejected.any(), rejected.int().argmax(), torch.full((), k, device=p.device))
+    candidates = draw(torch.cat([residual_distribution(p, q), target_probs[k:k + 1]]), generator)
+    return n, candidates.gather(0, n.view(1)).squeeze(0)  # (candidates[n] would read n on the host)
 
 
 def accept_sampled(draft: list[int], draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor,
                    generator: Optional[torch.Generator] = None) -> list[int]:
-    """Rejection sampling. target_probs [len(draft) + 1, vocab] (after temperature/top-p etc.);
-    draft_probs [len(draft), vocab] or None for a deterministic (one-hot) drafter."""
-    device = target_probs.device
-    out = []
-    for i, tok in enumerate(draft):
-        p = target_probs[i]
-        q = draft_probs[i] if draft_probs is not None else _one_hot(tok, p)
-        ratio = (p[tok] / q[tok]).clamp(max=1.0) if q[tok] > 0 else p.new_tensor(0.0)
-        if torch.rand((), generator=generator, device=device) < ratio:
-            out.append(tok)
-            continue
-        out.append(int(torch.multinomial(residual_distribution(p, q), 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(target_probs[len(draft)], 1, generator=generator)))
-    return out
-
-
-def _one_hot(tok: int, like: torch.Tensor) -> torch.Tensor:
-    q = torch.zeros_like(like)
-    q[tok] = 1.0
-    return q
+    """`rejection_sample` on the host: the accepted drafts plus the correction or bonus token."""
+    n, token = rejection_sample(torch.tensor(draft, dtype=torch.long, device=target_probs.device), draft_probs,
+                                target_probs, generator)
+    n, token = fetch_to_host([n, token])
+    return draft[:int(n)] + [int(token)]
