@@ -272,6 +272,13 @@ if triton is not None:
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _gemv_program(N, BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):
+        """GEMV grid (n, k, m): this program's column block, K split, first row, and tile offsets."""
+        pid_n = tl.program_id(0)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        return pid_n, tl.program_id(1), tl.program_id(2) * BM, offs_n, offs_n < N, tl.arange(0, BKP)
+
+    @triton.jit
     def _word_tile(q_ptr, s_ptr, z_ptr, kt, offs_r0, offs_n, n_mask, N, K,
                    PACK: tl.constexpr, BK: tl.constexpr, GROUP_SIZE: tl.constexpr):
         """K tile kt of the small-M kernels: its packed words [BK/pack, BN] (rows past K read as 0)
@@ -324,13 +331,7 @@ if triton is not None:
         HALF: tl.constexpr = PACK // 2
         QMASK: tl.constexpr = (1 << BITS) - 1
         BKP: tl.constexpr = BK // PACK
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_mask = offs_n < N
-        m0 = pid_m * BM
-        offs_r0 = tl.arange(0, BKP)
+        pid_n, pid_k, m0, offs_n, n_mask, offs_r0 = _gemv_program(N, BM, BN, BKP)
         acc0 = tl.zeros((BKP, BN), dtype=tl.float32)
         acc1 = tl.zeros((BKP, BN), dtype=tl.float32)
         acc2 = tl.zeros((BKP, BN), dtype=tl.float32)
@@ -366,7 +367,7 @@ if triton is not None:
                 acc3 += t3 * s[None, :]
         out, offs_m, m_mask = _rows_out(acc0, acc1, acc2, acc3, m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    pid_m * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
+                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
 
     # Small-M GEMV with packed 16-bit math. One word holds fields 0..7 (4 bits each); `(w >> 4i) &
     # 0x000F000F | magic` turns fields i and i + 4 into two 16-bit floats magic + q in one LOP3
@@ -505,12 +506,7 @@ if triton is not None:
         BKP: tl.constexpr = BK // 8
         MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
         DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        m0 = tl.program_id(2) * BM
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_mask = offs_n < N
-        offs_r0 = tl.arange(0, BKP)
+        pid_n, pid_k, m0, offs_n, n_mask, offs_r0 = _gemv_program(N, BM, BN, BKP)
         acc0 = tl.zeros((BKP, BN), dtype=tl.float32)
         acc1 = tl.zeros((BKP, BN), dtype=tl.float32)
         acc2 = tl.zeros((BKP, BN), dtype=tl.float32)
