@@ -74,7 +74,7 @@ def run_one(name: str, args) -> dict:
     row = {"name": name}
     out = Path(args.workdir) / name
     if name == "base":
-        model = load_model(args.base, "cpu", torch.float32)
+        model = load_model(Path(args.base), "cpu", torch.float32)
     elif name in PEERS:
         row.update(peer_subprocess(name, args, "--peer"))
         model = load_quantized_model(out, "cpu", torch.float32)
