@@ -75,12 +75,12 @@ def pick_config(table: dict, arch: str, m: int) -> dict:
     return rows[-1][1]
 
 
-def split_k_for(tiles_mn: int, k_tiles: int, sms: int, waves: float) -> int:
-    """Enough programs to fill the GPU `waves` times over, never more splits than K tiles."""
-    if waves <= 0:
-        return 1
-    want = max(1, round(sms * waves / max(tiles_mn, 1)))
-    return max(1, min(want, k_tiles))
+def split_k_for(tiles_mn: int, k_tiles: int, sms: int, waves: float) -> tuple[int, int]:
+    """(splits, K tiles per split): enough programs to fill the GPU `waves` times over, never more
+    splits than K tiles, and no empty split (the count is recomputed from the tiles per split)."""
+    want = 1 if waves <= 0 else max(1, round(sms * waves / max(tiles_mn, 1)))
+    k_iters = -(-k_tiles // max(1, min(want, k_tiles)))
+    return -(-k_tiles // k_iters), k_iters
 
 
 def patch_interpreter_for_numpy_2_4() -> None:

@@ -272,9 +272,7 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     k_tiles = triton.cdiv(K, BK)
-    split = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
-    k_iters = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, k_iters)
+    split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
     ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if split > 1 else (y, y)
     _fp8_kernel[(tiles_mn, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt,
@@ -290,9 +288,7 @@ def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev):
     N, K = weight_fp8.shape
     BN, BK = cfg["BN"], cfg["BK"]
     n_blocks, k_tiles = triton.cdiv(N, BN), triton.cdiv(K, BK)
-    split = split_k_for(n_blocks, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
-    k_iters = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, k_iters)
+    split, k_iters = split_k_for(n_blocks, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
     ws, cnt = splitk_workspace(y.device, N, n_blocks) if split > 1 else (y, y)
     _fp8_gemv_kernel[(n_blocks, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt, N, K, weight_fp8.stride(0), k_iters, split,

@@ -752,9 +752,7 @@ def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bia
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
     tiles_mn = m_blocks * n_blocks
     k_tiles = triton.cdiv(K, bk)
-    split = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
-    k_iters = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, k_iters)  # no empty splits
+    split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
     use_ws = split > 1
     ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if use_ws else (y, y)
     args = (x, qweight, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
@@ -823,9 +821,7 @@ def w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bits=4, g_idx=None,
         scale_mode = 0
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     k_tiles = triton.cdiv(K, BK)
-    split = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
-    k_iters = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, k_iters)  # no empty splits
+    split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
     ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if split > 1 else (y, y)
     # Per-element scales put `pack` extra [BK/pack, BN] scale and zero tiles in every pipeline
     # stage; two stages keep that inside shared memory (3 stages of BK=256 needed 272 KB on sm90).
