@@ -95,12 +95,15 @@ def part_offline(args) -> None:
     rows = []
     for scheme in args.offline_schemes.split(","):
         model = build(scheme)
-        engine = engine_for(model, kv_dtype="auto")
+        engine = engine_for(model, kv_dtype="auto", max_num_seqs=args.offline_max_seqs,
+                            max_num_batched_tokens=args.offline_batched_tokens)
         throughput(engine, 32, 128, 16)  # warm-up: compile kernels for prefill shapes
         gen, total = throughput(engine, args.offline_requests, 128, 128)
         rows.append({"weights": scheme, "requests": args.offline_requests, "output_tokens_per_s": gen,
-                     "total_tokens_per_s": total, "preemptions": engine.stats()["preemptions"]})
-        print(f"offline    weights={scheme:5s} {args.offline_requests} x (128 in, 128 out): {gen:8.0f} output tok/s "
+                     "total_tokens_per_s": total, "preemptions": engine.stats()["preemptions"],
+                     "max_num_seqs": args.offline_max_seqs, "max_num_batched_tokens": args.offline_batched_tokens})
+        print(f"offline    weights={scheme:5s} seqs={args.offline_max_seqs} {args.offline_requests} x (128 in, 128 out): "
+              f"{gen:8.0f} output tok/s "
               f"({total:.0f} incl. prompt)", flush=True)
         free(engine)
         del model
@@ -285,6 +288,8 @@ def main() -> int:
     ap.add_argument("--parts", default="decode,offline,profile,memory")
     ap.add_argument("--offline-requests", type=int, default=1000)
     ap.add_argument("--offline-schemes", default="fp8,int4,bf16")
+    ap.add_argument("--offline-max-seqs", type=int, default=256, help="offline: the engine's max_num_seqs")
+    ap.add_argument("--offline-batched-tokens", type=int, default=8192, help="offline: tokens per step")
     ap.add_argument("--decode-schemes", default="bf16,int4,fp8")
     ap.add_argument("--decode-kv", default="auto,fp8")
     ap.add_argument("--no-hf-peer", dest="hf_peer", action="store_false")

@@ -172,6 +172,35 @@ def hf_perplexity(name: str, args) -> dict:
     return {"hf_ppl": round(math.exp(nll / count), 3)}
 
 
+def make_calib_text(path: Path) -> None:
+    """Calibration text that is neither WikiText nor network-fetched, rebuilt the same way on any
+    machine with this venv: the license files of the installed packages, then the docstrings of the
+    standard library's modules, sorted by name (the kind of text the issue's peers were calibrated on)."""
+    import ast
+    import site
+    import sysconfig
+
+    parts = []
+    for sp in sorted(site.getsitepackages()):
+        for lic in sorted(Path(sp).glob("*.dist-info/licenses/**/*")) + sorted(Path(sp).glob("*.dist-info/LICENSE*")):
+            if lic.is_file() and lic.stat().st_size < 200_000:
+                parts.append(lic.read_text(errors="replace"))
+    for py in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in py.parts or "site-packages" in py.parts:
+            continue
+        try:
+            tree = ast.parse(py.read_text(errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 200:
+                    parts.append(doc)
+    path.write_text("\n\n".join(parts))
+    print(f"{path}: {len(parts)} texts, {path.stat().st_size / 1e6:.1f} MB")
+
+
 def prepare(args) -> None:
     """Calibration ids and evaluation windows, written once and read by every row."""
     from fitllm.models.tokenizer import load_tokenizer
@@ -200,10 +229,13 @@ def main() -> None:
     ap.add_argument("--gptqmodel-python", default=None, help="python of the venv with GPTQModel")
     ap.add_argument("--hf-check", default=None, help="peers whose checkpoints transformers also evaluates")
     ap.add_argument("--base", default=None, help="model folder (default: the embedded model)")
+    ap.add_argument("--make-calib", default=None, metavar="FILE", help="write the license/docstring calibration text and exit")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hf-eval", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.make_calib:
+        return make_calib_text(Path(args.make_calib))
     if args.parallel:
         torch.set_num_threads(1)
     if args.one or args.peer or args.hf_eval:

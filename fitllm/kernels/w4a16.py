@@ -415,7 +415,7 @@ if triton is not None:
     def _half(v, HIGH: tl.constexpr, F16: tl.constexpr):
         """One 16-bit float of an int32 pair, as fp32."""
         if F16:
-            h = (v >> 16) if HIGH else v
+            h = ((v >> 16) if HIGH else v) & 0xFFFF
             return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         return ((v & -65536) if HIGH else (v << 16)).to(tl.float32, bitcast=True)
 

@@ -35,7 +35,7 @@ def quantize_in_memory(model: CausalLM, method: str = "int4", group_size: Option
                                 reader=None, dtype=model.dtype, device=model.device)
         weight = layer.weight
         part = fp8_quantize(weight) if method == "fp8" else to_kernel(rtn_quantize(weight, scheme), model.dtype)
-        quantized.parts, quantized.pending = [part], []
+        quantized.set_parts([part])
         if layer.bias is not None:
             quantized.bias.copy_(layer.bias)
         parent_name, _, attr = name.rpartition(".")

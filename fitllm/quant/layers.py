@@ -3,9 +3,13 @@
 
 Every 4/8-bit layout is repacked at load time into fitllm's one kernel layout (KernelWeight),
 so one GEMM serves them all: fitllm.kernels.w4a16 on a GPU, a torch dequantize + matmul on CPU.
+On a GPU, 4-bit weights with 16-bit activations and no g_idx are repacked once more into the tiled
+layout of fitllm.kernels.w4a16_tiled (TiledWeight), whose kernels are faster at every batch size;
+FITLLM_W4_LAYOUT=standard keeps the standard layout (A/B benchmarks).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -16,7 +20,7 @@ from fitllm.models.config import ModelConfig
 from fitllm.models.errors import ModelLoadError
 from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
 from fitllm.models.loader import FUSED_SHARDS, load_model
-from fitllm.quant.formats.packing import KernelWeight
+from fitllm.quant.formats.packing import KernelWeight, TiledWeight
 from fitllm.quant.scheme import FP8Weight
 
 FP8_MAX = 448.0
@@ -69,8 +73,12 @@ class QuantLinear(FusedLinear):
                 raise ModelLoadError(f"{name}: quantized weight is [{n}, {k}], config expects "
                                      f"[{self.out_sizes[shard]}, {self.in_features}]")
             parts.append(part)
+        self.set_parts(_merge(parts))
+
+    def set_parts(self, parts: list) -> None:
+        """Install converted weights: moved to the device, 4-bit ones tiled for the GPU kernels."""
         self.pending = []
-        self.parts = [_to_device(p, self.device) for p in _merge(parts)]
+        self.parts = [_to_runtime(p, self.device, self.dtype) for p in parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = [self._gemm(x, p) for p in self.parts]
@@ -80,11 +88,16 @@ class QuantLinear(FusedLinear):
     def _gemm(self, x, p) -> torch.Tensor:
         if isinstance(p, FP8Weight):
             return fp8_linear(x, p, self.fp8_mode)
+        shape = x.shape
+        if isinstance(p, TiledWeight):
+            from fitllm.kernels.w4a16_tiled import w4a16_tiled_gemm
+
+            y = w4a16_tiled_gemm(x.reshape(-1, shape[-1]), p.qtile, p.scales, p.zeros, p.group_size, p.in_features)
+            return y.reshape(*shape[:-1], y.shape[-1])
         try:  # Triton on CUDA, its torch reference on CPU
             from fitllm.kernels.w4a16 import w4a16_gemm
         except ImportError:
             return F.linear(x, p.dequantize(x.dtype))
-        shape = x.shape
         y = w4a16_gemm(x.reshape(-1, shape[-1]), p.qweight, p.scales, p.zeros, p.group_size, bits=p.bits, g_idx=p.g_idx)
         return y.reshape(*shape[:-1], y.shape[-1])
 
@@ -127,12 +140,19 @@ def _merge(parts: list) -> list:
     return parts
 
 
-def _to_device(p, device):
+def _to_runtime(p, device, dtype):
+    """A converted weight on `device`; on a GPU, 4-bit weights the tiled kernels take are tiled."""
     if isinstance(p, FP8Weight):
         return FP8Weight(p.weight.to(device), p.scale.to(device),
                          None if p.input_scale is None else p.input_scale.to(device))
-    return KernelWeight(p.qweight.to(device), p.scales.to(device), p.zeros.to(device), p.bits, p.group_size,
-                        None if p.g_idx is None else p.g_idx.to(device))
+    p = KernelWeight(p.qweight.to(device), p.scales.to(device), p.zeros.to(device), p.bits, p.group_size,
+                     None if p.g_idx is None else p.g_idx.to(device))
+    if torch.device(device).type == "cuda" and os.environ.get("FITLLM_W4_LAYOUT", "tiled") != "standard":
+        from fitllm.kernels.w4a16_tiled import tiled_supported
+
+        if tiled_supported(p.bits, p.group_size, p.in_features, p.g_idx, dtype):
+            return TiledWeight.from_kernel(p)
+    return p
 
 
 def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = "config.json") -> LinearFactory:

@@ -82,6 +82,32 @@ class KernelWeight:
         return ((q - self.zeros[g].to(dtype)) * self.scales[g].to(dtype)).t()
 
 
+class TiledWeight:
+    """The GPU form of a 4-bit KernelWeight without g_idx: qtile [N, Kp/8] in the tiled layout of
+    fitllm.kernels.w4a16_tiled (built for its tensor-core kernel), scales/zeros as KernelWeight's."""
+
+    bits = 4
+    g_idx = None
+
+    def __init__(self, qtile, scales, zeros, group_size: int, in_features: int):
+        self.qtile, self.scales, self.zeros = qtile, scales, zeros
+        self.group_size, self.in_features = group_size, in_features
+
+    @classmethod
+    def from_kernel(cls, kw: KernelWeight) -> "TiledWeight":
+        from fitllm.kernels.w4a16_tiled import tile_pack
+
+        return cls(tile_pack(kw.qweight), kw.scales, kw.zeros, kw.group_size, kw.in_features)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype` (the torch reference path, tests)."""
+        from fitllm.kernels.w4a16_tiled import tile_unpack
+
+        q = tile_unpack(self.qtile, self.in_features).to(dtype)  # [K, N]
+        g = torch.arange(self.in_features, device=q.device) // self.group_size
+        return ((q - self.zeros[g].to(dtype)) * self.scales[g].to(dtype)).t()
+
+
 def to_kernel(qw, dtype=torch.float32) -> KernelWeight:
     """QuantizedWeight -> kernel layout; drops g_idx when it is plain k // group_size."""
     k = qw.q.shape[1]

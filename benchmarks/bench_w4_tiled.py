@@ -1,0 +1,238 @@
+"""The tiled-layout W4A16 kernel (fitllm/kernels/w4a16_tiled.py) on the GPU: correctness at the real
+shapes, then speed per M against bf16 cuBLAS, torch's tinygemm and fitllm's standard-layout table,
+with a sweep of tile configs (every swept config is checked for correctness first).
+
+One Llama-3-8B layer's four linears (as benchmarks/bench_gemm.py: CUDA-graph replay of two weight
+copies, µs per layer). Writes $OUT/bench_w4_tiled.json; prints a table at the end.
+
+  python3 benchmarks/bench_w4_tiled.py --out $OUT [--budget-s 420] [--m 1,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.bench_gemm import BW, GS, SHAPES, graph_time, log, make_w4, rel_err  # noqa: E402
+from fitllm.kernels._utils import pick_config  # noqa: E402
+from fitllm.kernels.w4a16 import dequantize_packed, w4a16_gemm_triton  # noqa: E402
+from fitllm.kernels.w4a16_tiled import TILED_CONFIGS, _gemv, _tiled, tile_pack, w4a16_tiled_triton  # noqa: E402
+
+CHECK_M = [1, 3, 16, 33, 128, 1000, 4096]
+TIME_M = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+INT4_BYTES = sum(K * N // 2 + 2 * (K // GS) * N * 2 for K, N in SHAPES.values())  # words + bf16 scales, zeros
+
+
+def candidates(M):
+    t = _tiled
+    small = [t(16, 64, 4, 3, w) for w in (4, 8, 16)] + [t(16, 64, 4, 4, 8), t(16, 64, 4, 5, 8)] + \
+            [t(16, 64, 4, 3, w, True) for w in (4, 8)] + [t(16, 128, 8, 3, 4), t(16, 128, 8, 3, 4, True)]
+    gemv = [_gemv(64, 1, 4, w) for w in (2, 4, 8)] + [_gemv(64, 2, 4, 4), _gemv(128, 1, 4, 4), _gemv(32, 1, 2, 8),
+                                                       _gemv(64, 1, 2, 4), _gemv(128, 2, 8, 4)]
+    if M <= 2:  # around the table's GEMV rows (BN 128 / unroll 2 / 8 warps for M=1)
+        return [_gemv(128, 2, 8, w) for w in (2, 3, 4, 6, 8)] + [_gemv(256, 2, 8, 4), _gemv(128, 1, 8, 4),
+                                                                _gemv(128, 4, 8, 4), _gemv(256, 1, 8, 4),
+                                                                _gemv(64, 1, 4, 4), _gemv(64, 1, 4, 6), _gemv(64, 2, 8, 4),
+                                                                t(16, 64, 4, 3, 8)]
+    if M <= 4:
+        return gemv + small[:2] + small[5:6]
+    if M <= 16:
+        return small
+    if M <= 32:
+        return [t(32, 64, 4, 3, w) for w in (2, 4)] + [t(32, 128, 4, 3, 2), t(32, 128, 8, 3, 2), t(16, 64, 4, 3, 4)]
+    if M <= 64:
+        return [t(64, 64, 4, 3, w) for w in (1, 2, 4)] + [t(64, 128, 4, 3, 1), t(64, 128, 8, 3, 2), t(32, 64, 4, 3, 2),
+                                                          t(64, 64, 4, 3, 2, True)]
+    if M <= 256:
+        return [t(64, 128, 4, 3, 1), t(64, 128, 8, 3, 1), t(128, 128, 8, 3, 1), t(128, 128, 8, 3, 1, True),
+                t(64, 128, 8, 3, 1, True), t(64, 256, 8, 3, 1, True), t(0, 0, 4, 1, backend="dequant")]
+    return [t(128, 128, 8, 3, 0, True), t(128, 128, 8, 4, 0, True), t(64, 256, 8, 3, 0, True),
+            t(128, 128, 8, 3, 0), t(0, 0, 4, 1, backend="dequant")]
+
+
+class Weights:
+    """Two copies of the layer: bf16, standard int4 (w4), tiled int4, tinygemm."""
+
+    def __init__(self, dev):
+        self.copies = []
+        for _ in range(2):
+            c = {}
+            for name, (K, N) in SHAPES.items():
+                w4 = make_w4(K, N, dev)
+                tg = None
+                try:
+                    q = torch.randint(0, 16, (N, K), device=dev, dtype=torch.int32)
+                    wp = torch.ops.aten._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), 8)
+                    sz = torch.stack([torch.rand(K // GS, N, device=dev) * 0.01, torch.randn(K // GS, N, device=dev) * 0.01],
+                                     dim=-1).to(torch.bfloat16).contiguous()
+                    tg = (wp, sz)
+                except Exception as e:  # noqa: BLE001
+                    log("tinygemm setup failed:", repr(e)[:200])
+                c[name] = dict(w16=torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02, w4=w4,
+                               qt=dict(qtile=tile_pack(w4["qweight"]), scales=w4["scales"], zeros=w4["zeros"],
+                                       group_size=GS, K=K), tg=tg)
+            self.copies.append(c)
+
+
+def check_tiled(dev, W, ref_w, M, cfg=None):
+    errs = []
+    for name, (K, N) in SHAPES.items():
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)  # poison
+        w4a16_tiled_triton(x, **W.copies[0][name]["qt"], config=cfg, out=y)
+        errs.append(rel_err(y, x.double() @ ref_w[name]))
+    return max(errs)
+
+
+def variants(dev):
+    """Group 32 / 64 / per-channel, fp16, bias, K not a multiple of 128, both scale modes, dequant."""
+    out = []
+    for M in (3, 1000):
+        for kw in (dict(gs=32), dict(gs=64), dict(gs=4096), dict(dtype=torch.float16), dict(K=576, gs=64),
+                   dict(scale_in_w=True), dict(gs=64, scale_in_w=True), dict(dequant=True, gs=64)):
+            kw = dict(kw)
+            dt, K = kw.pop("dtype", torch.bfloat16), kw.pop("K", 4096)
+            siw, dq = kw.pop("scale_in_w", False), kw.pop("dequant", False)
+            N = 4096
+            w4 = make_w4(K, N, dev, dtype=dt, **kw)
+            x = torch.randn(M, K, device=dev, dtype=dt)
+            bias = torch.randn(N, device=dev, dtype=dt)
+            y = torch.full((M, N), float("nan"), device=dev, dtype=dt)
+            bm = 16 if M < 64 else 128
+            cfg = _tiled(0, 0, 4, 1, backend="dequant") if dq else _tiled(bm, 128, 8, 3, 2 if M < 64 else 0, siw)
+            w4a16_tiled_triton(x, tile_pack(w4["qweight"]), w4["scales"], w4["zeros"], w4["group_size"], K, bias=bias,
+                               config=cfg, out=y)
+            ref = x.double() @ dequantize_packed(w4["qweight"], w4["scales"], w4["zeros"], w4["group_size"], 4,
+                                                 dtype=torch.float64) + bias.double()
+            e = rel_err(y, ref)
+            out.append(dict(M=M, K=K, gs=kw.get("gs", GS), dtype=str(dt), scale_in_w=siw, dequant=dq, err=e))
+            log(f"  variant M={M} K={K} gs={kw.get('gs', GS)} {dt} scale_in_w={siw} dequant={dq}: {e:.2e}")
+    return out
+
+
+def model_check(shape="smollm2-135m"):
+    """A whole random model, int4 RTN: logits with the tiled layout vs the standard layout (same
+    integers and scales; only the kernels differ) and vs the bf16 model."""
+    import copy
+
+    from benchmarks.gpu_engine_check import random_model
+    from fitllm.quant.inplace import quantize_in_memory
+    from fitllm.quant.pipeline import CalibContext
+
+    base = random_model(shape, "cuda", torch.bfloat16)
+    models = {}
+    for layout in ("tiled", "standard"):
+        os.environ["FITLLM_W4_LAYOUT"] = layout
+        models[layout] = quantize_in_memory(copy.deepcopy(base), "int4")
+    os.environ.pop("FITLLM_W4_LAYOUT")
+    kinds = {layout: type(next(m for m in models[layout].modules() if hasattr(m, "parts")).parts[0]).__name__
+             for layout in models}
+    ids = torch.randint(0, base.config.vocab_size, (96,), device="cuda")
+    pos = torch.arange(96, device="cuda")
+    with torch.inference_mode():
+        logits = {k: m.compute_logits(m(ids, pos, CalibContext(1, 96))).float() for k, m in
+                  [("bf16", base)] + list(models.items())}
+    e = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    out = dict(shape=shape, weight_types=kinds, tiled_vs_standard=e(logits["tiled"], logits["standard"]),
+               standard_vs_bf16=e(logits["standard"], logits["bf16"]), tiled_vs_bf16=e(logits["tiled"], logits["bf16"]),
+               argmax_agree=(logits["tiled"].argmax(-1) == logits["standard"].argmax(-1)).float().mean().item())
+    log(f"model check {shape}: {out}")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=420)
+    ap.add_argument("--m", default=None, help="comma-separated M values to time (default: all)")
+    ap.add_argument("--no-sweep", action="store_true", help="time the table only")
+    ap.add_argument("--model-check", action="store_true", help="also compare whole-model logits (SmolLM2 shape)")
+    a = ap.parse_args()
+    deadline = time.time() + a.budget_s
+    dev = "cuda"
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "table": TILED_CONFIGS.get("sm90")}
+    W = Weights(dev)
+    ref_w = {name: dequantize_packed(**W.copies[0][name]["w4"], dtype=torch.float64) for name in SHAPES}
+    log("correctness, table path, real shapes")
+    res["check"] = [dict(M=M, err=check_tiled(dev, W, ref_w, M)) for M in CHECK_M]
+    for r in res["check"]:
+        log(f"  M={r['M']:5d} worst rel err {r['err']:.2e}")
+    res["variants"] = variants(dev)
+    worst = max([r["err"] for r in res["check"]] + [r["err"] for r in res["variants"]])
+    log(f"worst rel err {worst:.2e} {'PASS' if worst < 1e-2 else 'FAIL'}")
+    if a.model_check:
+        res["model_check"] = model_check()
+
+    rows = []
+    for M in [int(m) for m in a.m.split(",")] if a.m else TIME_M:
+        x = {K: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for K in (4096, 14336)}
+        outs = {name: torch.empty(M, N, device=dev, dtype=torch.bfloat16) for name, (K, N) in SHAPES.items()}
+
+        def layer(per_linear):
+            def fn():
+                for c in W.copies:
+                    for name, (K, N) in SHAPES.items():
+                        per_linear(c[name], x[K], outs[name])
+            return fn
+
+        methods = {
+            "bf16": lambda w, a_, o: torch.mm(a_, w["w16"].t(), out=o),
+            "tinygemm": lambda w, a_, o: torch.ops.aten._weight_int4pack_mm(a_, w["tg"][0], GS, w["tg"][1]),
+            "standard": lambda w, a_, o: w4a16_gemm_triton(a_, **w["w4"], out=o),
+            "tiled": lambda w, a_, o: w4a16_tiled_triton(a_, **w["qt"], out=o),
+        }
+        row = {"M": M}
+        for k, f in methods.items():
+            try:
+                row[k] = graph_time(layer(f))
+            except Exception as e:  # noqa: BLE001
+                log(f"M={M} {k} failed: {repr(e)[:300]}")
+                row[k] = None
+        sweep = []
+        for cfg in [] if a.no_sweep else candidates(M):
+            if time.time() > deadline:
+                log("budget reached: sweep cut short")
+                break
+            try:
+                err = check_tiled(dev, W, ref_w, M, cfg)
+                us = graph_time(layer(lambda w, a_, o, cfg=cfg: w4a16_tiled_triton(a_, **w["qt"], config=cfg, out=o)),
+                                target_ms=25)
+            except Exception as e:  # noqa: BLE001
+                log(f"  M={M} {cfg} failed: {repr(e)[:300]}")
+                continue
+            sweep.append(dict(cfg=cfg, us=us, err=err))
+        ok = [s for s in sweep if s["err"] < 1e-2]
+        best = min(ok, key=lambda s: s["us"]) if ok else None
+        if best is None and row["tiled"] is not None:  # no sweep: the table is the best we know
+            best = dict(cfg=pick_config(TILED_CONFIGS, "sm90", M), us=row["tiled"], err=None)
+        row["best"] = best
+        row["sweep"] = sweep
+        floor = INT4_BYTES / BW * 1e6
+        log(f"M={M:5d} bf16 {row['bf16']:.1f}  tinygemm {row['tinygemm'] or 0:.1f}  standard {row['standard']:.1f}  "
+            f"tiled-table {row['tiled'] or 0:.1f}  best {best['us'] if best else 0:.1f} {best['cfg'] if best else ''}"
+            f"  (int4 floor {floor:.1f})")
+        rows.append(row)
+        res["timing"] = rows
+        json.dump(res, open(os.path.join(a.out, "bench_w4_tiled.json"), "w"), indent=1, default=str)
+    print("\n| M | bf16 cuBLAS | tinygemm | fitllm standard | tiled table | tiled best (vs bf16) | best config |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = r["best"]
+        bs = f"{b['us']:.1f} ({r['bf16'] / b['us']:.2f}x)" if b else "-"
+        c = b["cfg"] if b else {}
+        cfg = (f"{c['backend']} BM{c['BM']} BN{c['BN']} w{c['num_warps']} s{c['num_stages']} waves{c['waves']} "
+               f"siw{int(c.get('SCALE_IN_W', False))} unroll{c.get('UNROLL', '-')}") if b else ""
+        fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
+        print(f"| {r['M']} | {fmt(r['bf16'])} | {fmt(r['tinygemm'])} | {fmt(r['standard'])} | {fmt(r['tiled'])} | {bs} | {cfg} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,495 @@
+"""W4A16 on the tensor cores from a tiled 4-bit layout whose unpacked registers ARE the MMA operand.
+
+The standard layout (fitllm.kernels.w4a16: qweight [K/8, N], element k of a column at bits 4(k % 8)
+of word k // 8) is what every checkpoint format is repacked into. A tensor-core kernel reading it has
+to shuffle every unpacked weight through shared memory into the operand layout of the MMA, which
+costs more instructions than the weight saves. This module repacks 4-bit weights once more, at load
+time, into a layout built for one thing: a thread's unpacked values land directly in the registers
+its wgmma A fragment needs (the weights are the A operand: y^T = W x^T).
+
+Tiled layout, `qtile` int32 [N, Kp / 8] (Kp = K rounded up to 128, padding zero words), K-major:
+  * K is cut into tiles of 128; a tile of row n is 16 words, word r holding 8 fields;
+  * field f + 4h (f = 0..3, h = 0..1) of word r is k = 32 f + 2 r + h: the two halves of
+    `(w >> 4f) & 0x000F000F` are the neighbours k, k + 1, i.e. one 32-bit pair of the MMA operand,
+    and `| magic` makes them two 16-bit floats 128 + q (bf16) or 1024 + q (fp16) in one LOP3;
+  * word r = c + 4 t is stored at position p = 4 c + t, so the four words one thread needs
+    (c = its lane % 4, t = 0..3) are one 16-byte load.
+scales / zeros stay [G, N] as in the standard layout (zeros as float integers).
+
+The kernel loads the word tile as [8, ROW_WARPS, 2, REP, 16] (lane group, warp, row half, repeat,
+word) so Triton's load layout, pushed through the unpack's join / permute / reshape, is exactly the
+MMA operand layout: no shared-memory round trip for the weights (benchmarks/sass_offline.py shows
+the SASS: no STS/LDSM in the main loop). Per word: 3 shifts, 4 LOP3, 4 packed FMAs (q - z, exact),
+about 1.4 instructions per weight before the MMA, which then does the math for any M up to the tile.
+Group sizes 32, 64, multiples of 128 and per-channel; 16-bit activations; no g_idx (those weights
+keep the standard layout and fitllm.kernels.w4a16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._utils import backend_for, device_index, gpu_arch, interpreting, num_sms, pick_config, split_k_for, splitk_workspace
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .w4a16 import _dot, _dot_pairs, _half, _one_row_dot, _store_tile, _unpack_q_minus_z
+except ImportError:  # CPU-only installs without triton still get the reference
+    triton = None
+
+TILE_K = 128
+
+
+# --------------------------------------------------------------------------- layout (torch)
+
+def _field_shifts(device) -> torch.Tensor:
+    """[f, h] -> bit offset of field f + 4h in a word."""
+    return (4 * (torch.arange(4).view(4, 1) + 4 * torch.arange(2).view(1, 2))).to(device)
+
+
+def tile_pack(qweight: torch.Tensor) -> torch.Tensor:
+    """Standard 4-bit qweight [K/8, N] -> qtile [N, Kp/8] (see the module docstring)."""
+    q = torch.stack([(qweight >> (4 * j)) & 0xF for j in range(8)], dim=1).reshape(-1, qweight.shape[1])  # [K, N]
+    K, N = q.shape
+    kp = -(-K // TILE_K) * TILE_K
+    if kp != K:
+        q = torch.cat([q, q.new_zeros(kp - K, N)])
+    # k = 128 tile + 32 f + 8 t + 2 c + h  ->  [N, tile, f, t, c, h]
+    q = q.t().reshape(N, kp // TILE_K, 4, 4, 4, 2).to(torch.int64)
+    words = (q << _field_shifts(q.device).view(1, 1, 4, 1, 1, 2)).sum(dim=(2, 5))  # [N, tile, t, c]; disjoint bits
+    words = words.permute(0, 1, 3, 2)  # word r = c + 4t stored at p = 4c + t
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the same 32 bits as int32
+    return words.reshape(N, kp // 8).to(torch.int32).contiguous()
+
+
+def tile_unpack(qtile: torch.Tensor, K: int) -> torch.Tensor:
+    """Inverse of tile_pack: qtile [N, Kp/8] -> q [K, N] int32 (tests, the reference path)."""
+    N = qtile.shape[0]
+    w = (qtile.to(torch.int64) & 0xFFFFFFFF).reshape(N, -1, 4, 4).permute(0, 1, 3, 2)  # [N, tile, t, c]
+    q = (w[:, :, None, :, :, None] >> _field_shifts(w.device).view(1, 1, 4, 1, 1, 2)) & 0xF  # [N, tile, f, t, c, h]
+    return q.reshape(N, -1)[:, :K].t().to(torch.int32).contiguous()
+
+
+def tiled_supported(bits: int, group_size: int, K: int, g_idx, dtype: torch.dtype) -> bool:
+    """Whether a weight can use this layout (otherwise it stays in the standard one)."""
+    chunk_ok = group_size >= K or group_size % TILE_K == 0 or group_size in (32, 64)
+    return bits == 4 and g_idx is None and chunk_ok and dtype in (torch.bfloat16, torch.float16)
+
+
+def w4a16_tiled_ref(x, qtile, scales, zeros, group_size, K, bias=None):
+    """Torch reference of w4a16_tiled_gemm (same signature): untile, dequantize to x's dtype, matmul."""
+    q = tile_unpack(qtile, K)
+    g = torch.arange(K, device=q.device) // min(group_size, K)
+    w = ((q.float() - zeros.float()[g]) * scales.float()[g]).to(x.dtype)
+    y = x @ w
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+# --------------------------------------------------------------------------- Triton
+
+if triton is not None:
+
+    def _sub_asm(kind, one, scaled):
+        """$0, $1 <- halves of $2 * 1 + $3 [then * $4]: (magic + q) - (magic + z), exact [times s]."""
+        mul = f"mov.b32 nzero, 0x80008000;\nfma.rn.{kind} t, t, $4, nzero;\n" if scaled else ""
+        return ("{\n.reg .b32 t, one, nzero;\nmov.b32 one, " + one + ";\nfma.rn." + kind
+                + " t, $2, one, $3;\n" + mul + "mov.b32 {$0, $1}, t;\n}")
+
+    _SUB_BF16 = tl.constexpr(_sub_asm("bf16x2", "0x3F803F80", False))
+    _SUB_F16 = tl.constexpr(_sub_asm("f16x2", "0x3C003C00", False))
+    _SUB_MUL_BF16 = tl.constexpr(_sub_asm("bf16x2", "0x3F803F80", True))
+    _SUB_MUL_F16 = tl.constexpr(_sub_asm("f16x2", "0x3C003C00", True))
+
+    @triton.jit
+    def _load_tile_words(q_ptr, n0, N, stride_q, kt, BN: tl.constexpr, ROW_WARPS: tl.constexpr):
+        """Words [BN, 16] of K tile kt. Loaded as [8, ROW_WARPS, 2, REP, 16]: Triton spreads the dims
+        after the contiguous word axis over lanes then warps in index order, so thread (warp w, lane
+        l) holds rows 16 w + l // 4 (+ 8) and words 4 (l % 4) .. + 3, which is the A-fragment
+        ownership of the MMA (row = REP index * 16 ROW_WARPS + 16 w + 8 a + g)."""
+        REP: tl.constexpr = BN // (16 * ROW_WARPS)
+        g = tl.arange(0, 8)[:, None, None, None, None]
+        w = tl.arange(0, ROW_WARPS)[None, :, None, None, None]
+        a = tl.arange(0, 2)[None, None, :, None, None]
+        rep = tl.arange(0, REP)[None, None, None, :, None]
+        p = tl.arange(0, 16)[None, None, None, None, :]
+        n = n0 + rep * (16 * ROW_WARPS) + w * 16 + a * 8 + g
+        qw = tl.load(q_ptr + n * stride_q + kt * 16 + p, mask=n < N, other=0)
+        return tl.reshape(tl.permute(qw, (3, 1, 2, 0, 4)), (BN, 16))
+
+    @triton.jit
+    def _round_to(v, F16: tl.constexpr):
+        """fp32 -> the 16-bit dtype, round to nearest even done by hand for bf16 (triton 3.6's
+        interpreter truncates that cast; on the GPU both give the same bits)."""
+        if F16:
+            return v.to(tl.float16)
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+    @triton.jit
+    def _field_tile(qw, f: tl.constexpr, MAGIC2, nz, zf, s2, sf, F16: tl.constexpr, ASM: tl.constexpr,
+                    SCALE_IN_W: tl.constexpr):
+        """[BN, 32]: fields f, f + 4 of every word as q - z (SCALE_IN_W: (q - z) * s rounded once to
+        the 16-bit dtype, as the reference dequantizes), column 8 t + 2 c + h (= k - 32 f)."""
+        DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
+        BN: tl.constexpr = qw.shape[0]
+        v = ((qw >> (4 * f)) & 0x000F000F) | MAGIC2  # two 16-bit floats magic + q
+        if ASM:  # packed FMAs on the pair; its halves stay one register for the MMA
+            nzb = tl.broadcast_to(nz, v.shape)
+            if SCALE_IN_W:
+                sb = tl.broadcast_to(s2, v.shape)
+                if F16:
+                    lo, hi = tl.inline_asm_elementwise(_SUB_MUL_F16, "=h,=h,r,r,r", [v, nzb, sb],
+                                                       dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+                else:
+                    lo, hi = tl.inline_asm_elementwise(_SUB_MUL_BF16, "=h,=h,r,r,r", [v, nzb, sb],
+                                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+            elif F16:
+                lo, hi = tl.inline_asm_elementwise(_SUB_F16, "=h,=h,r,r", [v, nzb], dtype=(tl.float16, tl.float16),
+                                                   is_pure=True, pack=1)
+            else:
+                lo, hi = tl.inline_asm_elementwise(_SUB_BF16, "=h,=h,r,r", [v, nzb], dtype=(tl.bfloat16, tl.bfloat16),
+                                                   is_pure=True, pack=1)
+        else:  # fp32 twin: the same values ((q - z) * s is exact in fp32 before the one rounding)
+            lo = _half(v, False, F16) - zf
+            hi = _half(v, True, F16) - zf
+            if SCALE_IN_W:
+                lo = lo * sf
+                hi = hi * sf
+            lo = _round_to(lo, F16)
+            hi = _round_to(hi, F16)
+        t = tl.reshape(tl.join(lo, hi), (BN, 4, 4, 2))  # [BN, c, t, h] (storage p = 4 c + t)
+        return tl.reshape(tl.permute(t, (0, 2, 1, 3)), (BN, 32))
+
+    @triton.jit
+    def _cat_k(a, b):
+        """[BN, K1] ++ [BN, K1] along K, kept in registers (the join is a register axis)."""
+        t = tl.permute(tl.join(a, b), (0, 2, 1))
+        return tl.reshape(t, (a.shape[0], 2 * a.shape[1]))
+
+    @triton.jit
+    def _pair16(v, DT: tl.constexpr):
+        """fp32 [BN] (exact in DT) -> [BN, 1] int32 holding it twice as a 16-bit pair."""
+        h = v.to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return (h | (h << 16))[:, None]
+
+    @triton.jit
+    def _group_rows(s_ptr, z_ptr, k, N, NUM_GROUPS, offs_n, n_mask, MAGICF: tl.constexpr,
+                    GROUP_SIZE: tl.constexpr, F16: tl.constexpr):
+        """For the group holding column k: scale s (fp32 [BN]) and, for the unpack, -(magic + zero)
+        and s as 16-bit pairs and as fp32 columns [BN, 1]."""
+        DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
+        g = tl.minimum(k // GROUP_SIZE, NUM_GROUPS - 1)  # padded tail tiles use the last group
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        zf = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) + MAGICF
+        return s, _pair16(-zf, DT), zf[:, None], _pair16(s, DT), s[:, None]
+
+    @triton.jit
+    def _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0, K, w, acc, s, UPCAST: tl.constexpr,
+                   SCALE_IN_W: tl.constexpr):
+        """One group's share of the tile: acc += w [BN, CK] @ x[:, k0:k0+CK]^T (times s unless the
+        weights already carry it)."""
+        CK: tl.constexpr = w.shape[1]
+        offs_k = k0 + tl.arange(0, CK)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                     mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+        if SCALE_IN_W:
+            return _dot(w, xt, acc, UPCAST)
+        part = _dot(w, xt, tl.zeros((w.shape[0], xt.shape[1]), dtype=tl.float32), UPCAST)
+        return acc + part * s[:, None]
+
+    @triton.jit
+    def _w4a16_tiled_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, NUM_GROUPS, stride_q, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC2,
+        GROUP_SIZE: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, ROW_WARPS: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
+        SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """y = x W^T for the tiled layout: program (tile of BM rows x BN columns, K split) walks
+        K_ITERS tiles of 128; per tile one dot per group chunk (CHUNK = 128, 64 or 32 columns),
+        weights on the MMA's M side (acc is [BN, BM]). Scales are applied to the fp32 partial sum
+        of each chunk (small M: BN x BM multiplies per chunk), or with SCALE_IN_W folded into the
+        unpacked weights (large M: one more packed multiply per weight pair, and the MMA
+        accumulates in place)."""
+        MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
+        pid_mn = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BM)
+        pid_m = pid_mn % num_pid_m  # M fastest: programs sharing a weight tile run together
+        pid_n = pid_mn // num_pid_m
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for it in range(0, K_ITERS):
+            kt = pid_k * K_ITERS + it
+            k0 = kt * 128
+            qw = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS)
+            if CHUNK == 128:
+                s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0, N, NUM_GROUPS, offs_n, n_mask, MAGICF,
+                                                GROUP_SIZE, F16)
+                w = _cat_k(_cat_k(_field_tile(qw, 0, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
+                                  _field_tile(qw, 1, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)),
+                           _cat_k(_field_tile(qw, 2, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
+                                  _field_tile(qw, 3, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)))
+                acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0, K, w, acc, s, UPCAST, SCALE_IN_W)
+            elif CHUNK == 64:
+                for j in tl.static_range(2):
+                    s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0 + 64 * j, N, NUM_GROUPS, offs_n, n_mask,
+                                                    MAGICF, GROUP_SIZE, F16)
+                    w = _cat_k(_field_tile(qw, 2 * j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
+                               _field_tile(qw, 2 * j + 1, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W))
+                    acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0 + 64 * j, K, w, acc, s, UPCAST,
+                                     SCALE_IN_W)
+            else:
+                for j in tl.static_range(4):
+                    s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0 + 32 * j, N, NUM_GROUPS, offs_n, n_mask,
+                                                    MAGICF, GROUP_SIZE, F16)
+                    w = _field_tile(qw, j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)
+                    acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0 + 32 * j, K, w, acc, s, UPCAST,
+                                     SCALE_IN_W)
+        _store_tile(tl.trans(acc), bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                    pid_mn, SPLIT, HAS_BIAS, USE_WS)
+
+    @triton.jit
+    def _tiled_dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, NUM_GROUPS, stride_q, MAGIC2,
+                              GROUP_SIZE: tl.constexpr, BN: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr):
+        """qtile -> W [N, K] in the activation dtype, one 128-column tile per program (large M)."""
+        MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
+        kt = tl.program_id(0)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        qw = _load_tile_words(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4)
+        for f in tl.static_range(4):
+            k0 = kt * 128 + 32 * f
+            s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0, N, NUM_GROUPS, offs_n, n_mask, MAGICF, GROUP_SIZE, F16)
+            w = _field_tile(qw, f, MAGIC2, nz, zf, s2, sf, F16, ASM, True)
+            offs_k = k0 + tl.arange(0, 32)
+            tl.store(w_ptr + offs_n[:, None] * K + offs_k[None, :], w, mask=n_mask[:, None] & (offs_k < K)[None, :])
+
+
+    @triton.jit
+    def _x_pairs(x_ptr, row, M, stride_xw, kt, xoff, KP, EVEN_K: tl.constexpr):
+        """x of one row as the four 16-bit pairs (f = 0..3) each word position of tile kt needs,
+        [1, 16] int32 each: pair index 64 kt + 16 f + 4 t + c for position p = 4 c + t (0 past K)."""
+        idx = kt * 64 + xoff
+        base = x_ptr + row * stride_xw + idx
+        if EVEN_K:
+            ok = row < M
+            return (tl.load(base, mask=ok, other=0), tl.load(base + 16, mask=ok, other=0),
+                    tl.load(base + 32, mask=ok, other=0), tl.load(base + 48, mask=ok, other=0))
+        ok = row < M
+        return (tl.load(base, mask=ok & (idx < KP), other=0), tl.load(base + 16, mask=ok & (idx + 16 < KP), other=0),
+                tl.load(base + 32, mask=ok & (idx + 32 < KP), other=0),
+                tl.load(base + 48, mask=ok & (idx + 48 < KP), other=0))
+
+    @triton.jit
+    def _gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask,
+                   p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE: tl.constexpr, BM: tl.constexpr,
+                   F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+        """The GEMV's work on K tile kt: acc_m [BN, 16] += (word dot x pairs) * scale, rows m0.."""
+        MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
+        DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
+        qw = tl.load(q_ptr + offs_n[:, None] * stride_q + kt * 16 + p_ar, mask=n_mask[:, None], other=0)
+        g = tl.minimum((kt * 128) // GROUP_SIZE, NUM_GROUPS - 1)
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        h = (-(z + MAGICF)).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        nz = tl.broadcast_to((h | (h << 16))[:, None], qw.shape)
+        KP = K // 2
+        if BM == 1:
+            x0, x1, x2, x3 = _x_pairs(x_ptr, m0, M, stride_xw, kt, xoff, KP, EVEN_K)
+            acc0 += _one_row_dot(qw, nz, x0, x1, x2, x3, F16, ASM) * s
+        else:
+            a, b, c, d = _unpack_q_minus_z(qw, nz, F16, ASM)
+            x0, x1, x2, x3 = _x_pairs(x_ptr, m0, M, stride_xw, kt, xoff, KP, EVEN_K)
+            acc0 += _dot_pairs(a, b, c, d, x0, x1, x2, x3, F16, ASM) * s
+            x0, x1, x2, x3 = _x_pairs(x_ptr, m0 + 1, M, stride_xw, kt, xoff, KP, EVEN_K)
+            acc1 += _dot_pairs(a, b, c, d, x0, x1, x2, x3, F16, ASM) * s
+            if BM > 2:
+                x0, x1, x2, x3 = _x_pairs(x_ptr, m0 + 2, M, stride_xw, kt, xoff, KP, EVEN_K)
+                acc2 += _dot_pairs(a, b, c, d, x0, x1, x2, x3, F16, ASM) * s
+                x0, x1, x2, x3 = _x_pairs(x_ptr, m0 + 3, M, stride_xw, kt, xoff, KP, EVEN_K)
+                acc3 += _dot_pairs(a, b, c, d, x0, x1, x2, x3, F16, ASM) * s
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _tiled_gemv_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, NUM_GROUPS, stride_q, stride_xw, stride_ym, K_ITERS, SPLIT,
+        GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        """y = x W^T for 1..4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), CUDA cores, packed
+        16-bit math (w4a16's _unpack_q_minus_z / _dot_pairs / _one_row_dot). Program (n, k, m) owns
+        BN weight rows and K_ITERS K tiles of 128 (UNROLL tiles per loop step). In the tiled layout
+        the four x pairs a word needs are plain int32 loads of x (each pair is two neighbouring k),
+        shared by the rows. One group per tile (group sizes that are multiples of 128, or
+        per-channel): each word's fp32 sum is scaled once. x_ptr: x as int32 pairs."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        m0 = tl.program_id(2) * BM
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        p_ar = tl.arange(0, 16)[None, :]
+        xoff = (p_ar % 4) * 4 + p_ar // 4  # pair f = 0 of position p = 4 c + t: 4 t + c
+        acc0 = tl.zeros((BN, 16), dtype=tl.float32)
+        acc1 = tl.zeros((BN, 16), dtype=tl.float32)
+        acc2 = tl.zeros((BN, 16), dtype=tl.float32)
+        acc3 = tl.zeros((BN, 16), dtype=tl.float32)
+        kt_end = tl.minimum((pid_k + 1) * K_ITERS, stride_q // 16)  # the last split may be shorter
+        for kt in range(pid_k * K_ITERS, kt_end, UNROLL):
+            for u in tl.static_range(UNROLL):
+                if UNROLL == 1 or kt + u < kt_end:
+                    acc0, acc1, acc2, acc3 = _gemv_tile(
+                        x_ptr, q_ptr, s_ptr, z_ptr, kt + u, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n,
+                        n_mask, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K)
+        offs_m = m0 + tl.arange(0, BM)
+        sel = offs_m[:, None] + tl.zeros((1, BN), dtype=tl.int32)
+        out = tl.where(sel == m0, tl.sum(acc0, axis=1)[None, :], 0.0)
+        if BM > 1:
+            out = tl.where(sel == m0 + 1, tl.sum(acc1, axis=1)[None, :], out)
+        if BM > 2:
+            out = tl.where(sel == m0 + 2, tl.sum(acc2, axis=1)[None, :], out)
+            out = tl.where(sel == m0 + 3, tl.sum(acc3, axis=1)[None, :], out)
+        _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < M, n_mask, N, stride_ym,
+                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
+
+
+# --------------------------------------------------------------------------- configs and dispatch
+
+def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled"):
+    return dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages, waves=waves, SCALE_IN_W=scale_in_w,
+                backend=backend)
+
+
+def _gemv(bn, unroll, warps, waves=4.0, stages=1):
+    """The CUDA-core GEMV (M <= 4; groups of 128*j or per-channel, else the tensor-core path)."""
+    return dict(BM=4, BN=bn, UNROLL=unroll, num_warps=warps, num_stages=stages, waves=waves, backend="gemv")
+
+
+# rows (max M, config), first match wins; 'waves' sets split-K (programs ~= SMs * waves).
+# sm90: H200 sweeps 2026-12-01 (benchmarks/bench_w4_tiled.py, RESULTS.md), µs per Llama-3-8B layer:
+# M=1 GEMV 59 (BN 128, 4 tiles per step; tc 76, standard-layout GEMV 62); M=2 tc 76 (GEMV 80);
+# M=3..16 tc 77-81; M=32 tc BM32 99; M=64 tc BM64/BN128/8 warps 131; M=128 tc with the scale in
+# the weights 235; M >= 256 dequant + cuBLAS (330 at 256, 752 at 1024; tc 336+ / 2x slower).
+TILED_CONFIGS = {
+    "sm90": [
+        (1, _gemv(128, 4, 8, waves=4)),
+        (16, _tiled(16, 64, 4, 3, waves=8)),
+        (32, _tiled(32, 64, 4, 3, waves=4)),
+        (64, _tiled(64, 128, 8, 3, waves=2)),
+        (128, _tiled(64, 128, 8, 3, waves=1, scale_in_w=True)),
+        (1 << 62, _tiled(0, 0, 4, 1, backend="dequant")),
+    ],
+    "default": [
+        (2, _gemv(64, 1, 4, waves=4)),
+        (16, _tiled(16, 64, 4, 2, waves=4)),
+        (64, _tiled(64, 64, 4, 2, waves=2)),
+        (1 << 62, _tiled(0, 0, 4, 1, backend="dequant")),
+    ],
+}
+
+
+def _packed_math_ok(dev, dtype) -> bool:
+    """Packed bf16x2 FMA needs sm80+ (f16x2: sm53+); the interpreter cannot run inline PTX."""
+    if interpreting() or dev is None:
+        return False
+    major, minor = torch.cuda.get_device_capability(dev)
+    return major >= 8 or (dtype == torch.float16 and (major, minor) >= (5, 3))
+
+
+def _chunk_for(group_size: int, K: int) -> int:
+    if group_size >= K or group_size % TILE_K == 0:
+        return TILE_K
+    if group_size in (32, 64):
+        return group_size
+    raise ValueError(f"tiled layout: group size {group_size} is not 32, 64 or a multiple of 128")
+
+
+def _check(x, qtile, scales, zeros, group_size, K):
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"tiled W4A16 needs bf16/fp16 activations, got {x.dtype}")
+    kp = -(-K // TILE_K) * TILE_K
+    if qtile.dtype != torch.int32 or qtile.shape[1] * 8 != kp or x.shape[1] != K:
+        raise ValueError(f"qtile must be int32 [N, {kp // 8}] for K={K}, got {tuple(qtile.shape)} {qtile.dtype}")
+    G = -(-K // group_size)
+    if scales.shape != (G, qtile.shape[0]) or zeros.shape != scales.shape:
+        raise ValueError(f"scales/zeros must be [{G}, N]: got {tuple(scales.shape)}, {tuple(zeros.shape)}")
+
+
+def _magic2(dtype) -> int:
+    return 0x64006400 if dtype == torch.float16 else 0x43004300  # 1024 (fp16) / 128 (bf16), twice
+
+
+def dequantize_tiled(qtile, scales, zeros, group_size, K, dtype):
+    """W [N, K] in `dtype` by the Triton dequant kernel (the large-M path's first step)."""
+    N = qtile.shape[0]
+    w = torch.empty((N, K), dtype=dtype, device=qtile.device)
+    _tiled_dequant_kernel[(qtile.shape[1] // 16, triton.cdiv(N, 64))](
+        qtile, scales, zeros, w, N, K, scales.shape[0], qtile.shape[1], _magic2(dtype),
+        GROUP_SIZE=min(group_size, K), BN=64, F16=dtype == torch.float16,
+        ASM=_packed_math_ok(device_index(qtile), dtype), num_warps=4)
+    return w
+
+
+def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config=None, out=None):
+    """The Triton path; `config` overrides the table, `out` receives y (benchmarks, tests)."""
+    _check(x, qtile, scales, zeros, group_size, K)
+    x = x.contiguous() if x.stride(-1) != 1 else x
+    M, N = x.shape[0], qtile.shape[0]
+    dev = device_index(x)
+    cfg = dict(config) if config is not None else pick_config(TILED_CONFIGS, gpu_arch(dev), M)
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K:
+        return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev)
+    if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word: the tensor-core path
+        cfg = _tiled(16, 64, cfg["num_warps"], 3, waves=cfg["waves"])
+    if cfg["backend"] == "dequant":  # large M: one dequant pass, then cuBLAS
+        torch.mm(x, dequantize_tiled(qtile, scales, zeros, group_size, K, x.dtype).t(), out=y)
+        return y if bias is None else y.add_(bias.to(y.dtype))
+    BM, BN, warps = cfg["BM"], cfg["BN"], cfg["num_warps"]
+    tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    split, k_iters = split_k_for(tiles_mn, qtile.shape[1] // 16, num_sms(dev), cfg.get("waves", 0.0))
+    use_ws = split > 1
+    ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if use_ws else (y, y)
+    _w4a16_tiled_kernel[(tiles_mn, split)](
+        x, qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
+        M, N, K, scales.shape[0], qtile.shape[1], x.stride(0), y.stride(0), k_iters, split, _magic2(x.dtype),
+        GROUP_SIZE=min(group_size, K), CHUNK=_chunk_for(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws,
+        BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
+        SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), num_warps=warps, num_stages=cfg["num_stages"])
+    return y
+
+
+def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
+    M, N = x.shape[0], qtile.shape[0]
+    if x.stride(0) % 2 or x.storage_offset() % 2:  # viewed as int32 pairs below
+        x = x.clone(memory_format=torch.contiguous_format)
+    BM, BN = min(triton.next_power_of_2(M), 4), cfg["BN"]
+    m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    split, k_iters = split_k_for(m_blocks * n_blocks, qtile.shape[1] // 16, num_sms(dev), cfg.get("waves", 0.0))
+    use_ws = split > 1
+    ws, cnt = splitk_workspace(x.device, M * N, m_blocks * n_blocks) if use_ws else (y, y)
+    _tiled_gemv_kernel[(n_blocks, split, m_blocks)](
+        x.view(torch.int32), qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
+        M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split,
+        GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
+        F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y
+
+
+def w4a16_tiled_gemm(x, qtile, scales, zeros, group_size, K, bias=None):
+    """y = x @ W^T (+ bias) for a weight in the tiled layout; x [M, K] bf16/fp16.
+    Triton on CUDA tensors, the torch reference on CPU (FITLLM_KERNEL_BACKEND forces either)."""
+    if backend_for(x) == "triton" and triton is not None:
+        return w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias)
+    return w4a16_tiled_ref(x, qtile, scales, zeros, group_size, K, bias)

@@ -1,0 +1,208 @@
+"""The tiled 4-bit layout and its kernels (fitllm/kernels/w4a16_tiled.py): the layout against its
+documented bit positions, round trips, and every kernel path under TRITON_INTERPRET=1 (set by
+conftest.py) against a float64 oracle of the dequantized weights."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fitllm.kernels.w4a16_tiled import (
+    _gemv,
+    _tiled,
+    dequantize_tiled,
+    tile_pack,
+    tile_unpack,
+    tiled_supported,
+    w4a16_tiled_gemm,
+    w4a16_tiled_ref,
+    w4a16_tiled_triton,
+)
+from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
+
+GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
+
+
+def rel_err(y, ref):
+    assert torch.isfinite(y).all(), "output not fully written (NaN poison survived) or overflowed"
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def rand_weight(K, N, group_size, dtype=torch.bfloat16):
+    q = torch.randint(0, 16, (K, N), generator=GEN)
+    G = -(-K // group_size)
+    scales = (torch.rand(G, N, generator=GEN) * 0.05 + 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (G, N), generator=GEN).to(dtype)
+    g = torch.arange(K) // min(group_size, K)
+    w64 = (q.double() - zeros.double()[g]) * scales.double()[g]  # [K, N]
+    return tile_pack(pack_dim0(q, 4)), scales, zeros, w64, q
+
+
+# --------------------------------------------------------------------------- layout
+
+def test_layout_matches_the_documented_bit_positions():
+    K, N = 256, 3
+    q = torch.randint(0, 16, (K, N), generator=GEN)
+    qt = tile_pack(pack_dim0(q, 4))
+    assert qt.shape == (N, K // 8) and qt.dtype == torch.int32
+    words = qt.to(torch.int64) & 0xFFFFFFFF
+    for n in range(N):
+        for tile in range(K // 128):
+            for c in range(4):
+                for t in range(4):
+                    word = int(words[n, tile * 16 + 4 * c + t])  # word r = c + 4t lives at p = 4c + t
+                    for f in range(4):
+                        for h in range(2):
+                            k = 128 * tile + 32 * f + 8 * t + 2 * c + h  # = 32 f + 2 r + h
+                            assert (word >> (4 * (f + 4 * h))) & 0xF == int(q[k, n])
+
+
+def test_layout_pairs_are_neighbouring_k():
+    # the LOP3 (w >> 4f) & 0x000F000F puts fields f and f+4 in the two halves: they must be k, k+1
+    q = torch.arange(128).remainder(16).view(128, 1).repeat(1, 2)  # q[k] = k % 16
+    word = int(tile_pack(pack_dim0(q, 4))[0, 0]) & 0xFFFFFFFF  # p = 0: c = 0, t = 0
+    for f in range(4):
+        pair = (word >> (4 * f)) & 0x000F000F
+        assert pair & 0xF == (32 * f) % 16 and pair >> 16 == (32 * f + 1) % 16
+
+
+@pytest.mark.parametrize("K", [128, 576, 4096 + 64])
+def test_round_trip_and_padding(K):
+    q = torch.randint(0, 16, (K, 5), generator=GEN)
+    qt = tile_pack(pack_dim0(q, 4))
+    assert qt.shape[1] * 8 == -(-K // 128) * 128
+    assert torch.equal(tile_unpack(qt, K), q.to(torch.int32))
+    assert (tile_unpack(qt, qt.shape[1] * 8)[K:] == 0).all()  # padding words are zero
+
+
+def test_supported_weights():
+    assert tiled_supported(4, 128, 4096, None, torch.bfloat16)
+    assert tiled_supported(4, 64, 576, None, torch.float16)
+    assert tiled_supported(4, 4096, 4096, None, torch.bfloat16)  # per channel
+    assert not tiled_supported(8, 128, 4096, None, torch.bfloat16)
+    assert not tiled_supported(4, 128, 4096, torch.zeros(4096, dtype=torch.int32), torch.bfloat16)
+    assert not tiled_supported(4, 128, 4096, None, torch.float32)
+    assert not tiled_supported(4, 96, 4608, None, torch.bfloat16)
+
+
+def test_tiled_weight_dequantizes_like_the_standard_layout():
+    K, N = 320, 24
+    q = torch.randint(0, 16, (K, N), generator=GEN)
+    kw = KernelWeight(pack_dim0(q, 4), torch.rand(K // 64, N, generator=GEN), torch.randint(0, 16, (K // 64, N)).float(),
+                      4, 64)
+    tw = TiledWeight.from_kernel(kw)
+    assert torch.equal(tw.dequantize(torch.float32), kw.dequantize(torch.float32))
+
+
+# --------------------------------------------------------------------------- kernels
+
+TC_CASES = [  # (M, K, N, group, dtype, config)
+    (3, 256, 64, 128, torch.bfloat16, _tiled(16, 64, 4, 2, waves=4)),  # split-K, one chunk per tile
+    (17, 384, 96, 64, torch.float16, _tiled(16, 64, 4, 2, waves=0)),  # two M blocks, N tail, chunks of 64
+    (5, 256, 64, 32, torch.bfloat16, _tiled(32, 128, 4, 2, waves=2)),  # chunks of 32, BN 128 (2 row reps)
+    (2, 576, 64, 64, torch.bfloat16, _tiled(16, 64, 4, 2, waves=2)),  # K padded to 640 (SmolLM2)
+    (9, 256, 64, 256, torch.bfloat16, _tiled(16, 64, 4, 2, waves=2)),  # per channel
+    (20, 256, 64, 128, torch.bfloat16, _tiled(32, 64, 4, 2, waves=0, scale_in_w=True)),  # scale in the weights
+    (4, 192, 64, 64, torch.float16, _tiled(16, 64, 4, 2, waves=2, scale_in_w=True)),
+    (70, 256, 64, 128, torch.bfloat16, _tiled(0, 0, 4, 1, backend="dequant")),  # large-M path
+    (1, 512, 64, 128, torch.bfloat16, _gemv(64, 1, 4, waves=4)),  # GEMV, one row, split-K
+    (2, 384, 96, 128, torch.bfloat16, _gemv(64, 2, 4, waves=2)),  # two rows, N tail, unroll 2 (odd tiles)
+    (3, 256, 64, 256, torch.float16, _gemv(64, 1, 4, waves=0)),  # four-row block, per channel
+    (6, 576, 64, 576, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # two row blocks, K padded
+    (1, 256, 64, 64, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # groups of 64: falls back to the tc tile
+]
+
+
+@pytest.mark.parametrize("M,K,N,gs,dtype,cfg", TC_CASES, ids=[f"{c[5]['backend']}-M{c[0]}-K{c[1]}-g{c[3]}"
+                                                             for c in TC_CASES])
+def test_kernel_matches_float64(M, K, N, gs, dtype, cfg):
+    qt, s, z, w64, _ = rand_weight(K, N, gs, dtype)
+    x = torch.randn(M, K, generator=GEN).to(dtype)
+    bias = torch.randn(N, generator=GEN).to(dtype)
+    y = torch.full((M, N), float("nan"), dtype=dtype)
+    w4a16_tiled_triton(x, qt, s, z, gs, K, bias=bias, config=cfg, out=y)
+    ref = x.double() @ w64 + bias.double()
+    assert rel_err(y, ref) < 1e-2
+    # the torch reference computes the same function
+    assert rel_err(w4a16_tiled_ref(x, qt, s, z, gs, K, bias=bias), ref) < 1e-2
+
+
+def test_split_k_workspace_is_left_clean():
+    from fitllm.kernels import _utils
+
+    qt, s, z, w64, _ = rand_weight(512, 64, 128)
+    x = torch.randn(2, 512, generator=GEN).bfloat16()
+    for cfg in (_tiled(16, 64, 4, 2, waves=8), _gemv(64, 1, 4, waves=8)):
+        for _ in range(2):  # a second launch reads the workspace the first one left
+            assert rel_err(w4a16_tiled_triton(x, qt, s, z, 128, 512, config=cfg), x.double() @ w64) < 1e-2
+    ws, cnt = _utils.splitk_workspace(torch.device("cpu"), 0, 0)
+    assert (ws == 0).all() and (cnt == 0).all()
+
+
+def test_dequant_kernel_is_exactly_the_reference_rounding():
+    K, N = 320, 64
+    qt, s, z, w64, q = rand_weight(K, N, 64)
+    w = dequantize_tiled(qt, s, z, 64, K, torch.bfloat16)
+    g = torch.arange(K) // 64
+    expect = ((q.float() - z.float()[g]) * s.float()[g]).bfloat16().t()
+    assert torch.equal(w, expect)
+
+
+def test_cpu_tensors_take_the_reference_and_bad_shapes_fail_clearly():
+    qt, s, z, w64, _ = rand_weight(256, 32, 128)
+    x = torch.randn(3, 256, generator=GEN).bfloat16()
+    assert torch.equal(w4a16_tiled_gemm(x, qt, s, z, 128, 256), w4a16_tiled_ref(x, qt, s, z, 128, 256))
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        w4a16_tiled_triton(x.float(), qt, s, z, 128, 256)
+    with pytest.raises(ValueError, match="qtile"):
+        w4a16_tiled_triton(x, qt[:, :16], s, z, 128, 256)
+    with pytest.raises(ValueError, match="scales"):
+        w4a16_tiled_triton(x, qt, s[:1], z, 128, 256)
+
+
+def test_quant_linear_serves_a_tiled_weight():
+    """The layer's tiled GEMM path gives what its standard path gives (CPU: both references)."""
+    from fitllm.quant.layers import QuantLinear
+
+    K, N = 256, 48
+    q = torch.randint(0, 16, (K, N), generator=GEN)
+    kw = KernelWeight(pack_dim0(q, 4), (torch.rand(2, N, generator=GEN) * 0.02).bfloat16(),
+                      torch.randint(0, 16, (2, N)).bfloat16(), 4, 128)
+    x = torch.randn(2, 3, K, generator=GEN).bfloat16()
+    std = QuantLinear("model.layers.0.mlp.down_proj", K, [N], False, reader=None, dtype=torch.bfloat16, device="cpu")
+    std.set_parts([kw])
+    assert isinstance(std.parts[0], KernelWeight)  # CPU keeps the standard layout
+    tiled = QuantLinear("model.layers.0.mlp.down_proj", K, [N], False, reader=None, dtype=torch.bfloat16, device="cpu")
+    tiled.parts = [TiledWeight.from_kernel(kw)]
+    assert torch.equal(tiled(x), std(x))
+
+
+# --------------------------------------------------------------------------- codegen
+
+def test_tensor_core_path_keeps_weights_out_of_shared_memory():
+    """The layout's point, checked where it is decided: compiled offline for sm_90 (triton's own
+    ptxas, no GPU needed), the main loop of the table's tensor-core configs has no shared-memory
+    store or ldmatrix: the unpacked registers are the wgmma operand. A layout change that lets
+    Triton insert a shared-memory round trip fails this (it did before the load trick)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_offline.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    types = ("x_ptr=*bf16,q_ptr=*i32,s_ptr=*bf16,z_ptr=*bf16,bias_ptr=*bf16,y_ptr=*bf16,ws_ptr=*fp32,cnt_ptr=*i32")
+    for consts, warps in (("BM=16,BN=64,ROW_WARPS=4,CHUNK=128,GROUP_SIZE=128", 4),
+                          ("BM=64,BN=128,ROW_WARPS=8,CHUNK=64,GROUP_SIZE=64", 8)):
+        consts += ",HAS_BIAS=False,USE_WS=True,F16=False,ASM=True,SCALE_IN_W=False,UPCAST=False"
+        p = subprocess.run([sys.executable, str(script), "fitllm.kernels.w4a16_tiled:_w4a16_tiled_kernel", types, consts,
+                            "--warps", str(warps), "--stages", "3", "--json"], capture_output=True, text=True, env=env,
+                           timeout=300)
+        if p.returncode != 0 and "ptxas" in p.stderr and "not found" in p.stderr:
+            pytest.skip("triton's ptxas is not available here")
+        assert p.returncode == 0, p.stderr[-2000:]
+        loop = json.loads(p.stdout.strip().splitlines()[-1])["loop_hist"]
+        assert loop.get("HGMMA", 0) >= 8, loop  # the main loop is the wgmma loop
+        assert not any(loop.get(op, 0) for op in ("STS", "STSM", "LDSM")), loop
