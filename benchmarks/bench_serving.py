@@ -123,7 +123,9 @@ def part_profile(args) -> None:
     model = build("int4")
     rows = []
     for sampling in args.profile_sampling.split(","):
-        engine = engine_for(model, max_num_seqs=8)
+        engine = engine_for(model, max_num_seqs=8, kv_dtype=args.profile_kv)
+        print(f"profile kv={args.profile_kv}: cuda graphs {engine.cuda_graphs}, cache {type(engine.runner.cache).__name__}",
+              flush=True)
         params = SamplingParams(max_tokens=400, ignore_eos=True, **({"temperature": 0.0} if sampling == "greedy" else
                                                                      {"temperature": 0.8, "top_p": 0.95, "seed": 1}))
         engine.add_request("p", list(range(100, 228)), params)
@@ -295,6 +297,7 @@ def main() -> int:
     ap.add_argument("--no-hf-peer", dest="hf_peer", action="store_false")
     ap.add_argument("--memory-configs", default="int4:auto,int4:fp8,fp8:auto,fp8:fp8")
     ap.add_argument("--profile-sampling", default="greedy,top_p", help="profile: greedy and/or top_p (T=0.8)")
+    ap.add_argument("--profile-kv", default="auto", help="profile: the KV cache dtype")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tokenizer", type=Path, default=Path(".gpu_assets/tokenizer"))

@@ -176,15 +176,27 @@ if triton is not None:
         return (h | (h << 16))[:, None]
 
     @triton.jit
+    def _group_raw(s_ptr, z_ptr, k, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE: tl.constexpr, ok):
+        """Scale and zero rows [BN] (fp32) of the group holding column k (zeros where not `ok`)."""
+        g = tl.minimum(k // GROUP_SIZE, NUM_GROUPS - 1)  # padded tail tiles use the last group
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0).to(tl.float32)
+        return s, z
+
+    @triton.jit
+    def _group_cols(s, z, MAGICF: tl.constexpr, F16: tl.constexpr):
+        """What the unpack needs of a group: s (fp32 [BN]), -(magic + zero) and s as 16-bit pairs,
+        magic + zero and s as fp32 columns [BN, 1]."""
+        DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
+        zf = z + MAGICF
+        return s, _pair16(-zf, DT), zf[:, None], _pair16(s, DT), s[:, None]
+
+    @triton.jit
     def _group_rows(s_ptr, z_ptr, k, N, NUM_GROUPS, offs_n, n_mask, MAGICF: tl.constexpr,
                     GROUP_SIZE: tl.constexpr, F16: tl.constexpr):
-        """For the group holding column k: scale s (fp32 [BN]) and, for the unpack, -(magic + zero)
-        and s as 16-bit pairs and as fp32 columns [BN, 1]."""
-        DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
-        g = tl.minimum(k // GROUP_SIZE, NUM_GROUPS - 1)  # padded tail tiles use the last group
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        zf = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32) + MAGICF
-        return s, _pair16(-zf, DT), zf[:, None], _pair16(s, DT), s[:, None]
+        """_group_cols of the group holding column k."""
+        s, z = _group_raw(s_ptr, z_ptr, k, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
+        return _group_cols(s, z, MAGICF, F16)
 
     @triton.jit
     def _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0, K, w, acc, s, UPCAST: tl.constexpr,
@@ -225,13 +237,18 @@ if triton is not None:
         m_mask = offs_m < M
         n_mask = offs_n < N
         acc = tl.zeros((BN, BM), dtype=tl.float32)
+        if CHUNK == 128:  # one group per tile: its scale and zero rows are loaded a tile ahead (their
+            # load latency was the main stall: ncu, 46% of the cycles between issues at M=16)
+            s_next, z_next = _group_raw(s_ptr, z_ptr, pid_k * K_ITERS * 128, N, NUM_GROUPS, offs_n, n_mask,
+                                        GROUP_SIZE, True)
         for it in range(0, K_ITERS):
             kt = pid_k * K_ITERS + it
             k0 = kt * 128
             qw = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS)
             if CHUNK == 128:
-                s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0, N, NUM_GROUPS, offs_n, n_mask, MAGICF,
-                                                GROUP_SIZE, F16)
+                s, nz, zf, s2, sf = _group_cols(s_next, z_next, MAGICF, F16)
+                s_next, z_next = _group_raw(s_ptr, z_ptr, k0 + 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE,
+                                            it + 1 < K_ITERS)
                 w = _cat_k(_cat_k(_field_tile(qw, 0, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
                                   _field_tile(qw, 1, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)),
                            _cat_k(_field_tile(qw, 2, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
