@@ -38,12 +38,15 @@ def main() -> None:
     ap.add_argument("--int4-group", type=int, default=32, help="values per int4 scale/zero of a value head")
     ap.add_argument("--int4-key-group", type=int, default=16, help="values per int4 scale/zero of a key head")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model-dtype", default="float32", help="float32 | bfloat16 (what the GPU serves)")
+    ap.add_argument("--fp32-rotation", action="store_true",
+                    help="rotate in fp32 even for a 16-bit model (the scheme before 2026-12-01)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     folder = resolve_model(None)
-    model = load_model(folder, dtype=torch.float32)
+    model = load_model(folder, dtype=getattr(torch, args.model_dtype))
     tok = load_tokenizer(folder)
     text = Path(args.data).read_text()
     need = args.windows * args.window_len
@@ -70,7 +73,9 @@ def main() -> None:
         nll, n, t0 = 0.0, 0, time.time()
         for w in windows:
             cache = make_cache(model, len(w), **kwargs)
-            logp = torch.log_softmax(prompt_logits(model, w, cache), -1)
+            if args.fp32_rotation:
+                cache.rotation16 = None
+            logp = torch.log_softmax(prompt_logits(model, w, cache).float(), -1)
             target = torch.tensor(w[1:])
             nll -= logp[:-1].gather(1, target[:, None]).sum().item()
             n += len(target)

@@ -201,6 +201,67 @@ def make_calib_text(path: Path) -> None:
     print(f"{path}: {len(parts)} texts, {path.stat().st_size / 1e6:.1f} MB")
 
 
+GREEDY_PROMPT, GREEDY_NEW = 64, 32  # the first 64 tokens of window 0, then 32 greedy tokens
+
+
+def greedy_prompt(args) -> list[int]:
+    return torch.load(Path(args.workdir) / "windows.pt")[0][:GREEDY_PROMPT].tolist()
+
+
+def greedy_check(names: list[str], args) -> list[dict]:
+    """fitllm's greedy tokens on each peer checkpoint against the peer stack's own (transformers,
+    or GPTQModel for its checkpoint), fp32 on the CPU, same prompt."""
+    from fitllm.models.generate import generate
+    from fitllm.quant.layers import load_quantized_model
+
+    from fitllm.quant.pipeline import CalibContext
+
+    rows = []
+    prompt = greedy_prompt(args)
+    for name in names:
+        model = load_quantized_model(Path(args.workdir) / name, "cpu", torch.float32)
+        ours = generate(model, [prompt], GREEDY_NEW)[0]
+        peer = peer_subprocess(name, args, "--hf-greedy")
+        theirs = peer["tokens"]
+        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+        # Teacher-forced: fitllm's argmax after each prefix of the peer's own output (one prefill, no
+        # cache). W8A8 rounds activations per token, so a cached decode and a prefill can flip an
+        # e4m3 rounding and then a close argmax; this compares the functions without that noise.
+        seq = torch.tensor(prompt + theirs)
+        with torch.inference_mode():
+            logits = model.compute_logits(model(seq, torch.arange(len(seq)), CalibContext(1, len(seq)))).float()
+        forced = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+        agree = sum(a == b for a, b in zip(forced, peer["forced"]))
+        rows.append(dict(name=name, identical_prefix=same, teacher_forced_agree=agree, of=len(ours), fitllm=ours,
+                         peer=theirs))
+        print(f"greedy {name}: {same}/{len(ours)} tokens identical before the first difference; teacher-forced "
+              f"argmax (both stacks, one forward over the peer's sequence) agrees on {agree}/{len(theirs)}", flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def hf_greedy(name: str, args) -> dict:
+    """(peer venv) Greedy tokens of the peer checkpoint through the peer's own stack."""
+    path = Path(args.workdir) / name
+    ids = torch.tensor([greedy_prompt(args)])
+    if name.startswith("gptqmodel"):
+        from gptqmodel import GPTQModel
+
+        model = GPTQModel.load(str(path), device="cpu")
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=GREEDY_NEW, min_new_tokens=GREEDY_NEW)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=GREEDY_NEW,
+                             min_new_tokens=GREEDY_NEW)
+    tokens = out[0, ids.shape[1]:].tolist()
+    full = torch.tensor([greedy_prompt(args) + tokens])  # one forward over prompt + output: argmax per position
+    logits = model(input_ids=full).logits[0] if not name.startswith("gptqmodel") else model.model(input_ids=full).logits[0]
+    return {"tokens": tokens, "forced": logits[ids.shape[1] - 1:-1].argmax(-1).tolist()}
+
+
 def prepare(args) -> None:
     """Calibration ids and evaluation windows, written once and read by every row."""
     from fitllm.models.tokenizer import load_tokenizer
@@ -233,19 +294,27 @@ def main() -> None:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hf-eval", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--hf-greedy", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--greedy-check", default=None,
+                    help="comma-separated peer rows already in --workdir: fitllm's greedy tokens vs the peer's")
     args = ap.parse_args()
     if args.make_calib:
         return make_calib_text(Path(args.make_calib))
     if args.parallel:
         torch.set_num_threads(1)
-    if args.one or args.peer or args.hf_eval:
-        fn, name = (run_one, args.one) if args.one else (peer_quantize, args.peer) if args.peer else (hf_perplexity, args.hf_eval)
+    if args.one or args.peer or args.hf_eval or args.hf_greedy:
+        fn, name = ((run_one, args.one) if args.one else (peer_quantize, args.peer) if args.peer else
+                    (hf_perplexity, args.hf_eval) if args.hf_eval else (hf_greedy, args.hf_greedy))
         print("RESULT " + json.dumps(fn(name, args)), flush=True)
         return
     if args.base is None:
         from fitllm.models.hub import resolve_model
 
         args.base = str(resolve_model(None))
+    if args.greedy_check:
+        rows = greedy_check(args.greedy_check.split(","), args)
+        (Path(args.workdir) / "greedy_check.json").write_text(json.dumps(rows, indent=1))
+        return
     prepare(args)
     names = args.only.split(",") if args.only else ["base", *CONFIGS] + [p for p in PEERS if getattr(args, PEERS[p])]
     procs = []

@@ -31,12 +31,7 @@ from fitllm.kernels.w4a16 import (
 )
 from fitllm.quant.formats.packing import pack_dim0
 
-GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
-
-
-def rel_err(y, ref):
-    assert torch.isfinite(y).all(), "output not fully written (NaN poison survived) or overflowed"
-    return ((y.double() - ref).norm() / ref.norm()).item()
+from kernel_checks import GEN, rel_err  # noqa: E402
 
 
 def rand_w4(K, N, bits=4, group_size=32, gidx=False, dtype=torch.bfloat16):

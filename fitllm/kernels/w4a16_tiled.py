@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .w4a16 import _dot, _dot_pairs, _half, _one_row_dot, _store_tile, _unpack_q_minus_z
+    from .w4a16 import _dot, _dot_pairs, _half, _one_row_dot, _rows_out, _store_tile, _unpack_q_minus_z
 except ImportError:  # CPU-only installs without triton still get the reference
     triton = None
 
@@ -366,15 +366,8 @@ if triton is not None:
                     acc0, acc1, acc2, acc3 = _gemv_tile(
                         x_ptr, q_ptr, s_ptr, z_ptr, kt + u, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n,
                         n_mask, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K)
-        offs_m = m0 + tl.arange(0, BM)
-        sel = offs_m[:, None] + tl.zeros((1, BN), dtype=tl.int32)
-        out = tl.where(sel == m0, tl.sum(acc0, axis=1)[None, :], 0.0)
-        if BM > 1:
-            out = tl.where(sel == m0 + 1, tl.sum(acc1, axis=1)[None, :], out)
-        if BM > 2:
-            out = tl.where(sel == m0 + 2, tl.sum(acc2, axis=1)[None, :], out)
-            out = tl.where(sel == m0 + 3, tl.sum(acc3, axis=1)[None, :], out)
-        _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < M, n_mask, N, stride_ym,
+        out, offs_m, m_mask = _rows_out(tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3), m0, M, BM)
+        _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
 
 
