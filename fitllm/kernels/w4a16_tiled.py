@@ -78,12 +78,16 @@ def tiled_supported(bits: int, group_size: int, K: int, g_idx, dtype: torch.dtyp
     return bits == 4 and g_idx is None and chunk_ok and dtype in (torch.bfloat16, torch.float16)
 
 
-def w4a16_tiled_ref(x, qtile, scales, zeros, group_size, K, bias=None):
-    """Torch reference of w4a16_tiled_gemm (same signature): untile, dequantize to x's dtype, matmul."""
+def dequantize_tiled_ref(qtile, scales, zeros, group_size, K, dtype):
+    """Torch reference of dequantize_tiled (same signature): W [N, K] in `dtype`, computed in fp32."""
     q = tile_unpack(qtile, K)
     g = torch.arange(K, device=q.device) // min(group_size, K)
-    w = ((q.float() - zeros.float()[g]) * scales.float()[g]).to(x.dtype)
-    y = x @ w
+    return ((q.float() - zeros.float()[g]) * scales.float()[g]).t().to(dtype)
+
+
+def w4a16_tiled_ref(x, qtile, scales, zeros, group_size, K, bias=None):
+    """Torch reference of w4a16_tiled_gemm (same signature): untile, dequantize to x's dtype, matmul."""
+    y = x @ dequantize_tiled_ref(qtile, scales, zeros, group_size, K, x.dtype).t()
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -290,19 +294,18 @@ if triton is not None:
 
 
     @triton.jit
+    def _x_pair(base, idx, ok, KP, EVEN_K: tl.constexpr):
+        return tl.load(base, mask=ok if EVEN_K else ok & (idx < KP), other=0)
+
+    @triton.jit
     def _x_pairs(x_ptr, row, M, stride_xw, kt, xoff, KP, EVEN_K: tl.constexpr):
         """x of one row as the four 16-bit pairs (f = 0..3) each word position of tile kt needs,
         [1, 16] int32 each: pair index 64 kt + 16 f + 4 t + c for position p = 4 c + t (0 past K)."""
         idx = kt * 64 + xoff
         base = x_ptr + row * stride_xw + idx
-        if EVEN_K:
-            ok = row < M
-            return (tl.load(base, mask=ok, other=0), tl.load(base + 16, mask=ok, other=0),
-                    tl.load(base + 32, mask=ok, other=0), tl.load(base + 48, mask=ok, other=0))
         ok = row < M
-        return (tl.load(base, mask=ok & (idx < KP), other=0), tl.load(base + 16, mask=ok & (idx + 16 < KP), other=0),
-                tl.load(base + 32, mask=ok & (idx + 32 < KP), other=0),
-                tl.load(base + 48, mask=ok & (idx + 48 < KP), other=0))
+        return (_x_pair(base, idx, ok, KP, EVEN_K), _x_pair(base + 16, idx + 16, ok, KP, EVEN_K),
+                _x_pair(base + 32, idx + 32, ok, KP, EVEN_K), _x_pair(base + 48, idx + 48, ok, KP, EVEN_K))
 
     @triton.jit
     def _gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask,
@@ -312,11 +315,9 @@ if triton is not None:
         MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
         DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
         qw = tl.load(q_ptr + offs_n[:, None] * stride_q + kt * 16 + p_ar, mask=n_mask[:, None], other=0)
-        g = tl.minimum((kt * 128) // GROUP_SIZE, NUM_GROUPS - 1)
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        h = (-(z + MAGICF)).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        nz = tl.broadcast_to((h | (h << 16))[:, None], qw.shape)
+        s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
+        s = s[:, None]
+        nz = tl.broadcast_to(_pair16(-(z + MAGICF), DT), qw.shape)
         KP = K // 2
         if BM == 1:
             x0, x1, x2, x3 = _x_pairs(x_ptr, m0, M, stride_xw, kt, xoff, KP, EVEN_K)

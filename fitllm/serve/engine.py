@@ -140,11 +140,17 @@ class LLMEngine:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._outbox: list[RequestOutput] = []  # outputs produced between steps (aborts)
         self._inflight: Optional[tuple[SchedulerOutput, _Pending]] = None  # queued, outputs not read yet
+        self._reset_counters()
+        if config.warm_up and self.device.type == "cuda":
+            self._warm_up()
+
+    def _reset_counters(self) -> None:
+        """The statistics `stats()` and /metrics report, from zero."""
         self.num_look_ahead_steps = 0
         self.num_generated_tokens = 0
         self.spec_counts = dict(drafted=0, accepted=0, steps=0)  # over all requests
-        if config.warm_up and self.device.type == "cuda":
-            self._warm_up()
+        self.block_manager.query_tokens = self.block_manager.hit_tokens = 0
+        self.scheduler.num_preemptions = 0
 
     def _warm_up(self) -> None:
         """Triton compiles each kernel config at its first use (seconds each on a machine whose
@@ -159,11 +165,7 @@ class LLMEngine:
             n = min(n, self.max_model_len - 2, self.config.max_num_batched_tokens)
             if n > 0:
                 self.generate([torch.randint(0, self.model_config.vocab_size, (n,), generator=gen).tolist()], params)
-        bm = self.block_manager
-        bm.query_tokens = bm.hit_tokens = 0
-        self.scheduler.num_preemptions = 0
-        self.num_look_ahead_steps = self.num_generated_tokens = 0
-        self.spec_counts = dict(drafted=0, accepted=0, steps=0)
+        self._reset_counters()
         log.info("warm-up (kernel compilation per step size) took %.1f s", time.perf_counter() - t0)
 
     def _size_kv_cache(self) -> tuple[int, int]:

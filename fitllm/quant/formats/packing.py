@@ -100,12 +100,10 @@ class TiledWeight:
         return cls(tile_pack(kw.qweight), kw.scales, kw.zeros, kw.group_size, kw.in_features)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        """[N, K] in `dtype` (the torch reference path, tests)."""
-        from fitllm.kernels.w4a16_tiled import tile_unpack
+        """[N, K] in `dtype` (tests, evaluation tools)."""
+        from fitllm.kernels.w4a16_tiled import dequantize_tiled_ref
 
-        q = tile_unpack(self.qtile, self.in_features).to(dtype)  # [K, N]
-        g = torch.arange(self.in_features, device=q.device) // self.group_size
-        return ((q - self.zeros[g].to(dtype)) * self.scales[g].to(dtype)).t()
+        return dequantize_tiled_ref(self.qtile, self.scales, self.zeros, self.group_size, self.in_features, dtype)
 
 
 def to_kernel(qw, dtype=torch.float32) -> KernelWeight:
