@@ -253,7 +253,7 @@ def part_online(args) -> None:
     from fitllm.serve.bench import make_workload, run_online
 
     rows = []
-    for scheme in ("bf16", "int4"):
+    for scheme in args.online_schemes.split(","):
         port = 8123
         server = subprocess.Popen([sys.executable, __file__, "--serve-random", scheme, "--port", str(port),
                                    "--tokenizer", str(args.tokenizer)])
@@ -293,6 +293,7 @@ def main() -> int:
     ap.add_argument("--offline-max-seqs", type=int, default=256, help="offline: the engine's max_num_seqs")
     ap.add_argument("--offline-batched-tokens", type=int, default=8192, help="offline: tokens per step")
     ap.add_argument("--decode-schemes", default="bf16,int4,fp8")
+    ap.add_argument("--online-schemes", default="bf16,int4")
     ap.add_argument("--decode-kv", default="auto,fp8")
     ap.add_argument("--no-hf-peer", dest="hf_peer", action="store_false")
     ap.add_argument("--memory-configs", default="int4:auto,int4:fp8,fp8:auto,fp8:fp8")

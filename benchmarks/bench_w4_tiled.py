@@ -11,6 +11,7 @@ copies, µs per layer). Writes $OUT/bench_w4_tiled.json; prints a table at the e
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -24,34 +25,27 @@ from fitllm.kernels._utils import pick_config  # noqa: E402
 from fitllm.kernels.w4a16 import dequantize_packed, w4a16_gemm_triton  # noqa: E402
 from fitllm.kernels.w4a16_tiled import TILED_CONFIGS, _gemv, _tiled, tile_pack, w4a16_tiled_triton  # noqa: E402
 
-CHECK_M = [1, 3, 16, 33, 128, 1000, 4096]
+CHECK_M = [1, 3, 7, 16, 24, 33, 100, 128, 200, 1000, 4096]  # issue 4's M and one inside every table row
 TIME_M = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 INT4_BYTES = sum(K * N // 2 + 2 * (K // GS) * N * 2 for K, N in SHAPES.values())  # words + bf16 scales, zeros
 
 
 def candidates(M):
     t = _tiled
-    small = [t(16, 64, 4, 3, w) for w in (4, 8, 16)] + [t(16, 64, 4, 4, 8), t(16, 64, 4, 5, 8)] + \
-            [t(16, 64, 4, 3, w, True) for w in (4, 8)] + [t(16, 128, 8, 3, 4), t(16, 128, 8, 3, 4, True)]
-    gemv = [_gemv(64, 1, 4, w) for w in (2, 4, 8)] + [_gemv(64, 2, 4, 4), _gemv(128, 1, 4, 4), _gemv(32, 1, 2, 8),
-                                                       _gemv(64, 1, 2, 4), _gemv(128, 2, 8, 4)]
-    if M <= 2:  # around the table's GEMV rows (BN 128 / unroll 2 / 8 warps for M=1)
-        return [_gemv(128, 2, 8, w) for w in (2, 3, 4, 6, 8)] + [_gemv(256, 2, 8, 4), _gemv(128, 1, 8, 4),
-                                                                _gemv(128, 4, 8, 4), _gemv(256, 1, 8, 4),
-                                                                _gemv(64, 1, 4, 4), _gemv(64, 1, 4, 6), _gemv(64, 2, 8, 4),
-                                                                t(16, 64, 4, 3, 8)]
-    if M <= 4:
-        return gemv + small[:2] + small[5:6]
+    if M <= 2:  # around the table's GEMV row (BN 128 / unroll 4 / 8 warps for M=1) and the tc row for M=2
+        return [_gemv(128, 4, 8, w) for w in (2, 4)] + [_gemv(128, 2, 8, 2), _gemv(128, 1, 4, 4), _gemv(256, 2, 8, 2)] + \
+               [t(16, 64, 4, 3, w) for w in (2, 3, 4, 6, 8)] + [t(16, 64, 4, 4, 4), t(16, 128, 8, 3, 2)]
     if M <= 16:
-        return small
+        return [t(16, 64, 4, 3, w) for w in (2, 3, 4, 6, 8)] + [t(16, 64, 4, 4, 4), t(16, 128, 8, 3, 2),
+                                                              t(16, 128, 8, 3, 4), t(16, 64, 4, 3, 4, True)]
     if M <= 32:
-        return [t(32, 64, 4, 3, w) for w in (2, 4)] + [t(32, 128, 4, 3, 2), t(32, 128, 8, 3, 2), t(16, 64, 4, 3, 4)]
+        return [t(32, 64, 4, 3, w) for w in (2, 3, 4, 6)] + [t(32, 128, 8, 3, 2), t(32, 64, 4, 3, 3, True)]
     if M <= 64:
-        return [t(64, 64, 4, 3, w) for w in (1, 2, 4)] + [t(64, 128, 4, 3, 1), t(64, 128, 8, 3, 2), t(32, 64, 4, 3, 2),
-                                                          t(64, 64, 4, 3, 2, True)]
+        return [t(64, 64, 4, 3, w, siw) for w in (1, 2, 3) for siw in (False, True)] + \
+               [t(64, 128, 8, 3, 2), t(64, 128, 8, 3, 1, True), t(64, 64, 4, 4, 2, True)]
     if M <= 256:
-        return [t(64, 128, 4, 3, 1), t(64, 128, 8, 3, 1), t(128, 128, 8, 3, 1), t(128, 128, 8, 3, 1, True),
-                t(64, 128, 8, 3, 1, True), t(64, 256, 8, 3, 1, True), t(0, 0, 4, 1, backend="dequant")]
+        return [t(128, 128, 8, 3, 1, True), t(64, 128, 8, 3, 1, True), t(64, 64, 4, 3, 1, True),
+                t(128, 64, 4, 3, 1, True), t(128, 128, 8, 4, 1, True), t(0, 0, 4, 1, backend="dequant")]
     return [t(128, 128, 8, 3, 0, True), t(128, 128, 8, 4, 0, True), t(64, 256, 8, 3, 0, True),
             t(128, 128, 8, 3, 0), t(0, 0, 4, 1, backend="dequant")]
 
@@ -152,9 +146,15 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--m", default=None, help="comma-separated M values to time (default: all)")
     ap.add_argument("--no-sweep", action="store_true", help="time the table only")
+    ap.add_argument("--check-only", action="store_true",
+                    help="correctness only (e.g. under compute-sanitizer --tool memcheck), no timing")
     ap.add_argument("--model-check", action="store_true", help="also compare whole-model logits (SmolLM2 shape)")
+    ap.add_argument("--baseline", default=None,
+                    help="module with an earlier w4a16_tiled_triton (e.g. a copy of the last commit's file under "
+                         "fitllm/kernels/) timed in the same run as column 'baseline'")
     a = ap.parse_args()
     deadline = time.time() + a.budget_s
+    baseline = importlib.import_module(a.baseline) if a.baseline else None
     dev = "cuda"
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -170,6 +170,9 @@ def main():
     log(f"worst rel err {worst:.2e} {'PASS' if worst < 1e-2 else 'FAIL'}")
     if a.model_check:
         res["model_check"] = model_check()
+    if a.check_only:
+        json.dump(res, open(os.path.join(a.out, "bench_w4_tiled.json"), "w"), indent=1, default=str)
+        return
 
     rows = []
     for M in [int(m) for m in a.m.split(",")] if a.m else TIME_M:
@@ -189,6 +192,8 @@ def main():
             "standard": lambda w, a_, o: w4a16_gemm_triton(a_, **w["w4"], out=o),
             "tiled": lambda w, a_, o: w4a16_tiled_triton(a_, **w["qt"], out=o),
         }
+        if baseline is not None:
+            methods["baseline"] = lambda w, a_, o: baseline.w4a16_tiled_triton(a_, **w["qt"], out=o)
         row = {"M": M}
         for k, f in methods.items():
             try:
@@ -217,13 +222,13 @@ def main():
         row["sweep"] = sweep
         floor = INT4_BYTES / BW * 1e6
         log(f"M={M:5d} bf16 {row['bf16']:.1f}  tinygemm {row['tinygemm'] or 0:.1f}  standard {row['standard']:.1f}  "
-            f"tiled-table {row['tiled'] or 0:.1f}  best {best['us'] if best else 0:.1f} {best['cfg'] if best else ''}"
+            f"tiled-table {row['tiled'] or 0:.1f}  baseline {row.get('baseline') or 0:.1f}  best {best['us'] if best else 0:.1f} {best['cfg'] if best else ''}"
             f"  (int4 floor {floor:.1f})")
         rows.append(row)
         res["timing"] = rows
         json.dump(res, open(os.path.join(a.out, "bench_w4_tiled.json"), "w"), indent=1, default=str)
-    print("\n| M | bf16 cuBLAS | tinygemm | fitllm standard | tiled table | tiled best (vs bf16) | best config |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| M | bf16 cuBLAS | tinygemm | fitllm standard | baseline | tiled table | tiled best (vs bf16) | best config |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         b = r["best"]
         bs = f"{b['us']:.1f} ({r['bf16'] / b['us']:.2f}x)" if b else "-"
@@ -231,7 +236,7 @@ def main():
         cfg = (f"{c['backend']} BM{c['BM']} BN{c['BN']} w{c['num_warps']} s{c['num_stages']} waves{c['waves']} "
                f"siw{int(c.get('SCALE_IN_W', False))} unroll{c.get('UNROLL', '-')}") if b else ""
         fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
-        print(f"| {r['M']} | {fmt(r['bf16'])} | {fmt(r['tinygemm'])} | {fmt(r['standard'])} | {fmt(r['tiled'])} | {bs} | {cfg} |")
+        print(f"| {r['M']} | {fmt(r['bf16'])} | {fmt(r['tinygemm'])} | {fmt(r['standard'])} | {fmt(r.get('baseline'))} | {fmt(r['tiled'])} | {bs} | {cfg} |")
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ if triton is not None:
                 v = _round_to_e4m3_grid(v)
             tl.store(q_ptr + row * stride_qm + k0 + offs, v.to(q_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # else M % 16 == 0 compiles again, mid-serving
     def _fp8_kernel(
         x_ptr, xs_ptr, w_ptr, wsc_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_xm, stride_wn, stride_ym, K_ITERS,

@@ -82,7 +82,7 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         return tl.dot(a, b, acc)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # else M % 16 == 0 compiles again, mid-serving
     def _w4a16_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_xm, stride_ym, K_ITERS,
@@ -553,7 +553,7 @@ if triton is not None:
             w4 = tl.permute(w4, (0, 3, 1, 2))  # [R, 2, HALFP, BN]: field h * HALFP + i
         return tl.reshape(w4, (qw.shape[0] * PACK, qw.shape[1]))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # else M % 16 == 0 compiles again, mid-serving
     def _w4a16_tc_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC, MAGIC2, MAGICF,

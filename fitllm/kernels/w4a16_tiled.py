@@ -107,7 +107,7 @@ if triton is not None:
     _SUB_MUL_F16 = tl.constexpr(_sub_asm("f16x2", "0x3C003C00", True))
 
     @triton.jit
-    def _load_tile_words(q_ptr, n0, N, stride_q, kt, BN: tl.constexpr, ROW_WARPS: tl.constexpr):
+    def _load_tile_words(q_ptr, n0, N, stride_q, kt, BN: tl.constexpr, ROW_WARPS: tl.constexpr, ok=True):
         """Words [BN, 16] of K tile kt. Loaded as [8, ROW_WARPS, 2, REP, 16]: Triton spreads the dims
         after the contiguous word axis over lanes then warps in index order, so thread (warp w, lane
         l) holds rows 16 w + l // 4 (+ 8) and words 4 (l % 4) .. + 3, which is the A-fragment
@@ -119,7 +119,7 @@ if triton is not None:
         rep = tl.arange(0, REP)[None, None, None, :, None]
         p = tl.arange(0, 16)[None, None, None, None, :]
         n = n0 + rep * (16 * ROW_WARPS) + w * 16 + a * 8 + g
-        qw = tl.load(q_ptr + n * stride_q + kt * 16 + p, mask=n < N, other=0)
+        qw = tl.load(q_ptr + n * stride_q + kt * 16 + p, mask=(n < N) & ok, other=0)
         return tl.reshape(tl.permute(qw, (3, 1, 2, 0, 4)), (BN, 16))
 
     @triton.jit
@@ -216,7 +216,7 @@ if triton is not None:
         part = _dot(w, xt, tl.zeros((w.shape[0], xt.shape[1]), dtype=tl.float32), UPCAST)
         return acc + part * s[:, None]
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # else M % 16 == 0 compiles again, mid-serving
     def _w4a16_tiled_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, NUM_GROUPS, stride_q, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC2,
@@ -248,7 +248,9 @@ if triton is not None:
         for it in range(0, K_ITERS):
             kt = pid_k * K_ITERS + it
             k0 = kt * 128
-            qw = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS)
+            # the last split may run past the K tiles (K_ITERS does not divide them): those words
+            # are not there (past the last row they are past the allocation), x is 0 there
+            qw = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, kt < stride_q // 16)
             if CHUNK == 128:
                 s, nz, zf, s2, sf = _group_cols(s_next, z_next, MAGICF, F16)
                 s_next, z_next = _group_raw(s_ptr, z_ptr, k0 + 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE,
@@ -385,17 +387,20 @@ def _gemv(bn, unroll, warps, waves=4.0, stages=1):
 
 
 # rows (max M, config), first match wins; 'waves' sets split-K (programs ~= SMs * waves).
-# sm90: H200 sweeps 2026-12-01 (benchmarks/bench_w4_tiled.py, RESULTS.md), µs per Llama-3-8B layer:
-# M=1 GEMV 59 (BN 128, 4 tiles per step; tc 76, standard-layout GEMV 62); M=2 tc 76 (GEMV 80);
-# M=3..16 tc 77-81; M=32 tc BM32 99; M=64 tc BM64/BN128/8 warps 131; M=128 tc with the scale in
-# the weights 235; M >= 256 dequant + cuBLAS (330 at 256, 752 at 1024; tc 336+ / 2x slower).
+# sm90: H200 sweeps (benchmarks/bench_w4_tiled.py, RESULTS.md 2026-12-01, second session), µs per
+# Llama-3-8B layer: M=1 GEMV 60 (BN 128, 4 tiles per step; tc 75); M=2..8 tc BM16 at 6 waves 67-69
+# (8 waves 73-75); M=16 tc with the scale in the weights at 4 waves 75 (8 waves 86); M=32 tc BM32 85;
+# M=64 tc BM64/BN64/4 warps 109 (BN128/8 warps 134); M=128 tc BM128/BN64, scale in weights 176;
+# M=256 tc BM128/BN128 282 (dequant + cuBLAS 330); M > 256 dequant + cuBLAS.
 TILED_CONFIGS = {
     "sm90": [
         (1, _gemv(128, 4, 8, waves=4)),
-        (16, _tiled(16, 64, 4, 3, waves=8)),
-        (32, _tiled(32, 64, 4, 3, waves=4)),
-        (64, _tiled(64, 128, 8, 3, waves=2)),
-        (128, _tiled(64, 128, 8, 3, waves=1, scale_in_w=True)),
+        (8, _tiled(16, 64, 4, 3, waves=6)),
+        (16, _tiled(16, 64, 4, 3, waves=4, scale_in_w=True)),
+        (32, _tiled(32, 64, 4, 3, waves=3)),
+        (64, _tiled(64, 64, 4, 3, waves=3)),
+        (128, _tiled(128, 64, 4, 3, waves=1, scale_in_w=True)),
+        (256, _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)),
         (1 << 62, _tiled(0, 0, 4, 1, backend="dequant")),
     ],
     "default": [

@@ -161,7 +161,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(0)
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        for n in (5, 40, 100, 300, self.config.max_num_batched_tokens):
+        # one prompt length inside each M row of the sm90 GEMM tables (w4a16_tiled, fp8, w4a16)
+        for n in (3, 6, 12, 24, 40, 100, 200, 300, self.config.max_num_batched_tokens):
             n = min(n, self.max_model_len - 2, self.config.max_num_batched_tokens)
             if n > 0:
                 self.generate([torch.randint(0, self.model_config.vocab_size, (n,), generator=gen).tolist()], params)

@@ -1,0 +1,147 @@
+"""Batch-1 W4A16 on the tiled layout, per Llama-3-8B linear: how far each linear is from what a
+plain read of the same bytes costs on this GPU, and which GEMV knobs win per shape.
+
+Each linear is timed alone, with enough weight copies per CUDA graph that every read comes from
+HBM. Columns: bf16 cuBLAS, torch tinygemm, a streaming-read floor (a Triton kernel that only reads
+the linear's words + scales + zeros with 16-byte loads: the cost of the bytes at this size,
+launch and ramp included), fitllm's table, an optional baseline module (an earlier
+w4a16_tiled_triton) and a sweep of GEMV configs (BN, UNROLL, warps, split-K waves). Every config is
+checked against a float64 oracle before it is timed. Writes $OUT/gemv_tiled_explore.json.
+
+  python3 benchmarks/gemv_tiled_explore.py --out $OUT [--baseline MODULE] [--budget-s 240]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.bench_gemm import GS, SHAPES, make_w4, rel_err  # noqa: E402
+from benchmarks.gemv_explore import graph_us, log  # noqa: E402
+from fitllm.kernels.w4a16_tiled import _gemv, dequantize_tiled_ref, tile_pack, w4a16_tiled_triton  # noqa: E402
+
+BW = 4.22e12
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def _read_one(ptr, n, acc, BLOCK: tl.constexpr):
+    for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc ^= tl.load(ptr + offs, mask=offs < n, other=0)
+    return acc
+
+
+@triton.jit
+def _read_kernel(a_ptr, n_a, b_ptr, n_b, c_ptr, n_c, out_ptr, BLOCK: tl.constexpr):
+    """Reads three int32 buffers once (grid-stride, 16-byte loads), writes one word per program."""
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    acc = _read_one(a_ptr, n_a, acc, BLOCK)
+    acc = _read_one(b_ptr, n_b, acc, BLOCK)
+    acc = _read_one(c_ptr, n_c, acc, BLOCK)
+    tl.store(out_ptr + tl.program_id(0), tl.reduce(acc, 0, _xor))
+
+
+def read_floor(w, out):
+    words = (w["qtile"].view(-1), w["scales"].view(torch.int32).view(-1), w["zeros"].view(torch.int32).view(-1))
+    _read_kernel[(out.numel(),)](words[0], words[0].numel(), words[1], words[1].numel(), words[2], words[2].numel(),
+                                 out, BLOCK=1024, num_warps=8)
+
+
+def configs():
+    out = [_gemv(bn, u, w, wv) for bn, u, w, wv in itertools.product((64, 128), (1, 2, 4), (4, 8), (1, 2, 4))]
+    return out + [_gemv(32, 2, 4, wv) for wv in (1, 2, 4)] + [_gemv(256, 1, 8, wv) for wv in (1, 2)]
+
+
+def name(c):
+    return f"gemv BN{c['BN']} U{c['UNROLL']} w{c['num_warps']} waves{c['waves']}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--baseline", default=None, help="module with an earlier w4a16_tiled_triton")
+    ap.add_argument("--budget-s", type=float, default=240)
+    a = ap.parse_args()
+    deadline = time.time() + a.budget_s
+    dev = "cuda"
+    torch.manual_seed(0)
+    baseline = importlib.import_module(a.baseline) if a.baseline else None
+    res = {"device": torch.cuda.get_device_name(), "linears": {}}
+    cfgs = configs()
+    for lin, (K, N) in SHAPES.items():
+        nbytes = K * N // 2 + 2 * (K // GS) * N * 2
+        copies = max(2, -(-200_000_000 // nbytes))
+        ws = []
+        for _ in range(copies):
+            w4 = make_w4(K, N, dev)
+            ws.append(dict(qt=dict(qtile=tile_pack(w4["qweight"]), scales=w4["scales"], zeros=w4["zeros"],
+                                   group_size=GS, K=K), w16=torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02))
+        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        ref = x.double() @ dense64(ws[0]["qt"])
+        y = torch.empty(1, N, device=dev, dtype=torch.bfloat16)
+        sink = torch.empty(4 * 132, device=dev, dtype=torch.int32)
+        row = {"bytes": nbytes, "roofline_us": nbytes / BW * 1e6, "copies": copies}
+        row["bf16"] = graph_us([lambda w=w: torch.mm(x, w["w16"].t(), out=y) for w in ws])
+        row["read_floor"] = graph_us([lambda w=w: read_floor(w["qt"], sink) for w in ws])
+        row["table"] = graph_us([lambda w=w: w4a16_tiled_triton(x, **w["qt"], out=y) for w in ws])
+        if baseline is not None:
+            row["baseline"] = graph_us([lambda w=w: baseline.w4a16_tiled_triton(x, **w["qt"], out=y) for w in ws])
+        sweep = {}
+        for c in cfgs:
+            if time.time() > deadline:
+                log("budget reached: sweep cut short")
+                break
+            out = torch.full((1, N), float("nan"), device=dev, dtype=torch.bfloat16)
+            w4a16_tiled_triton(x, **ws[0]["qt"], config=c, out=out)
+            err = rel_err(out, ref)
+            if not err < 1e-2:
+                log(f"  {lin} {name(c)}: rel err {err:.2e}, skipped")
+                continue
+            sweep[name(c)] = graph_us([lambda w=w, c=c: w4a16_tiled_triton(x, **w["qt"], config=c, out=y) for w in ws])
+        row["sweep"] = sweep
+        best = min(sweep.items(), key=lambda kv: kv[1]) if sweep else ("-", float("nan"))
+        row["best"] = best
+        log(f"{lin} K={K} N={N}: roofline {row['roofline_us']:.1f}  read floor {row['read_floor']:.1f}  bf16 "
+            f"{row['bf16']:.1f}  table {row['table']:.1f}  baseline {row.get('baseline', float('nan')):.1f}  "
+            f"best {best[1]:.1f} {best[0]}")
+        res["linears"][lin] = row
+        json.dump(res, open(os.path.join(a.out, "gemv_tiled_explore.json"), "w"), indent=1)
+        del ws
+        torch.cuda.empty_cache()
+    print("\n| linear | roofline | read floor | bf16 | table | baseline | best | best config |")
+    print("|---|---|---|---|---|---|---|---|")
+    tot = {k: 0.0 for k in ("roofline_us", "read_floor", "bf16", "table", "baseline")}
+    tot_best = 0.0
+    for lin, r in res["linears"].items():
+        for k in tot:
+            tot[k] += r.get(k, float("nan"))
+        tot_best += r["best"][1]
+        print(f"| {lin} | {r['roofline_us']:.1f} | {r['read_floor']:.1f} | {r['bf16']:.1f} | {r['table']:.1f} | "
+              f"{r.get('baseline', float('nan')):.1f} | {r['best'][1]:.1f} | {r['best'][0]} |")
+    print(f"| layer | {tot['roofline_us']:.1f} | {tot['read_floor']:.1f} | {tot['bf16']:.1f} | {tot['table']:.1f} | "
+          f"{tot['baseline']:.1f} | {tot_best:.1f} | per-linear best |")
+
+
+def dense64(qt):
+    """The float64 weight [K, N] the tiled words encode (the oracle)."""
+    return dequantize_tiled_ref(qt["qtile"], qt["scales"], qt["zeros"], qt["group_size"], qt["K"],
+                                torch.float64).t()
+
+
+if __name__ == "__main__":
+    main()
