@@ -75,6 +75,11 @@ def pick_config(table: dict, arch: str, m: int) -> dict:
     return rows[-1][1]
 
 
+def row_bounds(table: dict, arch: str) -> list[int]:
+    """The largest M of each bounded row pick_config chooses from for `arch`."""
+    return [max_m for max_m, _ in table.get(arch, table["default"]) if max_m < 1 << 62]
+
+
 def split_k_for(tiles_mn: int, k_tiles: int, sms: int, waves: float) -> tuple[int, int]:
     """(splits, K tiles per split): enough programs to fill the GPU `waves` times over, never more
     splits than K tiles, and no empty split (the count is recomputed from the tiles per split)."""

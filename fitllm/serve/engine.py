@@ -161,13 +161,22 @@ class LLMEngine:
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(0)
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        # one prompt length inside each M row of the sm90 GEMM tables (w4a16_tiled, fp8, w4a16)
-        for n in (3, 6, 12, 24, 40, 100, 200, 300, self.config.max_num_batched_tokens):
+        for n in self._warm_up_lengths():
             n = min(n, self.max_model_len - 2, self.config.max_num_batched_tokens)
             if n > 0:
                 self.generate([torch.randint(0, self.model_config.vocab_size, (n,), generator=gen).tolist()], params)
         self._reset_counters()
         log.info("warm-up (kernel compilation per step size) took %.1f s", time.perf_counter() - t0)
+
+    def _warm_up_lengths(self) -> list[int]:
+        """One prompt length per M row of the GEMM tables: the row's largest M (the GEMMs do not
+        specialise on M, so one M compiles the whole row), and the step budget for the last rows."""
+        from fitllm.kernels import fp8, w4a16, w4a16_tiled
+        from fitllm.kernels._utils import gpu_arch, row_bounds
+
+        arch = gpu_arch(self.device.index)
+        tables = (w4a16_tiled.TILED_CONFIGS, fp8.FP8_CONFIGS, w4a16.W4A16_CONFIGS)
+        return sorted({m for t in tables for m in row_bounds(t, arch)} | {self.config.max_num_batched_tokens})
 
     def _size_kv_cache(self) -> tuple[int, int]:
         c = self.config
