@@ -18,6 +18,7 @@ def test_budget_matches_allocated_cache(model, kv):
                                 v_min=-torch.ones(shape), v_max=torch.ones(shape))
     cache = PagedKVCache(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu",
                          kv_dtype=kv, calibration=calibration)
+    # every per-block tensor the cache holds ([layers, blocks, ...]; fp8 values are [.., heads, dim, 16])
     per_slot = sum(t.numel() * t.element_size() for t in vars(cache).values()
-                   if isinstance(t, torch.Tensor) and t.dim() >= 4 and t.shape[1:3] == (2, 16)) // (2 * 16)
+                   if isinstance(t, torch.Tensor) and t.dim() >= 4 and t.shape[:2] == (cfg.num_layers, 2)) // (2 * 16)
     assert cache.bytes_per_token == per_slot == budget.kv_bytes_per_token(cfg, kv)

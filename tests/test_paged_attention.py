@@ -20,21 +20,24 @@ def rel(a, b):
 
 
 class Pool:
-    """Random K/V for a few sequences, pages scattered over a pool whose unused slots hold NaN."""
+    """Random K/V for a few sequences, pages scattered over a pool whose unused slots hold NaN
+    (fp8 values: 448, the largest finite code; see below)."""
 
     def __init__(self, name, seq_lens, seed=0):
         self.kind, dtype, self.group = STORE[name]
         g = torch.Generator().manual_seed(seed)
         pages = [math.ceil(n / PAGE) for n in seq_lens]
         nb = sum(pages) + 3
-        dc = D // 2 if self.kind == pa.KIND_INT4 else D
-        shape = (nb, PAGE, H, dc)
+        k_shape = pa.cache_shape(nb, PAGE, H, D, self.kind)
+        v_shape = pa.cache_shape(nb, PAGE, H, D, self.kind, values=True)
         nan = float("nan")
         if self.kind in (pa.KIND_FLOAT, pa.KIND_FP8):
-            self.k = torch.full(shape, nan).to(dtype)
-            self.v = torch.full(shape, nan).to(dtype)
+            self.k = torch.full(k_shape, nan).to(dtype)
+            # The kernels may read the unwritten tail of a sequence's last page of fp8 values, which
+            # the cache keeps finite, and must weight it by exactly 0: poison with a huge finite value.
+            self.v = torch.full(v_shape, pa.FP8_MAX if self.kind == pa.KIND_FP8 else nan).to(dtype)
         else:
-            self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+            self.k, self.v = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
         self.k_group, self.v_group = pa.split_group(self.group)
         kms, vms = (nb, PAGE, H, D // self.k_group), (nb, PAGE, H, D // self.v_group)
         # Poison: any slot never written dequantizes to NaN, so reading one shows in the output.
@@ -86,8 +89,8 @@ def test_cache_write_triton_matches_reference(name):
     a.write_all(pa.cache_write_ref)
     b.write_all(pa.cache_write)
     for i, n in enumerate(a.seq_lens):
-        va = pa.gather_ref(a.v, a.vs, a.vz, a.bt[i], n, a.kind, a.v_group)
-        vb = pa.gather_ref(b.v, b.vs, b.vz, b.bt[i], n, b.kind, b.v_group)
+        va = pa.gather_ref(a.v, a.vs, a.vz, a.bt[i], n, a.kind, a.v_group, values=True)
+        vb = pa.gather_ref(b.v, b.vs, b.vz, b.bt[i], n, b.kind, b.v_group, values=True)
         assert torch.isfinite(vb).all() and rel(vb, va) < (1e-6 if a.kind >= pa.KIND_INT8 else 0.13)
         ka = pa.gather_ref(a.k, a.ks, a.kz, a.bt[i], n, a.kind, a.k_group)
         kb = pa.gather_ref(b.k, b.ks, b.kz, b.bt[i], n, b.kind, b.k_group)
@@ -108,6 +111,23 @@ def test_cache_write_triton_matches_reference(name):
         assert err < {"fp32": 1e-7, "bf16": 5e-3, "fp8": 5e-2, "int8": 1e-2, "int4": 0.12, "int4-kv": 0.1}[name]
 
 
+@pytest.mark.parametrize("fn", [pa.cache_write_ref, pa.cache_write])
+def test_fp8_values_are_stored_transposed_and_never_nan(fn):
+    """The documented layout, checked by index: token slot s of head h sits at
+    v[s // PAGE, h, :, s % PAGE]; keys stay rows k[s // PAGE, s % PAGE, h, :]. NaN is stored as 0."""
+    pool = Pool("fp8", [8])
+    g = torch.Generator().manual_seed(4)
+    # multiples of 1/8 in [-2, 2]: exact in e4m3, so no rounding (the interpreter's is off) enters
+    k, v = (torch.randint(-16, 17, (2, 3, H, D), generator=g) / 8).unbind(0)
+    v[1, 0, 3] = float("nan")
+    slots = torch.tensor([2, 5, 7])
+    fn(k, v, *pool.tensors(), slots, pool.kind, pool.group)
+    for i, s in enumerate(slots.tolist()):
+        for h in range(H):
+            assert torch.equal(pool.v[s // PAGE, h, :, s % PAGE].float(), v[i, h].nan_to_num(0.0))
+            assert torch.equal(pool.k[s // PAGE, s % PAGE, h, :].float(), k[i, h])
+
+
 def test_padding_slots_are_not_written():
     pool = Pool("int8", [8])
     k, v = torch.randn(3, H, D), torch.randn(3, H, D)
@@ -117,7 +137,8 @@ def test_padding_slots_are_not_written():
     assert changed.nonzero().flatten().tolist() == [5]
 
 
-@pytest.mark.parametrize("name,window", [(n, None) for n in STORE] + [("bf16", 5), ("int4", 5), ("int4-kv", 5)])
+@pytest.mark.parametrize("name,window", [(n, None) for n in STORE] + [("bf16", 5), ("fp8", 5), ("int4", 5),
+                                                                      ("int4-kv", 5)])
 def test_decode_and_mixed_batches_match_reference(name, window):
     pool = Pool(name, [1, 9, 23, 16], seed=1)
     pool.write_all(pa.cache_write_ref)

@@ -41,14 +41,15 @@ def memory(
     gpu: Optional[str] = typer.Option(None, "--gpu", help="A GPU from the catalog, e.g. rtx4090, l4, h200."),
     gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GPU memory in GiB (a card not in the catalog)."),
     quant: Optional[str] = typer.Option(None, "--quant", help="bf16 | awq | gptq | fp8 | nf4 "
-                                        "[default: the checkpoint's own scheme]"),
+                                        "(default: the checkpoint's own scheme)"),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto | bf16 | fp16 | fp8 | int8 | int4"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="[default: the model's limit]"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="(default: the model's limit)"),
     max_num_seqs: int = typer.Option(bm.DEFAULT_MAX_NUM_SEQS, "--max-num-seqs"),
     max_batched_tokens: int = typer.Option(bm.DEFAULT_MAX_BATCHED_TOKENS, "--max-num-batched-tokens",
                                            help="Token budget of one step (as `quant serve`)."),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
-    block_size: int = typer.Option(bm.DEFAULT_BLOCK_SIZE, "--block-size"),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV block "
+                                             "(default: 64 with --kv-dtype fp8, else 16; as `quant serve`)"),
     utilization: float = typer.Option(bm.DEFAULT_GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (bytes) instead of tables."),
 ) -> None:

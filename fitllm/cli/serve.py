@@ -28,6 +28,8 @@ def serve(
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens",
                                                help="Token budget of one step (prefill chunk size)."),
     num_kv_blocks: Optional[int] = typer.Option(None, "--num-kv-blocks", help="Fix the KV pool size (blocks)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV block (default: 64 with "
+                                             "--kv-dtype fp8, whose attention then reads whole cache lines; else 16)."),
     max_waiting: int = typer.Option(256, "--max-waiting", help="Queued requests before answering 429."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may take."),
     max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes", help="Largest request body."),
@@ -48,7 +50,7 @@ def serve(
     _check_port_free(host, port)
     engine = _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                            num_kv_blocks, gpu_memory_utilization, not no_prefix_caching, not no_cuda_graphs,
-                           speculative, num_speculative_tokens)
+                           speculative, num_speculative_tokens, block_size)
     from fitllm.serve.app import ServerConfig, create_app
 
     name = served_model_name or _default_name(model)
@@ -83,7 +85,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                   num_kv_blocks, gpu_memory_utilization, prefix_caching, cuda_graphs, speculative=None,
-                  num_speculative_tokens=4):
+                  num_speculative_tokens=4, block_size=None):
     from fitllm.models.errors import FitLLMError
     from fitllm.serve.engine import EngineConfig, LLMEngine
 
@@ -93,7 +95,7 @@ def _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, m
                           enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs,
                           speculative=(speculative if speculative in (None, "ngram", "self-int4")
                                        else f"draft-model:{speculative}"),
-                          num_speculative_tokens=num_speculative_tokens)
+                          num_speculative_tokens=num_speculative_tokens, block_size=block_size)
     console.print(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ...", highlight=False)
     try:
         return LLMEngine(config)

@@ -4,9 +4,13 @@ Each Triton kernel has a torch reference with the same signature (`*_ref`), whic
 and the test oracle. Kernels know tensors only; the cache (fitllm/models/kv_cache.py) owns layout.
 
 Cache layout, per layer (`codes`): `[num_blocks, block_size, kv_heads, codes_per_head]`; a flat slot
-is `block * block_size + offset`. `kind` says how a stored row decodes (see `KIND_*`):
+is `block * block_size + offset`. fp8 *values* are the exception, stored transposed within each block,
+`[num_blocks, kv_heads, head_dim, block_size]` (see `values_transposed`; `cache_shape` gives both).
+`kind` says how a stored row decodes (see `KIND_*`):
   float: codes are the values (fp32/fp16/bf16), codes_per_head = head_dim
-  fp8:   e4m3 codes; any per-tensor/per-head scale is folded into q and the output by the caller
+  fp8:   e4m3 codes; any per-tensor/per-head scale is folded into q and the output by the caller.
+         NaN is never stored (written as 0), so every byte of an fp8 cache is finite: the kernels
+         may read a block's unwritten slots, weighted by exactly 0 (see _load_values_t)
   int8:  symmetric, one fp16 scale per `group` values: x = code * scale
   int4:  asymmetric, two codes per byte (element 2j in the low nibble, 2j+1 in the high one),
          fp16 scale and zero per `group` values: x = code * scale + zero
@@ -39,6 +43,24 @@ if interpreting():
     patch_interpreter_for_numpy_2_4()
 
 
+def values_transposed(kind: int) -> bool:
+    """Whether the value cache stores each block transposed, `[kv_heads, head_dim, block_size]`.
+    P.V sums over tokens, and a tensor-core operand must hold consecutive tokens in each register;
+    16-bit values get that transpose free on load (ldmatrix.trans), bytes do not: read row-major,
+    fp8 values cost one shared-memory load per byte plus the repacking, 1.6x the instructions of the
+    whole decode loop (benchmarks/RESULTS.md). int8/int4 keep rows: their scales run along head_dim."""
+    return kind == KIND_FP8
+
+
+def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, kind: int,
+                values: bool = False) -> tuple[int, ...]:
+    """The shape of one layer's key (values=False) or value codes."""
+    codes = head_dim // 2 if kind == KIND_INT4 else head_dim
+    if values and values_transposed(kind):
+        return (num_blocks, kv_heads, codes, block_size)
+    return (num_blocks, block_size, kv_heads, codes)
+
+
 # ----------------------------------------------------------------------------------------------
 # torch references
 # ----------------------------------------------------------------------------------------------
@@ -48,7 +70,7 @@ def quantize_ref(x: torch.Tensor, kind: int, group: int, dtype: torch.dtype):
     if kind == KIND_FLOAT:
         return x.to(dtype), None, None
     if kind == KIND_FP8:
-        return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), None, None
+        return x.float().nan_to_num(0.0).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), None, None
     n, h, d = x.shape
     g = x.float().reshape(n, h, d // group, group)
     if kind == KIND_INT8:
@@ -90,28 +112,33 @@ def cache_write_ref(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     kg, vg = split_group(group)
-    for x, cache, scales, zeros, g in ((k[keep], k_cache, k_scales, k_zeros, kg),
-                                       (v[keep], v_cache, v_scales, v_zeros, vg)):
+    for x, cache, scales, zeros, g, t in ((k[keep], k_cache, k_scales, k_zeros, kg, False),
+                                          (v[keep], v_cache, v_scales, v_zeros, vg, values_transposed(kind))):
         codes, s, z = quantize_ref(x, kind, g, cache.dtype)
-        h = cache.shape[-2]
         if codes.dtype == torch.float8_e4m3fn:  # no index_copy_ for fp8 on CPU: copy the bytes
             cache, codes = cache.view(torch.uint8), codes.view(torch.uint8)
-        cache.view(-1, h, cache.shape[-1]).index_copy_(0, slots, codes)
-        if s is not None:
-            scales.view(-1, h, scales.shape[-1]).index_copy_(0, slots, s)
-        if z is not None:
-            zeros.view(-1, h, zeros.shape[-1]).index_copy_(0, slots, z)
+        if t:
+            bs = cache.shape[-1]
+            cache[slots // bs, :, :, slots % bs] = codes
+        else:
+            h = cache.shape[-2]
+            cache.view(-1, h, cache.shape[-1]).index_copy_(0, slots, codes)
+        for meta, m in ((scales, s), (zeros, z)):
+            if m is not None:
+                meta.view(-1, meta.shape[-2], meta.shape[-1]).index_copy_(0, slots, m)
 
 
-def gather_ref(cache, scales, zeros, table, length, kind, group) -> torch.Tensor:
-    """A sequence's first `length` rows, dequantized: [length, H, D] float32."""
-    bs = cache.shape[1]
+def gather_ref(cache, scales, zeros, table, length, kind, group, values: bool = False) -> torch.Tensor:
+    """A sequence's first `length` rows of keys (or values), dequantized: [length, H, D] float32."""
+    transposed = values and values_transposed(kind)
+    bs = cache.shape[-1] if transposed else cache.shape[1]
     blocks = table[: math.ceil(length / bs)].long()
 
     def rows(t):
         return None if t is None else t[blocks].flatten(0, 1)[:length]
 
-    return dequantize_ref(rows(cache), rows(scales), rows(zeros), kind, group)
+    codes = cache[blocks].permute(0, 3, 1, 2).flatten(0, 1)[:length] if transposed else rows(cache)
+    return dequantize_ref(codes, rows(scales), rows(zeros), kind, group)
 
 
 def paged_attention_ref(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, block_tables,
@@ -127,7 +154,7 @@ def paged_attention_ref(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zero
         if hi == lo:
             continue
         k = gather_ref(k_cache, k_scales, k_zeros, block_tables[i], length, kind, kg)
-        v = gather_ref(v_cache, v_scales, v_zeros, block_tables[i], length, kind, vg)
+        v = gather_ref(v_cache, v_scales, v_zeros, block_tables[i], length, kind, vg, values=True)
         qf = q[lo:hi].float()
         out[lo:hi] = causal_attention(qf, k, v, scale, sliding_window).to(out.dtype)
     return out
@@ -139,9 +166,10 @@ def paged_attention_ref(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zero
 
 @triton.jit
 def _store_quantized(X, x_row, CODES, SCALES, ZEROS, row_c, row_s, ok,
-                     D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr):
-    """Quantize one head's D values (at X + x_row) into the codes row at CODES + row_c and the
-    scale/zero row at SCALES/ZEROS + row_s. Groups of GROUP values share a scale."""
+                     D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, STRIDE: tl.constexpr = 1):
+    """Quantize one head's D values (at X + x_row) into the codes row at CODES + row_c (element i
+    at + i * STRIDE: a transposed block's column) and the scale/zero row at SCALES/ZEROS + row_s.
+    Groups of GROUP values share a scale."""
     NG: tl.constexpr = D // GROUP
     g = tl.arange(0, NG)
     if KIND == 3:
@@ -173,15 +201,15 @@ def _store_quantized(X, x_row, CODES, SCALES, ZEROS, row_c, row_s, ok,
             tl.store(CODES + row_c + off, c.to(tl.int8), mask=ok)
             tl.store(SCALES + row_s + g, s, mask=ok)
         else:
-            if KIND == 1:  # e4m3 has no infinity: saturate instead of producing NaN
-                x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-            tl.store(CODES + row_c + off, x.to(CODES.dtype.element_ty), mask=ok)
+            if KIND == 1:  # e4m3 has no infinity: saturate, and store NaN as 0 (see the module doc)
+                x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -448.0), 448.0)
+            tl.store(CODES + row_c + off * STRIDE, x.to(CODES.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _cache_write_kernel(K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, s_kt, s_kh, s_vt, s_vh,
-                        H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
-                        KIND: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr):
+                        H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, PAGE: tl.constexpr,
+                        KIND: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr, VT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -189,7 +217,12 @@ def _cache_write_kernel(K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, s_kt, s_kh, s_vt, s
     slot = tl.maximum(slot, 0)
     row_c = (slot * H + h) * DC
     _store_quantized(K, t * s_kt + h * s_kh, KC, KS, KZ, row_c, (slot * H + h) * (D // KGROUP), ok, D, KIND, KGROUP)
-    _store_quantized(V, t * s_vt + h * s_vh, VC, VS, VZ, row_c, (slot * H + h) * (D // VGROUP), ok, D, KIND, VGROUP)
+    if VT:  # value column `slot % PAGE` of block `slot // PAGE`, [H, D, PAGE]
+        _store_quantized(V, t * s_vt + h * s_vh, VC, VS, VZ, ((slot // PAGE * H + h) * D) * PAGE + slot % PAGE,
+                         0, ok, D, KIND, VGROUP, PAGE)
+    else:
+        _store_quantized(V, t * s_vt + h * s_vh, VC, VS, VZ, row_c, (slot * H + h) * (D // VGROUP), ok, D, KIND,
+                         VGROUP)
 
 
 @triton.jit
@@ -219,11 +252,35 @@ def _load_rows(CODES, SCALES, ZEROS, slot, head, valid, offs_d,
 
 
 @triton.jit
+def _load_values_t(VC, page, pos, head, page_ok, offs_d, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                   RUN: tl.constexpr):
+    """Value rows `pos` [N] of one kv head from a transposed cache ([block, H, D, PAGE]): [N, D].
+    Masked by page (`page_ok`, constant over each page), not by token, so each page's PAGE
+    consecutive tokens load as one vector; the unwritten tail of a sequence's last page comes along
+    (finite by the cache's invariant) and the caller weights it by exactly 0. `pos` starts at a
+    multiple of RUN = min(PAGE, N): the hints say so, as the page indices came from a load."""
+    off = (page * (H * D * PAGE) + head * (D * PAGE) + pos % PAGE)[:, None] + (offs_d * PAGE)[None, :]
+    off = tl.max_contiguous(tl.multiple_of(off, [RUN, RUN]), [RUN, 1])
+    return tl.load(VC + off, mask=page_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _tile_positions(n0, hi, BT, bt_row, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's token positions (n0 is a multiple of BLOCK_N), the pages that hold them (0 past
+    the sequence's last page) and which of those pages are the sequence's."""
+    pos = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+    page_ok = pos // PAGE < tl.cdiv(hi, PAGE)
+    page = tl.load(BT + bt_row + pos // PAGE, mask=page_ok, other=0).to(tl.int64)
+    return pos, page, page_ok
+
+
+@triton.jit
 def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, scale, window, num_splits,
                    s_qt, s_qh, s_bt, s_ot, s_oh,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
-                   VGROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr):
+                   VGROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr,
+                   RUN: tl.constexpr, WINDOWED: tl.constexpr):
     """One (sequence, kv head, split): the G query heads sharing that kv head against one slice of
     the sequence. Partial results (unnormalised acc, running max, sum) go to PO/PML for the reduce,
     or straight to OUT when there is a single split (DIRECT)."""
@@ -232,12 +289,14 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, scale, wind
     sp = tl.program_id(2)
     seq_len = tl.load(SEQ + b)
     start = seq_len * 0
-    if window > 0:
+    if WINDOWED:
         start = tl.maximum(seq_len - window, 0)
     # Each sequence cuts its own span into num_splits slices: the grid does not depend on the
-    # lengths, so one CUDA graph serves every step.
-    chunk = tl.cdiv(tl.cdiv(seq_len - start, num_splits), BLOCK_N) * BLOCK_N
-    lo = start + sp * chunk
+    # lengths, so one CUDA graph serves every step. Tiles start at multiples of BLOCK_N (tokens
+    # before `start` are masked), so each page's tokens are one contiguous run within a tile.
+    first = start // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + sp * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
     offs_d = tl.arange(0, D)
@@ -252,18 +311,24 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, scale, wind
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
+        pos, page, page_ok = _tile_positions(n0, hi, BT, b * s_bt, PAGE, BLOCK_N)
         valid = pos < hi
-        page = tl.load(BT + b * s_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        if WINDOWED:
+            valid = valid & (pos >= start)
         slot = page * PAGE + pos % PAGE
-        k = _load_rows(KC, KS, KZ, slot, kvh, valid, offs_d, H, D, DC, KIND, KGROUP).to(q.dtype)
+        # keys masked by page (no per-token predicates): a row past the sequence feeds only its own
+        # score, which the next line replaces
+        k = _load_rows(KC, KS, KZ, slot, kvh, page_ok, offs_d, H, D, DC, KIND, KGROUP).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s - m_new[:, None])  # exactly 0 where masked: the values there may be any finite
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, VGROUP).to(q.dtype)
+        if VT:
+            v = _load_values_t(VC, page, pos, kvh, page_ok, offs_d, H, D, PAGE, RUN).to(q.dtype)
+        else:
+            v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, VGROUP).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -301,7 +366,7 @@ def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, wind
                     s_qt, s_qh, s_bt, s_ot, s_oh,
                     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
-                    VGROUP: tl.constexpr, UPCAST: tl.constexpr):
+                    VGROUP: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr, RUN: tl.constexpr):
     """BLOCK_M new queries of one (sequence, head) against the cached prefix plus the new tokens
     (already written to the cache), causal. Query i of a chunk of q_len sits at position
     seq_len - q_len + i."""
@@ -332,11 +397,10 @@ def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, wind
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
+        pos, page, page_ok = _tile_positions(n0, hi, BT, b * s_bt, PAGE, BLOCK_N)
         valid = pos < hi
-        page = tl.load(BT + b * s_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
         slot = page * PAGE + pos % PAGE
-        k = _load_rows(KC, KS, KZ, slot, kvh, valid, offs_d, H, D, DC, KIND, KGROUP).to(q.dtype)
+        k = _load_rows(KC, KS, KZ, slot, kvh, page_ok, offs_d, H, D, DC, KIND, KGROUP).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if window > 0:
@@ -347,7 +411,10 @@ def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, wind
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, VGROUP).to(q.dtype)
+        if VT:
+            v = _load_values_t(VC, page, pos, kvh, page_ok, offs_d, H, D, PAGE, RUN).to(q.dtype)
+        else:
+            v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, VGROUP).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
@@ -371,7 +438,8 @@ def cache_write(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, sl
         k, v, k_cache, v_cache, _dummy(k_scales, k_cache), _dummy(v_scales, v_cache),
         _dummy(k_zeros, k_cache), _dummy(v_zeros, v_cache), slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=h, D=d, DC=k_cache.shape[-1], KIND=kind, **_group_args(kind, group, d), num_warps=1)
+        H=h, D=d, DC=k_cache.shape[-1], PAGE=k_cache.shape[1], KIND=kind, **_group_args(kind, group, d),
+        VT=values_transposed(kind), num_warps=1)
 
 
 def _group_args(kind: int, group, d: int) -> dict:
@@ -405,14 +473,18 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
             _dummy(k_zeros, k_cache), _dummy(v_zeros, v_cache), block_tables, seq_lens)
     g = hq // h
     upcast = not q.is_cuda
+    vt = values_transposed(kind)
     if max_query_len == 1 and t == batch:
         if num_splits is None:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
             num_splits = default_num_splits(batch, h, max_seq_len, sms)
         # Tile defaults from the H200 sweep (benchmarks/RESULTS.md): quantized rows are short, so
-        # they want longer tiles and a deeper pipeline to keep enough bytes in flight.
+        # they want longer tiles and a deeper pipeline to keep enough bytes in flight. Triton
+        # double-buffers these tiles only from num_stages=5; fp8 wants that when the sequence is
+        # split (few programs each, latency exposed: B <= 16 at 32k 8-13 % faster), not otherwise
+        # (the second buffer costs occupancy that hides the latency better: B >= 64).
         bn = block_n or (64 if kind == KIND_FLOAT else 128)
-        num_stages = num_stages or (2 if kind == KIND_FLOAT else 3)
+        num_stages = num_stages or (2 if kind == KIND_FLOAT else 5 if kind == KIND_FP8 and num_splits > 1 else 3)
         direct = num_splits == 1
         if direct:
             po = pml = out
@@ -423,7 +495,8 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
             q, *args, out, po, pml, scale, window, num_splits,
             q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
             H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
-            KIND=kind, **groups, DIRECT=direct, UPCAST=upcast, num_warps=num_warps or 4, num_stages=num_stages)
+            KIND=kind, **groups, DIRECT=direct, UPCAST=upcast, VT=vt, RUN=min(page, bn), WINDOWED=window > 0,
+            num_warps=num_warps or 4, num_stages=num_stages)
         if not direct:
             _reduce_kernel[(batch, hq)](po, pml, out, num_splits, out.stride(0), out.stride(1),
                                         HQ=hq, D=d, SP=triton.next_power_of_2(num_splits), num_warps=4)
@@ -434,6 +507,6 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
     _prefill_kernel[grid](
         q, *args, query_start, out, scale, window,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        H=h, G=g, D=d, DC=dc, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, KIND=kind, **groups, UPCAST=upcast,
-        num_warps=num_warps or 4, num_stages=num_stages or 2)
+        H=h, G=g, D=d, DC=dc, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, KIND=kind, **groups, UPCAST=upcast, VT=vt,
+        RUN=min(page, bn), num_warps=num_warps or 4, num_stages=num_stages or 2)
     return out

@@ -237,10 +237,11 @@ class PagedKVCache:
         storage = {pa.KIND_FP8: torch.float8_e4m3fn, pa.KIND_INT8: torch.int8, pa.KIND_INT4: torch.uint8}.get(
             self.kind, _FLOAT_KV.get(kv_dtype, dtype))
         self.dtype = storage
-        codes = head_dim // 2 if self.kind == pa.KIND_INT4 else head_dim
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, codes)
-        self.k = torch.zeros(shape, dtype=storage, device=device)
-        self.v = torch.zeros(shape, dtype=storage, device=device)
+        # Zero-filled: for fp8 that starts the kernels' invariant that every stored byte is finite.
+        k_shape, v_shape = (pa.cache_shape(num_blocks, block_size, num_kv_heads, head_dim, self.kind, values)
+                            for values in (False, True))
+        self.k = torch.zeros((num_layers, *k_shape), dtype=storage, device=device)
+        self.v = torch.zeros((num_layers, *v_shape), dtype=storage, device=device)
         self.k_scales = self.v_scales = self.k_zeros = self.v_zeros = None
         if self.kind in (pa.KIND_INT8, pa.KIND_INT4):
             k_meta, v_meta = ((num_layers, num_blocks, block_size, num_kv_heads, head_dim // g) for g in self.group)
@@ -304,13 +305,15 @@ class PagedKVCache:
         self.rotation16 = None if rot is None or not half else rot.to(dev, self.compute_dtype)  # see _rotate
 
     @property
-    def bytes_per_token(self) -> int:
-        def row(codes, scales, zeros):
-            meta = [t for t in (scales, zeros) if t is not None]
-            return codes.shape[-1] * codes.element_size() + sum(t.shape[-1] * t.element_size() for t in meta)
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with per-slot storage, each [num_layers, num_blocks, ...]: codes, scales, zeros."""
+        return [t for t in (self.k, self.v, self.k_scales, self.v_scales, self.k_zeros, self.v_zeros)
+                if t is not None]
 
-        per_head = row(self.k, self.k_scales, self.k_zeros) + row(self.v, self.v_scales, self.v_zeros)
-        return self.num_layers * self.num_kv_heads * per_head
+    @property
+    def bytes_per_token(self) -> int:
+        per_block = sum(t[0, 0].numel() * t.element_size() for t in self.block_tensors)
+        return self.num_layers * per_block // self.block_size
 
     # ---- model space <-> cache space --------------------------------------------------------------
     def _rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -396,7 +399,7 @@ class PagedKVCache:
         k = pa.gather_ref(self.k[layer], self._m(self.k_scales, layer), self._m(self.k_zeros, layer), table,
                           length, self.kind, self.group[0])
         v = pa.gather_ref(self.v[layer], self._m(self.v_scales, layer), self._m(self.v_zeros, layer), table,
-                          length, self.kind, self.group[1])
+                          length, self.kind, self.group[1], values=True)
         if self.transformed:
             k = self._rotate(k / self.k_mul[layer], inverse=True) + self.k_shift[layer]
             v = self._rotate(v / self.v_mul[layer], inverse=True) + self.v_shift[layer]

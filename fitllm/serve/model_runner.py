@@ -215,11 +215,8 @@ class ModelRunner:
             return
         src = to_device([s for s, _ in pairs], torch.long, self.device)
         dst = to_device([d for _, d in pairs], torch.long, self.device)
-        # Every per-slot tensor of the cache ([layers, blocks, block_size, ...]: K, V, scales, zeros).
-        c = self.cache
-        for t in vars(c).values():
-            if isinstance(t, torch.Tensor) and t.dim() >= 4 and t.shape[:3] == (c.num_layers, c.num_blocks, c.block_size):
-                t[:, dst] = t[:, src]
+        for t in self.cache.block_tensors:  # [layers, blocks, ...]: K, V, scales, zeros
+            t[:, dst] = t[:, src]
 
 
 # ---- CUDA graphs -------------------------------------------------------------------------------
