@@ -231,6 +231,31 @@ def measure(row, b, ctx, kinds, sweep, baseline=None):
         torch.cuda.empty_cache()
 
 
+def measure_prefill(kinds, contexts, chunk: int, baseline, log, batch: int = 4) -> None:
+    """Extend attention: `batch` sequences at full context, each with its last `chunk` tokens as new
+    queries (a chunked prefill's step), through the prefill/extend kernel."""
+    for ctx in contexts:
+        for kind in kinds:
+            pool = Pool(kind, batch, ctx)
+            q = torch.randn(batch * chunk, HQ, D, device="cuda").to(pool.q.dtype)
+            qs = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * chunk
+            out_dtype = torch.float32 if kind in ("int8", "int4") else None
+
+            def run(mod, v):
+                return mod.paged_attention(q, pool.k, v, pool.ks, pool.vs, pool.kz, pool.vz, pool.tables, qs,
+                                           pool.seq_lens, D ** -0.5, pool.k_id, pool.group, None, out_dtype,
+                                           max_query_len=chunk, max_seq_len=ctx)
+            us = graph_time_us(lambda: run(pa, pool.v))
+            msg = f"prefill B={batch} ctx={ctx} chunk={chunk} {kind}: {us:.1f}us"
+            if baseline is not None:
+                v_rows = pool.v_rows()
+                msg += f" (baseline {graph_time_us(lambda: run(baseline, v_rows)):.1f}us)"
+                del v_rows
+            log(msg)
+            del pool
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -239,6 +264,8 @@ def main() -> None:
     ap.add_argument("--kinds", default="bf16,fp8,int8,int4")
     ap.add_argument("--no-sweep", action="store_true", help="default kernel config only")
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip combos whose bf16 K/V exceed this")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="also time the extend kernel: 4 sequences at "
+                    "each context, their last N tokens as new queries")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per block for every kind "
                     "[default: the product's per KV dtype: 64 for fp8, else 16]")
     ap.add_argument("--baseline", default=None, help="module name of an earlier paged_attention.py (rows layout for "
@@ -260,6 +287,9 @@ def main() -> None:
         f"block size {PAGE or 'default per kind'}")
     ok = check_correctness(log)
     log(f"correctness: {'all ok' if ok else 'FAILURES'} ({time.time() - t0:.0f}s)")
+    if args.prefill_chunk:
+        measure_prefill(args.kinds.split(","), list(map(int, args.contexts.split(","))), args.prefill_chunk,
+                        baseline, log)
     bw = copy_bandwidth()  # a device-to-device copy, read + write counted
     log(f"copy bandwidth: {bw:.0f} GB/s")
 
