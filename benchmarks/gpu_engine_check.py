@@ -35,6 +35,7 @@ SHAPES = {
     "llama3-8b": (128256, 4096, 14336, 32, 32, 8, 128, False),
     "smollm2-135m": (49152, 576, 1536, 30, 9, 3, 64, True),
     "tiny": (1024, 64, 128, 2, 4, 2, 16, False),  # for a dry run: --device cpu --shapes tiny
+    "tiny-llama-heads": (1024, 256, 512, 4, 8, 2, 128, False),  # Llama-3's head_dim and GQA group, on a CPU
 }
 
 
