@@ -1,9 +1,10 @@
 """Paged decode attention on the GPU: correctness, then speed against torch SDPA (same run).
 
 Llama-3-8B heads (32 query / 8 KV heads, head_dim 128), pages of the product's default size per KV
-dtype (16 tokens; 64 for fp8; --block-size overrides) scattered at random over the pool, batch x context grid, KV in bf16 / fp8 / int8 / int4. Times are CUDA-graph replays of
-back-to-back calls (launch overhead excluded, as a served decode step sees it); bandwidth counts
-the K/V bytes each call must read (codes + scales), against the measured copy bandwidth.
+dtype (16 tokens; 64 for fp8; --block-size overrides) scattered at random over the pool, batch x
+context grid, KV in bf16 / fp8 / int8 / int4. Times are CUDA-graph replays of back-to-back calls
+(launch overhead excluded, as a served decode step sees it); bandwidth counts the K/V bytes each
+call must read (codes + scales), against the measured copy bandwidth.
 
     python benchmarks/bench_attention.py --out DIR
 """
@@ -109,13 +110,15 @@ class Pool:
 
         self.bytes = batch * ctx * HKV * (row_bytes(self.ks, self.kz) + row_bytes(self.vs, self.vz))
 
-    def args(self):
-        return (self.q, self.k, self.v, self.ks, self.vs, self.kz, self.vz, self.tables, self.query_start,
-                self.seq_lens, D ** -0.5, self.k_id, self.group)
-
-    def run(self, **cfg):
-        return pa.paged_attention(*self.args(), None, torch.float32 if self.kind in ("int8", "int4") else None,
-                                  max_query_len=1, max_seq_len=self.ctx, **cfg)
+    def run(self, mod=pa, v=None, q=None, query_start=None, max_query_len=1, **cfg):
+        """`mod.paged_attention` over the pool: decode by default, or the queries q at query_start
+        (extend); v replaces the value codes (an earlier kernel file wants its own layout: v_rows())."""
+        out_dtype = torch.float32 if self.kind in ("int8", "int4") else None
+        return mod.paged_attention(self.q if q is None else q, self.k, self.v if v is None else v, self.ks, self.vs,
+                                   self.kz, self.vz, self.tables,
+                                   self.query_start if query_start is None else query_start, self.seq_lens,
+                                   D ** -0.5, self.k_id, self.group, None, out_dtype, max_query_len=max_query_len,
+                                   max_seq_len=self.ctx, **cfg)
 
     def v_rows(self) -> torch.Tensor:
         """The value codes as [blocks, page, HKV, dc] whatever the cache's layout."""
@@ -202,11 +205,9 @@ def measure(row, b, ctx, kinds, sweep, baseline=None):
         pool = Pool(kind, b, ctx)
         base_splits = pa.default_num_splits(b, HKV, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
         if baseline is not None:  # an earlier kernel file, default config, cache rows as it expects them
-            a = list(pool.args())
-            a[2] = pool.v_rows()
-            row[f"{kind}_baseline_us"] = graph_time_us(lambda: baseline.paged_attention(
-                *a, None, torch.float32 if kind in ("int8", "int4") else None, max_query_len=1, max_seq_len=ctx))
-            del a
+            v_rows = pool.v_rows()
+            row[f"{kind}_baseline_us"] = graph_time_us(lambda: pool.run(baseline, v_rows))
+            del v_rows
         best = None
         for i, cfg in enumerate(sweep):
             cfg = dict(cfg)
@@ -237,19 +238,14 @@ def measure_prefill(kinds, contexts, chunk: int, baseline, log, batch: int = 4) 
     for ctx in contexts:
         for kind in kinds:
             pool = Pool(kind, batch, ctx)
-            q = torch.randn(batch * chunk, HQ, D, device="cuda").to(pool.q.dtype)
-            qs = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * chunk
-            out_dtype = torch.float32 if kind in ("int8", "int4") else None
-
-            def run(mod, v):
-                return mod.paged_attention(q, pool.k, v, pool.ks, pool.vs, pool.kz, pool.vz, pool.tables, qs,
-                                           pool.seq_lens, D ** -0.5, pool.k_id, pool.group, None, out_dtype,
-                                           max_query_len=chunk, max_seq_len=ctx)
-            us = graph_time_us(lambda: run(pa, pool.v))
+            extend = dict(q=torch.randn(batch * chunk, HQ, D, device="cuda").to(pool.q.dtype),
+                          query_start=torch.arange(batch + 1, dtype=torch.int32, device="cuda") * chunk,
+                          max_query_len=chunk)
+            us = graph_time_us(lambda: pool.run(**extend))
             msg = f"prefill B={batch} ctx={ctx} chunk={chunk} {kind}: {us:.1f}us"
             if baseline is not None:
                 v_rows = pool.v_rows()
-                msg += f" (baseline {graph_time_us(lambda: run(baseline, v_rows)):.1f}us)"
+                msg += f" (baseline {graph_time_us(lambda: pool.run(baseline, v_rows, **extend)):.1f}us)"
                 del v_rows
             log(msg)
             del pool
@@ -322,7 +318,6 @@ def main() -> None:
                 if baseline is not None:
                     msg += f" baseline {row[f'{kind}_baseline_us']:.1f}us"
                 msg += "\n    sweep " + ", ".join(f"{us:.1f}" for _, us in row.get(f"{kind}_sweep", []))
-
             log(msg)
             results.append(row)
 

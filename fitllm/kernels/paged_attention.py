@@ -112,12 +112,12 @@ def cache_write_ref(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     kg, vg = split_group(group)
-    for x, cache, scales, zeros, g, t in ((k[keep], k_cache, k_scales, k_zeros, kg, False),
-                                          (v[keep], v_cache, v_scales, v_zeros, vg, values_transposed(kind))):
+    for x, cache, scales, zeros, g, transposed in ((k[keep], k_cache, k_scales, k_zeros, kg, False),
+                                                   (v[keep], v_cache, v_scales, v_zeros, vg, values_transposed(kind))):
         codes, s, z = quantize_ref(x, kind, g, cache.dtype)
         if codes.dtype == torch.float8_e4m3fn:  # no index_copy_ for fp8 on CPU: copy the bytes
             cache, codes = cache.view(torch.uint8), codes.view(torch.uint8)
-        if t:
+        if transposed:
             bs = cache.shape[-1]
             cache[slots // bs, :, :, slots % bs] = codes
         else:
@@ -217,12 +217,11 @@ def _cache_write_kernel(K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, s_kt, s_kh, s_vt, s
     slot = tl.maximum(slot, 0)
     row_c = (slot * H + h) * DC
     _store_quantized(K, t * s_kt + h * s_kh, KC, KS, KZ, row_c, (slot * H + h) * (D // KGROUP), ok, D, KIND, KGROUP)
+    row_v = row_c
     if VT:  # value column `slot % PAGE` of block `slot // PAGE`, [H, D, PAGE]
-        _store_quantized(V, t * s_vt + h * s_vh, VC, VS, VZ, ((slot // PAGE * H + h) * D) * PAGE + slot % PAGE,
-                         0, ok, D, KIND, VGROUP, PAGE)
-    else:
-        _store_quantized(V, t * s_vt + h * s_vh, VC, VS, VZ, row_c, (slot * H + h) * (D // VGROUP), ok, D, KIND,
-                         VGROUP)
+        row_v = ((slot // PAGE * H + h) * D) * PAGE + slot % PAGE
+    _store_quantized(V, t * s_vt + h * s_vh, VC, VS, VZ, row_v, (slot * H + h) * (D // VGROUP), ok, D, KIND, VGROUP,
+                     PAGE if VT else 1)
 
 
 @triton.jit

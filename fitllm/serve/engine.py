@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from fitllm.budget import default_block_size
 from fitllm.models.kv_cache import KVCalibration
 from fitllm.serve.block_manager import BlockManager
 from fitllm.serve.detokenizer import IncrementalDetokenizer
@@ -81,8 +82,6 @@ class EngineConfig:
     def __post_init__(self):
         check_speculative(self.speculative)
         if self.block_size is None:
-            from fitllm.budget import default_block_size
-
             self.block_size = default_block_size(self.kv_dtype)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens"):
             if getattr(self, name) < 1:
