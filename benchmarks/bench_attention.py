@@ -112,13 +112,19 @@ class Pool:
 
     def run(self, mod=pa, v=None, q=None, query_start=None, max_query_len=1, **cfg):
         """`mod.paged_attention` over the pool: decode by default, or the queries q at query_start
-        (extend); v replaces the value codes (an earlier kernel file wants its own layout: v_rows())."""
+        (extend); v replaces the value codes (an earlier kernel file wants its own layout: values_for())."""
         out_dtype = torch.float32 if self.kind in ("int8", "int4") else None
         return mod.paged_attention(self.q if q is None else q, self.k, self.v if v is None else v, self.ks, self.vs,
                                    self.kz, self.vz, self.tables,
                                    self.query_start if query_start is None else query_start, self.seq_lens,
                                    D ** -0.5, self.k_id, self.group, None, out_dtype, max_query_len=max_query_len,
                                    max_seq_len=self.ctx, **cfg)
+
+    def values_for(self, mod) -> torch.Tensor:
+        """The value codes in the layout kernel module `mod` reads (files before the transposed fp8
+        values have no `values_transposed`: rows for every kind)."""
+        same = getattr(mod, "values_transposed", lambda kind: False)(self.k_id) == pa.values_transposed(self.k_id)
+        return self.v if same else self.v_rows()
 
     def v_rows(self) -> torch.Tensor:
         """The value codes as [blocks, page, HKV, dc] whatever the cache's layout."""
@@ -162,16 +168,42 @@ def check_correctness(log) -> bool:
             for window in (None, 100):
                 args = (q, pool.k, pool.v, pool.ks, pool.vs, pool.kz, pool.vz, pool.tables)
                 ref = pa.paged_attention_ref(*args, qs, lens, D ** -0.5, pool.k_id, pool.group, window, torch.float32)
-                for splits in ((None, 3) if max(qlens) == 1 else (None,)):
+                variants = ((None, {}), (3, {}), (3, dict(fused_reduce=False)), (40, {})) if max(qlens) == 1 else \
+                    ((None, {}),)
+                for splits, knobs in variants:
                     out = pa.paged_attention(*args, torch.tensor(qs, dtype=torch.int32, device="cuda"), pool.seq_lens,
                                              D ** -0.5, pool.k_id, pool.group, window, torch.float32,
-                                             max_query_len=max(qlens), max_seq_len=max(lens), num_splits=splits)
+                                             max_query_len=max(qlens), max_seq_len=max(lens), num_splits=splits,
+                                             **knobs)
                     e = rel(out, ref)
                     tol = 1e-2
                     good = e < tol and torch.isfinite(out).all().item()
                     ok &= good
                     log(f"check {kind:5s} q_lens={'decode' if max(qlens) == 1 else 'mixed '} window={window} "
-                        f"splits={splits} rel_err={e:.2e} {'ok' if good else 'FAIL'}")
+                        f"splits={splits} {knobs or ''} rel_err={e:.2e} {'ok' if good else 'FAIL'}")
+    # 1b) the fused split combine under CUDA-graph replays: many splits of a long sequence, every
+    # replay must give the reference (arrival counters reset by each launch's last split)
+    for kind in ("bf16", "fp8"):
+        pool = Pool(kind, 2, 8192, seed=4)
+        args = (pool.q, pool.k, pool.v, pool.ks, pool.vs, pool.kz, pool.vz, pool.tables)
+        ref = pa.paged_attention_ref(*args, list(range(3)), [8192] * 2, D ** -0.5, pool.k_id, pool.group, None,
+                                     torch.float32)
+        for _ in range(2):
+            pool.run(num_splits=64)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = [pool.run(num_splits=64) for _ in range(4)]
+        errs = []
+        for _ in range(3):  # poisoned before each replay: a combine that did not run would show
+            for o in outs:
+                o.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            errs += [rel(o, ref) if torch.isfinite(o).all() else float("inf") for o in outs]
+        good = max(errs) < 1e-2
+        ok &= good
+        log(f"check {kind:5s} fused combine, 64 splits, graph replays: worst rel_err={max(errs):.2e} "
+            f"{'ok' if good else 'FAIL'}")
     # 2) cache write kernel == reference quantizer (dequantized values)
     for kind in KINDS:
         pool = Pool(kind, 2, 64, seed=2)
@@ -203,11 +235,12 @@ def check_correctness(log) -> bool:
 def measure(row, b, ctx, kinds, sweep, baseline=None):
     for kind in kinds:
         pool = Pool(kind, b, ctx)
-        base_splits = pa.default_num_splits(b, HKV, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+        base_splits = pa.decode_config(pool.k_id, pool.k.element_size(), b, HKV, ctx,
+                                       torch.cuda.get_device_properties(0).multi_processor_count)["num_splits"]
         if baseline is not None:  # an earlier kernel file, default config, cache rows as it expects them
-            v_rows = pool.v_rows()
-            row[f"{kind}_baseline_us"] = graph_time_us(lambda: pool.run(baseline, v_rows))
-            del v_rows
+            v_base = pool.values_for(baseline)
+            row[f"{kind}_baseline_us"] = graph_time_us(lambda: pool.run(baseline, v_base))
+            del v_base
         best = None
         for i, cfg in enumerate(sweep):
             cfg = dict(cfg)
@@ -244,9 +277,9 @@ def measure_prefill(kinds, contexts, chunk: int, baseline, log, batch: int = 4) 
             us = graph_time_us(lambda: pool.run(**extend))
             msg = f"prefill B={batch} ctx={ctx} chunk={chunk} {kind}: {us:.1f}us"
             if baseline is not None:
-                v_rows = pool.v_rows()
-                msg += f" (baseline {graph_time_us(lambda: pool.run(baseline, v_rows, **extend)):.1f}us)"
-                del v_rows
+                v_base = pool.values_for(baseline)
+                msg += f" (baseline {graph_time_us(lambda: pool.run(baseline, v_base, **extend)):.1f}us)"
+                del v_base
             log(msg)
             del pool
             torch.cuda.empty_cache()
@@ -259,6 +292,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096,16384,32768")
     ap.add_argument("--kinds", default="bf16,fp8,int8,int4")
     ap.add_argument("--no-sweep", action="store_true", help="default kernel config only")
+    ap.add_argument("--wide", action="store_true", help="add a split x tile x stages grid to the sweep")
+    ap.add_argument("--fused-ab", action="store_true", help="time every config also with the separate "
+                    "reduce kernel (fused_reduce=False)")
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip combos whose bf16 K/V exceed this")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="also time the extend kernel: 4 sequences at "
                     "each context, their last N tokens as new queries")
@@ -295,7 +331,14 @@ def main() -> None:
     sweep = [dict(), dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=128, num_warps=4, num_stages=3),
              dict(block_n=64, num_warps=4, num_stages=5), dict(block_n=128, num_warps=4, num_stages=5),
              dict(block_n=128, num_warps=8, num_stages=5), dict(block_n=256, num_warps=8, num_stages=3),
-             dict(split_mul=2), dict(split_mul=2, block_n=128, num_warps=4, num_stages=5)][: 1 if args.no_sweep else None]
+             dict(split_mul=2), dict(split_mul=2, block_n=128, num_warps=4, num_stages=5),
+             dict(block_n=128, num_warps=4, num_stages=6)][: 1 if args.no_sweep else None]
+    if args.fused_ab:  # each config also with the separate reduce kernel
+        sweep += [dict(cfg, fused_reduce=False) for cfg in sweep]
+    if args.wide:  # split count x tile shape x pipeline depth, for the small-batch regime (fused only)
+        sweep += [dict(split_mul=mul, block_n=bn, num_warps=w, num_stages=st)
+                  for mul in (0.5, 1, 2, 4)
+                  for bn, w, st in ((64, 4, 3), (64, 4, 5), (128, 4, 4), (128, 4, 5), (128, 8, 5), (256, 8, 3))]
     log(f"sweep configs, in the order of each 'sweep' line: {sweep}")
     results = []
     for b in map(int, args.batches.split(",")):
@@ -317,6 +360,12 @@ def main() -> None:
                         f"(best {row[f'{kind}_best_us']:.1f} {row[f'{kind}_best_cfg']})")
                 if baseline is not None:
                     msg += f" baseline {row[f'{kind}_baseline_us']:.1f}us"
+                by_reduce = {}
+                for cfg, us in row.get(f"{kind}_sweep", []):
+                    key = "reduce kernel" if cfg.get("fused_reduce") is False else "fused"
+                    by_reduce[key] = min(us, by_reduce.get(key, us))
+                if len(by_reduce) == 2:
+                    msg += f" best fused {by_reduce['fused']:.1f} vs reduce kernel {by_reduce['reduce kernel']:.1f}"
                 msg += "\n    sweep " + ", ".join(f"{us:.1f}" for _, us in row.get(f"{kind}_sweep", []))
             log(msg)
             results.append(row)

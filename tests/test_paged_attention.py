@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fitllm.kernels import paged_attention as pa
+from fitllm.kernels._utils import splitk_workspace
 from fitllm.models.kv_cache import causal_attention
 
 H, G, D, PAGE = 2, 2, 32, 4
@@ -71,7 +72,7 @@ class Pool:
         fn(k, v, *self.tensors(), slots, self.kind, self.group)
 
 
-def run_both(pool, q, q_lens, window=None, num_splits=None):
+def run_both(pool, q, q_lens, window=None, num_splits=None, **knobs):
     qs = [0]
     for n in q_lens:
         qs.append(qs[-1] + n)
@@ -79,7 +80,7 @@ def run_both(pool, q, q_lens, window=None, num_splits=None):
     ref = pa.paged_attention_ref(*args, qs, pool.seq_lens, 0.3, pool.kind, pool.group, window, torch.float32)
     out = pa.paged_attention(*args, torch.tensor(qs, dtype=torch.int32), torch.tensor(pool.seq_lens, dtype=torch.int32),
                              0.3, pool.kind, pool.group, window, torch.float32, max_query_len=max(q_lens),
-                             max_seq_len=max(pool.seq_lens), num_splits=num_splits, block_n=16)
+                             max_seq_len=max(pool.seq_lens), num_splits=num_splits, block_n=16, **knobs)
     return out, ref
 
 
@@ -139,15 +140,26 @@ def test_padding_slots_are_not_written():
 
 @pytest.mark.parametrize("name,window", [(n, None) for n in STORE] + [("bf16", 5), ("fp8", 5), ("int4", 5),
                                                                       ("int4-kv", 5)])
-def test_decode_and_mixed_batches_match_reference(name, window):
+def test_decode_and_mixed_batches_match_reference(name, window, monkeypatch):
+    # every buffer the launcher allocates starts as NaN: outputs must be fully written, and a
+    # combine that read a split's partials before they were written would show
+    real_empty = torch.empty
+    monkeypatch.setattr(pa.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+                        if real_empty(0, dtype=k.get("dtype")).is_floating_point() else real_empty(*a, **k))
     pool = Pool(name, [1, 9, 23, 16], seed=1)
     pool.write_all(pa.cache_write_ref)
     qdt = torch.bfloat16 if name == "bf16" else torch.float32
-    for q_lens, splits in (([1, 1, 1, 1], 1), ([1, 1, 1, 1], 3), ([1, 4, 23, 2], None)):
+    # splits: one (direct), three combined by the last split to finish or by the reduce kernel, and
+    # more splits than tiles (empty ones) both ways
+    decode = [1, 1, 1, 1]
+    for q_lens, splits, knobs in ((decode, 1, {}), (decode, 3, {}), (decode, 3, dict(fused_reduce=False)),
+                                  (decode, 7, {}), (decode, 12, {}), ([1, 4, 23, 2], None, {})):
         q = torch.randn(sum(q_lens), H * G, D).to(qdt)
-        out, ref = run_both(pool, q, q_lens, window, splits)
+        out, ref = run_both(pool, q, q_lens, window, splits, **knobs)
         assert torch.isfinite(out).all() and torch.isfinite(ref).all()
-        assert rel(out, ref) < 1e-5
+        assert rel(out, ref) < 1e-5, (splits, knobs)
+    # the fused combine's arrival counters are left at zero for the next launch (and graph replay)
+    assert not splitk_workspace(torch.device("cpu"), 0, 0)[1].any()
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
@@ -178,7 +190,16 @@ def test_quantized_attention_error_is_small():
         assert rel(out, plain) < bound, name
 
 
-def test_split_count_heuristic():
-    assert pa.default_num_splits(1, 8, 32768, 132) == 33
-    assert pa.default_num_splits(256, 8, 32768, 132) == 1
-    assert pa.default_num_splits(1, 8, 100, 132) == 1
+def test_decode_defaults():
+    """One wave of single-program-per-SM 16-bit tiles; about two waves for quantized KV; splits of
+    >= 256 tokens; the fused combine only for few splits."""
+    cfg = lambda kind, nbytes, b, ctx: pa.decode_config(kind, nbytes, b, 8, ctx, 132)  # noqa: E731
+    assert cfg(pa.KIND_FLOAT, 2, 1, 32768) == dict(num_splits=16, block_n=128, num_stages=5)
+    assert cfg(pa.KIND_FLOAT, 2, 16, 32768) == dict(num_splits=1, block_n=128, num_stages=5)
+    assert cfg(pa.KIND_FLOAT, 2, 64, 32768) == dict(num_splits=1, block_n=64, num_stages=2)
+    assert cfg(pa.KIND_FLOAT, 2, 256, 32768) == dict(num_splits=1, block_n=128, num_stages=3)
+    assert cfg(pa.KIND_FLOAT, 4, 1, 32768)["block_n"] == 64
+    assert cfg(pa.KIND_FP8, 1, 1, 32768) == dict(num_splits=33, block_n=128, num_stages=5)
+    assert cfg(pa.KIND_FP8, 1, 256, 32768) == dict(num_splits=1, block_n=128, num_stages=3)
+    assert cfg(pa.KIND_INT8, 1, 1, 100)["num_splits"] == 1
+    assert 1 < pa.FUSED_COMBINE_MAX_SPLITS < 33

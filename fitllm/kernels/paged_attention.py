@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fitllm.kernels._utils import interpreting, patch_interpreter_for_numpy_2_4
+from fitllm.kernels._utils import interpreting, patch_interpreter_for_numpy_2_4, splitk_workspace
 
 KIND_FLOAT, KIND_FP8, KIND_INT8, KIND_INT4 = 0, 1, 2, 3
 FP8_MAX = 448.0
@@ -274,15 +274,17 @@ def _tile_positions(n0, hi, BT, bt_row, PAGE: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, scale, window, num_splits,
+def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale, window, num_splits,
                    s_qt, s_qh, s_bt, s_ot, s_oh,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
                    VGROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr,
-                   RUN: tl.constexpr, WINDOWED: tl.constexpr):
+                   RUN: tl.constexpr, WINDOWED: tl.constexpr, FUSED: tl.constexpr, GQ: tl.constexpr,
+                   SP: tl.constexpr):
     """One (sequence, kv head, split): the G query heads sharing that kv head against one slice of
-    the sequence. Partial results (unnormalised acc, running max, sum) go to PO/PML for the reduce,
-    or straight to OUT when there is a single split (DIRECT)."""
+    the sequence. Partial results (unnormalised acc, running max, sum) go to PO/PML, or straight to
+    OUT when there is a single split (DIRECT). FUSED: the split that finishes last combines them
+    (no reduce launch); else _reduce_kernel does."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -340,24 +342,44 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, scale, wind
         tl.store(PO + part[:, None] * D + offs_d[None, :], acc, mask=hmask)
         tl.store(PML + part * 2, m_i, mask=offs_g < G)
         tl.store(PML + part * 2 + 1, l_i, mask=offs_g < G)
+        if FUSED:
+            # Every thread's partials are stored before the release; the counter counts arrivals
+            # per (sequence, kv head) and the last arrival resets it (a clean buffer every launch).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(CNT + b * H + kvh, 1, sem="acq_rel")
+            if arrived == num_splits - 1:
+                offs_q = tl.arange(0, GQ)
+                out = _combine_partials(PO, PML, b * (H * G) + kvh * G + offs_q, offs_q < G, num_splits, D, SP)
+                tl.store(OUT + b * s_ot + (kvh * G + offs_q)[:, None] * s_oh + offs_d[None, :],
+                         out.to(OUT.dtype.element_ty), mask=(offs_q < G)[:, None])
+                tl.atomic_xchg(CNT + b * H + kvh, 0)
+
+
+@triton.jit
+def _combine_partials(PO, PML, rows, rmask, num_splits, D: tl.constexpr, SP: tl.constexpr):
+    """Normalised outputs [R, D] (fp32) of the (sequence, head) rows `rows` [R] from their
+    num_splits partials: weights exp2(m_s - max m), empty splits 0. One [R, SP, D] tile. Loads
+    bypass L1: in the fused combine, other programs wrote these during this launch."""
+    s = tl.arange(0, SP)
+    pm = rmask[:, None] & (s < num_splits)[None, :]
+    part = rows[:, None] * num_splits + s[None, :]
+    m = tl.load(PML + part * 2, mask=pm, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(PML + part * 2 + 1, mask=pm, other=0.0, cache_modifier=".cg")
+    w = tl.where(m > float("-inf"), tl.exp2(m - tl.max(m, 1)[:, None]), 0.0)
+    offs_d = tl.arange(0, D)
+    a = tl.load(PO + part[:, :, None] * D + offs_d[None, None, :], mask=pm[:, :, None], other=0.0,
+                cache_modifier=".cg")
+    return tl.sum(a * w[:, :, None], 1) / tl.maximum(tl.sum(l * w, 1), 1e-30)[:, None]
 
 
 @triton.jit
 def _reduce_kernel(PO, PML, OUT, num_splits, s_ot, s_oh, HQ: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
-    """Combine one (sequence, head)'s split partials: weights exp2(m_s - max m), empty splits 0."""
+    """Combine one (sequence, head)'s split partials (the unfused path)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, SP)
-    smask = s < num_splits
-    part = (b * HQ + h) * num_splits + s
-    m = tl.load(PML + part * 2, mask=smask, other=float("-inf"))
-    l = tl.load(PML + part * 2 + 1, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
-    offs_d = tl.arange(0, D)
-    acc = tl.load(PO + part[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(l * w, 0), 1e-30)
-    tl.store(OUT + b * s_ot + h * s_oh + offs_d, out.to(OUT.dtype.element_ty))
+    one = tl.arange(0, 1)
+    out = _combine_partials(PO, PML, b * HQ + h + one, one < 1, num_splits, D, SP)
+    tl.store(OUT + b * s_ot + h * s_oh + tl.arange(0, D)[None, :], out.to(OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -446,20 +468,51 @@ def _group_args(kind: int, group, d: int) -> dict:
     return dict(KGROUP=kg, VGROUP=vg)
 
 
-def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
-    """Enough (sequence, kv head, split) programs to fill the GPU about twice, with splits of at
-    least 256 tokens (shorter ones cost more in the reduce than they win)."""
-    want = max(1, (2 * num_sms + batch * kv_heads - 1) // (batch * kv_heads))
-    return max(1, min(want, max_seq_len // 256, 64))
+def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int,
+                  num_sms: int = 132) -> dict:
+    """Default split count, tile and pipeline depth of the decode kernel, from the H200 sweeps
+    (benchmarks/RESULTS.md, 2026-12-01 fourth session). Splits are at least 256 tokens (shorter ones
+    cost more in the combine than they win), at most 64. With B sequences x H kv heads:
+    - 16-bit KV, B*H <= SMs: 128-token tiles, double-buffered (Triton does that for this loop only
+      from num_stages=5). That is ~128 KB of shared memory, one program per SM, so the sequence is
+      split just enough for one wave (B=1 and 16 at 32k: 15 % and 4 % faster than 64-token tiles).
+      Several waves of those lose to smaller programs (B=64: 64-token tiles, one buffer, 3-8 %
+      faster at 1k-4k), and from ~12 waves 128-token tiles with one buffer win (B=256: 5-8 %).
+    - quantized KV: rows are short, so 128-token tiles; about two waves of programs. fp8 double-
+      buffers when the sequence is split (few programs each, latency exposed), not otherwise.
+    - fp32 KV (tests, parity runs): 64-token tiles, one buffer (a double-buffered 128 x 128 fp32
+      K and V tile would not fit in shared memory)."""
+    per_wave = batch * kv_heads
+
+    def split(programs: int) -> int:
+        return max(1, min(programs // per_wave, max_seq_len // 256, 64))
+
+    two_waves = split(2 * num_sms + per_wave - 1)
+    if kind == KIND_FLOAT and code_bytes == 2:
+        if per_wave <= num_sms:
+            return dict(num_splits=split(num_sms), block_n=128, num_stages=5)
+        if per_wave >= 12 * num_sms:
+            return dict(num_splits=1, block_n=128, num_stages=3)
+    if kind == KIND_FLOAT:
+        return dict(num_splits=two_waves, block_n=64, num_stages=2)
+    return dict(num_splits=two_waves, block_n=128, num_stages=5 if kind == KIND_FP8 and two_waves > 1 else 3)
+
+
+# The split combine runs in the decode kernel itself (its last split to finish) up to this many
+# splits: one small tile to read. Beyond it the reduce kernel's 32 programs are faster than one
+# program reading all partials (H200: B=1 at 32k, 66 splits: 30.2 vs 33.7 µs fused).
+FUSED_COMBINE_MAX_SPLITS = 8
 
 
 def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, block_tables,
                     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float, kind: int, group,
                     sliding_window: Optional[int] = None, out_dtype=None, *, max_query_len: int,
                     max_seq_len: int, num_splits: Optional[int] = None, block_n: Optional[int] = None,
-                    num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> torch.Tensor:
+                    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                    fused_reduce: Optional[bool] = None) -> torch.Tensor:
     """Triton paged attention. Decode batches (every query length 1) take the split-K kernel;
-    others the prefill/extend kernel. `query_start`/`seq_lens` are device tensors here."""
+    others the prefill/extend kernel. `query_start`/`seq_lens` are device tensors here. The
+    keyword-only knobs after max_seq_len override tuned defaults (benchmarks, tests)."""
     t, hq, d = q.shape
     _, page, h, dc = k_cache.shape
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
@@ -474,31 +527,30 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
     upcast = not q.is_cuda
     vt = values_transposed(kind)
     if max_query_len == 1 and t == batch:
-        if num_splits is None:
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-            num_splits = default_num_splits(batch, h, max_seq_len, sms)
-        # Tile defaults from the H200 sweep (benchmarks/RESULTS.md): quantized rows are short, so
-        # they want longer tiles and a deeper pipeline to keep enough bytes in flight. Triton
-        # double-buffers these tiles only from num_stages=5; fp8 wants that when the sequence is
-        # split (few programs each, latency exposed: B <= 16 at 32k 8-13 % faster), not otherwise
-        # (the second buffer costs occupancy that hides the latency better: B >= 64).
-        bn = block_n or (64 if kind == KIND_FLOAT else 128)
-        num_stages = num_stages or (2 if kind == KIND_FLOAT else 5 if kind == KIND_FP8 and num_splits > 1 else 3)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+        cfg = decode_config(kind, k_cache.element_size(), batch, h, max_seq_len, sms)
+        num_splits = num_splits or cfg["num_splits"]
+        bn = block_n or cfg["block_n"]
+        num_stages = num_stages or cfg["num_stages"]
         direct = num_splits == 1
-        if direct:
-            po = pml = out
-        else:
+        fused = not direct and (num_splits <= FUSED_COMBINE_MAX_SPLITS if fused_reduce is None else fused_reduce)
+        po = pml = cnt = out
+        if not direct:
             po = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device)
             pml = torch.empty(batch, hq, num_splits, 2, dtype=torch.float32, device=q.device)
+        if fused:
+            cnt = splitk_workspace(q.device, 0, batch * h)[1]
+        gq, sp = triton.next_power_of_2(g), triton.next_power_of_2(num_splits)
         _decode_kernel[(batch, h, num_splits)](
-            q, *args, out, po, pml, scale, window, num_splits,
+            q, *args, out, po, pml, cnt, scale, window, num_splits,
             q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-            H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
+            H=h, G=g, GP=max(16, gq), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
             KIND=kind, **groups, DIRECT=direct, UPCAST=upcast, VT=vt, RUN=min(page, bn), WINDOWED=window > 0,
+            FUSED=fused, GQ=gq, SP=sp,
             num_warps=num_warps or 4, num_stages=num_stages)
-        if not direct:
+        if not direct and not fused:
             _reduce_kernel[(batch, hq)](po, pml, out, num_splits, out.stride(0), out.stride(1),
-                                        HQ=hq, D=d, SP=triton.next_power_of_2(num_splits), num_warps=4)
+                                        HQ=hq, D=d, SP=sp, num_warps=4)
         return out
     bm = 16 if max_query_len <= 16 else 64
     bn = block_n or 64
