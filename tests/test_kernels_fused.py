@@ -132,6 +132,53 @@ def test_silu_mul_reference_is_silu_times_up():
                                rtol=1e-6, atol=1e-6)
 
 
+# --------------------------------------------------------------------------- head_affine
+
+def _affine_params(P, D, which):
+    gen = {"shift": lambda: randn(P, D), "pre": lambda: randn(P, D).abs() + 0.5,
+           "post": lambda: randn(P, D).abs() + 0.5, "add": lambda: randn(P, D)}
+    return {k: (gen[k]() if k in which else None) for k in gen}
+
+
+@pytest.mark.parametrize("rot_dtype", [None, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H,P", [(1, 8, 8), (3, 32, 8), (37, 4, 2), (300, 2, 1)])
+@pytest.mark.parametrize("which", [("shift", "post"), ("pre", "add"), ("shift", "pre", "post", "add")])
+def test_head_affine_matches_reference(rot_dtype, T, H, P, which):
+    D = 64
+    rot = None if rot_dtype is None else (torch.linalg.qr(randn(D, D))[0]).to(rot_dtype).mT  # a transposed view
+    x = randn(T, H + 3, D, dtype=torch.bfloat16, scale=3.0)[:, 1:H + 1]  # a strided view, like a qkv slice
+    params = _affine_params(P, D, which)
+    out_dtype = torch.float16 if rot_dtype == torch.float16 else torch.float32
+    got = fused.head_affine_triton(x, rot, **params, out_dtype=out_dtype)
+    ref = fused.head_affine_ref(x, rot, **params, out_dtype=out_dtype)
+    assert got.dtype == ref.dtype and torch.isfinite(got).all(), "output not fully written (NaN poison survived)"
+    # same operand rounding, fp32 sums in another order
+    torch.testing.assert_close(got.float(), ref.float(), rtol=1e-3 if out_dtype == torch.float16 else 1e-5,
+                               atol=1e-3 if out_dtype == torch.float16 else 1e-5)
+
+
+def test_head_affine_reference_is_the_documented_map():
+    """Against the formula in float64, head h using parameter row h // (H // P)."""
+    T, H, P, D = 5, 6, 3, 16
+    rot = torch.linalg.qr(randn(D, D))[0]
+    x = randn(T, H, D)
+    params = _affine_params(P, D, ("shift", "pre", "post", "add"))
+    got = fused.head_affine_ref(x, rot, **params, out_dtype=torch.float32)
+    for h in range(H):
+        g = h // (H // P)
+        want = ((x[:, h].double() - params["shift"][g].double()) * params["pre"][g].double()) @ rot.double()
+        want = want * params["post"][g].double() + params["add"][g].double()
+        torch.testing.assert_close(got[:, h].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_head_affine_rejects_bad_parameters():
+    x = randn(2, 8, 64)
+    with pytest.raises(ValueError, match="head_affine"):
+        fused.head_affine_triton(x, None, randn(3, 64), None, None, None, torch.float32)  # 3 does not divide 8
+    with pytest.raises(ValueError, match="head_affine"):
+        fused.head_affine_triton(x, randn(32, 32), None, None, None, None, torch.float32)
+
+
 # --------------------------------------------------------------------------- dispatch and the decoder
 
 def test_dispatch(monkeypatch):

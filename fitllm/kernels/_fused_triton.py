@@ -81,3 +81,38 @@ def silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.conste
     DT = out_ptr.dtype.element_ty
     a = _cast(g / (1.0 + tl.exp(-g)), DT, RNE).to(tl.float32)  # F.silu rounds, then the multiply
     tl.store(out_ptr + t * I + cols, _cast(a * u, DT, RNE), mask=mask)
+
+
+@triton.jit
+def head_affine_kernel(x_ptr, r_ptr, shift_ptr, pre_ptr, post_ptr, add_ptr, y_ptr, T, G, sx_t, sx_h, sr_0, sr_1,
+                       D: tl.constexpr, BT: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                       HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr, HAS_ADD: tl.constexpr,
+                       RNE: tl.constexpr, RNE_OUT: tl.constexpr, UPCAST: tl.constexpr):
+    # One program per (BT tokens, head h); its parameters are row h // G. y is [T, H, D] contiguous.
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    mask = (rows < T)[:, None]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sx_t + h * sx_h + d[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    prow = (h // G) * D + d
+    if HAS_SHIFT:
+        x -= tl.load(shift_ptr + prow)[None, :]
+    if HAS_PRE:
+        x *= tl.load(pre_ptr + prow)[None, :]
+    if HAS_ROT:
+        r = tl.load(r_ptr + d[:, None] * sr_0 + d[None, :] * sr_1)  # any strides: R^T is a view
+        xr = _cast(x, r.dtype, RNE)  # the reference rounds the operand to rot's dtype first
+        if UPCAST:  # the interpreter's 16-bit tl.dot is wrong: the same products in fp32
+            x = tl.dot(xr.to(tl.float32), r.to(tl.float32))
+        elif r.dtype == tl.float32:
+            x = tl.dot(xr, r, input_precision="ieee")  # fp32 models: no TF32 rounding
+        else:
+            x = tl.dot(xr, r)
+    if HAS_POST:
+        x *= tl.load(post_ptr + prow)[None, :]
+    if HAS_ADD:
+        x += tl.load(add_ptr + prow)[None, :]
+    H = tl.num_programs(1)
+    tl.store(y_ptr + (rows.to(tl.int64)[:, None] * H + h) * D + d[None, :], _cast(x, y_ptr.dtype.element_ty, RNE_OUT),
+             mask=mask)

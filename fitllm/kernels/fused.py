@@ -10,6 +10,9 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
       the residual add of a decoder layer fused into the next norm (vLLM's fused_add_rms_norm).
   apply_rope(q, k, cos, sin) -> (q, k), rotated IN PLACE (both backends), rotate-half convention.
   silu_mul(gate_up) -> silu(gate) * up, gate_up [..., 2I] -> [..., I].
+  head_affine(x, rot, shift, pre, post, add, out_dtype) -> per-head ((x - shift) * pre) @ rot * post
+      + add: the KV cache's maps between model space and cache space (kv_cache.py) in one launch
+      instead of ~6 elementwise kernels and a matmul each.
 
 Dispatch as for the GEMMs (_utils.backend_for): Triton on CUDA tensors, the reference elsewhere,
 FITLLM_KERNEL_BACKEND forces either. The launches are CUDA-graph safe: shapes come from tensor
@@ -57,6 +60,27 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def head_affine_ref(x: torch.Tensor, rot: torch.Tensor | None, shift: torch.Tensor | None, pre: torch.Tensor | None,
+                    post: torch.Tensor | None, add: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [T, H, D]; shift/pre/post/add [P, D] float32 or None (P divides H: head h uses row
+    h // (H // P)); rot [D, D] or None. y = (((x - shift) * pre) @ rot) * post + add in float32;
+    for a 16-bit rot the rotation's operand is rounded to that dtype first (a tensor-core product)."""
+    t, h, d = x.shape
+    p = next((v.shape[0] for v in (shift, pre, post, add) if v is not None), 1)
+    y = x.float().reshape(t, p, h // p, d)
+    if shift is not None:
+        y = y - shift[:, None, :]
+    if pre is not None:
+        y = y * pre[:, None, :]
+    if rot is not None:  # operands rounded to rot's dtype, products summed in fp32 (tensor cores)
+        y = y.to(rot.dtype).float() @ rot.float()
+    if post is not None:
+        y = y * post[:, None, :]
+    if add is not None:
+        y = y + add[:, None, :]
+    return y.reshape(t, h, d).to(out_dtype)
 
 
 def _kernels():
@@ -153,6 +177,34 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def head_affine_triton(x: torch.Tensor, rot: torch.Tensor | None, shift: torch.Tensor | None,
+                       pre: torch.Tensor | None, post: torch.Tensor | None, add: torch.Tensor | None,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    T, H, D = x.shape
+    params = [v for v in (shift, pre, post, add) if v is not None]
+    P = params[0].shape[0] if params else 1
+    if H % P or any(v.shape != (P, D) or v.dtype != torch.float32 for v in params) or (
+            rot is not None and rot.shape != (D, D)):
+        raise ValueError(f"head_affine: x {tuple(x.shape)}, rot {None if rot is None else tuple(rot.shape)}, "
+                         f"params {[(tuple(v.shape), v.dtype) for v in params]} (want [P, D] float32, P | H)")
+    if D & (D - 1):  # the kernel's tiles want a power of two
+        return head_affine_ref(x, rot, shift, pre, post, add, out_dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = _empty((T, H, D), out_dtype, x.device)
+    if T:
+        bt = 16 if T <= 256 else 64  # >= 16: a tl.dot tile; larger for prefill (rot is re-read per tile)
+        dummy = params[0] if params else out
+        _kernels().head_affine_kernel[(-(-T // bt), H)](
+            x, rot if rot is not None else out, *(v if v is not None else dummy for v in (shift, pre, post, add)),
+            out, T, H // P, x.stride(0), x.stride(1), *(rot.stride() if rot is not None else (0, 0)),
+            D=D, BT=bt, HAS_ROT=rot is not None, HAS_SHIFT=shift is not None, HAS_PRE=pre is not None,
+            HAS_POST=post is not None, HAS_ADD=add is not None,
+            RNE=rot is not None and _rne(rot.dtype), RNE_OUT=_rne(out_dtype), UPCAST=interpreting(),
+            num_warps=4)
+    return out
+
+
 # --------------------------------------------------------------------------- dispatch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -176,3 +228,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if backend_for(gate_up) == "triton":
         return silu_mul_triton(gate_up)
     return silu_mul_ref(gate_up)
+
+
+def head_affine(x: torch.Tensor, rot: torch.Tensor | None, shift: torch.Tensor | None, pre: torch.Tensor | None,
+                post: torch.Tensor | None, add: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-head affine map with an optional rotation, y = (((x - shift) * pre) @ rot) * post + add
+    (see head_affine_ref for shapes and rounding)."""
+    if backend_for(x) == "triton":
+        return head_affine_triton(x, rot, shift, pre, post, add, out_dtype)
+    return head_affine_ref(x, rot, shift, pre, post, add, out_dtype)

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from fitllm.kernels.fused import head_affine
+
 
 @dataclass
 class AttentionMetadata:
@@ -302,7 +304,8 @@ class PagedKVCache:
         self.v_shift, self.v_mul = v_shift.float().to(dev), v_mul.float().to(dev)
         self.rotation = None if rot is None else rot.to(dev)
         half = self.compute_dtype in (torch.float16, torch.bfloat16)
-        self.rotation16 = None if rot is None or not half else rot.to(dev, self.compute_dtype)  # see _rotate
+        self.rotation16 = None if rot is None or not half else rot.to(dev, self.compute_dtype)  # _hot_rotation
+        self.k_mul_inv, self.v_mul_inv = 1 / self.k_mul, 1 / self.v_mul
 
     @property
     def block_tensors(self) -> list[torch.Tensor]:
@@ -317,22 +320,29 @@ class PagedKVCache:
 
     # ---- model space <-> cache space --------------------------------------------------------------
     def _rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x @ R (R^T): in the model's dtype when that is 16-bit. The rotated values are rounded to
-        fp8/int8/int4 (or, for q, to fp16) right after, so bf16 costs nothing measurable, while
-        cuBLAS's fp32 path for these [32, 128] x [128, 128] products took 52 µs each on an H200
-        (3.3 ms of a 7.6 ms int4 decode step, torch profiler; bf16 tensor cores: a few µs)."""
+        """x @ R (R^T) in float32 (gather: not on the step's path)."""
         if self.rotation is None:
             return x
-        if self.rotation16 is not None:
-            r = self.rotation16.mT if inverse else self.rotation16
-            return (x.to(r.dtype) @ r).float()
         return x @ (self.rotation.mT if inverse else self.rotation)
 
+    def _hot_rotation(self, inverse: bool = False) -> Optional[torch.Tensor]:
+        """R (R^T, a view) as the step's maps use it: in the model's dtype when that is 16-bit. The
+        rotated values are rounded to fp8/int8/int4 (or, for q, to fp16) right after, so 16-bit
+        operands cost nothing measurable, while fp32 products were slow (cuBLAS picked a split-K
+        path for these [32, 128] x [128, 128] products: 52 µs each on an H200, 3.3 ms of a 7.6 ms
+        int4 decode step)."""
+        r = self.rotation16 if self.rotation16 is not None else self.rotation
+        return None if r is None else (r.mT if inverse else r)
+
+    # Each map is one head_affine launch (fitllm.kernels.fused) on the GPU: (x - shift) * pre, the
+    # rotation, * post + add, with the parameters of the head's kv head. The torch reference does the
+    # same on the CPU. (Before: ~6 elementwise kernels and a matmul per map, ~20 launches per layer.)
     def _to_cache_space(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if not self.transformed:
             return k, v
-        return (self._rotate(k.float() - self.k_shift[layer]) * self.k_mul[layer],
-                self._rotate(v.float() - self.v_shift[layer]) * self.v_mul[layer])
+        r = self._hot_rotation()
+        return (head_affine(k, r, self.k_shift[layer], None, self.k_mul[layer], None, torch.float32),
+                head_affine(v, r, self.v_shift[layer], None, self.v_mul[layer], None, torch.float32))
 
     def _query_to_cache_space(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         # Quantized K/V are dequantized to fp16 inside the kernels (fp8 and int codes convert to it
@@ -341,17 +351,13 @@ class PagedKVCache:
         dt = torch.float16 if self.compute_dtype in (torch.float16, torch.bfloat16) else torch.float32
         if not self.transformed:
             return q if self.kind == 0 else q.to(dt)
-        t, hq, d = q.shape
-        q = self._rotate(q.float().view(t, self.num_kv_heads, hq // self.num_kv_heads, d))
-        return (q / self.k_mul[layer][:, None, :]).reshape(t, hq, d).to(dt)
+        return head_affine(q, self._hot_rotation(), None, None, self.k_mul_inv[layer], None, dt)
 
     def _output_to_model_space(self, layer: int, out: torch.Tensor) -> torch.Tensor:
         if not self.transformed:
             return out
-        t, hq, d = out.shape
-        out = out.float().view(t, self.num_kv_heads, hq // self.num_kv_heads, d) / self.v_mul[layer][:, None, :]
-        out = self._rotate(out, inverse=True) + self.v_shift[layer][:, None, :]
-        return out.reshape(t, hq, d).to(self.compute_dtype)
+        return head_affine(out, self._hot_rotation(inverse=True), None, self.v_mul_inv[layer], None,
+                           self.v_shift[layer], self.compute_dtype)
 
     def _use_triton(self) -> bool:
         from fitllm.kernels._utils import backend_for
