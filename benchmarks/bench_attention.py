@@ -292,6 +292,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096,16384,32768")
     ap.add_argument("--kinds", default="bf16,fp8,int8,int4")
     ap.add_argument("--no-sweep", action="store_true", help="default kernel config only")
+    ap.add_argument("--skip-check", action="store_true", help="timings only (no correctness checks first)")
     ap.add_argument("--wide", action="store_true", help="add a split x tile x stages grid to the sweep")
     ap.add_argument("--fused-ab", action="store_true", help="time every config also with the separate "
                     "reduce kernel (fused_reduce=False)")
@@ -317,8 +318,8 @@ def main() -> None:
     t0 = time.time()
     log(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {__import__('triton').__version__}  "
         f"block size {PAGE or 'default per kind'}")
-    ok = check_correctness(log)
-    log(f"correctness: {'all ok' if ok else 'FAILURES'} ({time.time() - t0:.0f}s)")
+    ok = True if args.skip_check else check_correctness(log)
+    log(f"correctness: {'skipped' if args.skip_check else 'all ok' if ok else 'FAILURES'} ({time.time() - t0:.0f}s)")
     if args.prefill_chunk:
         measure_prefill(args.kinds.split(","), list(map(int, args.contexts.split(","))), args.prefill_chunk,
                         baseline, log)
@@ -353,7 +354,7 @@ def main() -> None:
                 log(f"B={b} ctx={ctx} FAILED: {exc!r}")
                 torch.cuda.empty_cache()
                 continue
-            sd = row["sdpa_us"]
+            sd = row.get("sdpa_us", math.nan)  # measured with the bf16 kind
             msg = f"B={b:4d} ctx={ctx:6d} sdpa {sd:8.1f}us"
             for kind in args.kinds.split(","):
                 msg += (f" | {kind} {row[f'{kind}_us']:8.1f}us {row[f'{kind}_GBs']:6.0f}GB/s "
@@ -372,7 +373,7 @@ def main() -> None:
 
     log("\n| B | ctx | SDPA µs | bf16 µs | bf16 GB/s (% of 4.3 TB/s) | fp8 µs | fp8 speedup vs bf16 | int8 µs | int4 µs | bf16 vs SDPA |")
     log("|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
+    for r in results if "bf16" in args.kinds.split(",") else ():
         sd = r["sdpa_us"]
         bf = r["bf16_best_us"]
         gbs = r["bf16_GBs"] * r["bf16_us"] / bf

@@ -1,0 +1,511 @@
+"""Paged KV cache kernels: quantizing cache write, split-K decode attention, prefill/extend attention.
+
+Each Triton kernel has a torch reference with the same signature (`*_ref`), which is the CPU path
+and the test oracle. Kernels know tensors only; the cache (fitllm/models/kv_cache.py) owns layout.
+
+Cache layout, per layer (`codes`): `[num_blocks, block_size, kv_heads, codes_per_head]`; a flat slot
+is `block * block_size + offset`. fp8 *values* are the exception, stored transposed within each block,
+`[num_blocks, kv_heads, head_dim, block_size]` (see `values_transposed`; `cache_shape` gives both).
+`kind` says how a stored row decodes (see `KIND_*`):
+  float: codes are the values (fp32/fp16/bf16), codes_per_head = head_dim
+  fp8:   e4m3 codes; any per-tensor/per-head scale is folded into q and the output by the caller.
+         NaN is never stored (written as 0), so every byte of an fp8 cache is finite: the kernels
+         may read a block's unwritten slots, weighted by exactly 0 (see _load_values_t)
+  int8:  symmetric, one fp16 scale per `group` values: x = code * scale
+  int4:  asymmetric, two codes per byte (element 2j in the low nibble, 2j+1 in the high one),
+         fp16 scale and zero per `group` values: x = code * scale + zero
+Scales/zeros: `[num_blocks, block_size, kv_heads, head_dim // group]` fp16 (None for float/fp8).
+`group` is one int for keys and values, or a pair (key group, value group): int4 keys use
+smaller groups than values (keys carry most of int4's error; see kv_cache.py).
+
+Attention kernels take queries already transformed into the cache's space (see kv_cache.py: the
+calibrated key mean/scale, the value mean and the Hadamard rotation are folded into q and the
+output) and return the raw attention output (fp32 for quantized caches).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fitllm.kernels._utils import interpreting, patch_interpreter_for_numpy_2_4
+
+KIND_FLOAT, KIND_FP8, KIND_INT8, KIND_INT4 = 0, 1, 2, 3
+FP8_MAX = 448.0
+LOG2E = 1.4426950408889634
+
+
+# This module may be imported after _utils was, once TRITON_INTERPRET is set: patch here too.
+if interpreting():
+    patch_interpreter_for_numpy_2_4()
+
+
+def values_transposed(kind: int) -> bool:
+    """Whether the value cache stores each block transposed, `[kv_heads, head_dim, block_size]`.
+    P.V sums over tokens, and a tensor-core operand must hold consecutive tokens in each register;
+    16-bit values get that transpose free on load (ldmatrix.trans), bytes do not: read row-major,
+    fp8 values cost one shared-memory load per byte plus the repacking, 1.6x the instructions of the
+    whole decode loop (benchmarks/RESULTS.md). int8/int4 keep rows: their scales run along head_dim."""
+    return kind == KIND_FP8
+
+
+def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, kind: int,
+                values: bool = False) -> tuple[int, ...]:
+    """The shape of one layer's key (values=False) or value codes."""
+    codes = head_dim // 2 if kind == KIND_INT4 else head_dim
+    if values and values_transposed(kind):
+        return (num_blocks, kv_heads, codes, block_size)
+    return (num_blocks, block_size, kv_heads, codes)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch references
+# ----------------------------------------------------------------------------------------------
+
+def quantize_ref(x: torch.Tensor, kind: int, group: int, dtype: torch.dtype):
+    """x [N, H, D] float -> (codes, scales, zeros) in the cache's storage format."""
+    if kind == KIND_FLOAT:
+        return x.to(dtype), None, None
+    if kind == KIND_FP8:
+        return x.float().nan_to_num(0.0).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), None, None
+    n, h, d = x.shape
+    g = x.float().reshape(n, h, d // group, group)
+    if kind == KIND_INT8:
+        # Quantize with the fp16-rounded scale so that dequantization reproduces it exactly.
+        scale = (g.abs().amax(-1) / 127).clamp_min(1e-5).half()
+        codes = torch.floor(g / scale.float()[..., None] + 0.5).clamp(-127, 127).to(torch.int8)
+        return codes.reshape(n, h, d), scale, None
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-5).half()
+    zero = lo.half()
+    codes = torch.floor((g - zero.float()[..., None]) / scale.float()[..., None] + 0.5).clamp(0, 15).to(torch.uint8)
+    codes = codes.reshape(n, h, d)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale, zero
+
+
+def dequantize_ref(codes: torch.Tensor, scales: Optional[torch.Tensor], zeros: Optional[torch.Tensor],
+                   kind: int, group: int) -> torch.Tensor:
+    """Inverse of quantize_ref on rows [..., H, codes_per_head] -> float32 [..., H, D]."""
+    if kind in (KIND_FLOAT, KIND_FP8):
+        return codes.float()
+    if kind == KIND_INT4:
+        c = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2).float()
+    else:
+        c = codes.float()
+    shape = c.shape
+    c = c.reshape(*shape[:-1], shape[-1] // group, group) * scales.float()[..., None]
+    if zeros is not None:
+        c = c + zeros.float()[..., None]
+    return c.reshape(shape)
+
+
+def split_group(group) -> tuple[int, int]:
+    """`group` as (key group, value group): an int means the same for both."""
+    return (group, group) if isinstance(group, int) else (int(group[0]), int(group[1]))
+
+
+def cache_write_ref(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, slot_mapping, kind, group):
+    """Quantize k/v [T, H, D] and store them at their slots (negative slots are skipped: padding)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    kg, vg = split_group(group)
+    for x, cache, scales, zeros, g, transposed in ((k[keep], k_cache, k_scales, k_zeros, kg, False),
+                                                   (v[keep], v_cache, v_scales, v_zeros, vg, values_transposed(kind))):
+        codes, s, z = quantize_ref(x, kind, g, cache.dtype)
+        if codes.dtype == torch.float8_e4m3fn:  # no index_copy_ for fp8 on CPU: copy the bytes
+            cache, codes = cache.view(torch.uint8), codes.view(torch.uint8)
+        if transposed:
+            bs = cache.shape[-1]
+            cache[slots // bs, :, :, slots % bs] = codes
+        else:
+            h = cache.shape[-2]
+            cache.view(-1, h, cache.shape[-1]).index_copy_(0, slots, codes)
+        for meta, m in ((scales, s), (zeros, z)):
+            if m is not None:
+                meta.view(-1, meta.shape[-2], meta.shape[-1]).index_copy_(0, slots, m)
+
+
+def gather_ref(cache, scales, zeros, table, length, kind, group, values: bool = False) -> torch.Tensor:
+    """A sequence's first `length` rows of keys (or values), dequantized: [length, H, D] float32."""
+    transposed = values and values_transposed(kind)
+    bs = cache.shape[-1] if transposed else cache.shape[1]
+    blocks = table[: math.ceil(length / bs)].long()
+
+    def rows(t):
+        return None if t is None else t[blocks].flatten(0, 1)[:length]
+
+    codes = cache[blocks].permute(0, 3, 1, 2).flatten(0, 1)[:length] if transposed else rows(cache)
+    return dequantize_ref(codes, rows(scales), rows(zeros), kind, group)
+
+
+def paged_attention_ref(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, block_tables,
+                        query_start: list[int], seq_lens: list[int], scale: float, kind: int, group,
+                        sliding_window: Optional[int] = None, out_dtype=None) -> torch.Tensor:
+    """q [T, Hq, D]: each sequence's new queries over its cached keys (causal). Output [T, Hq, D]."""
+    from fitllm.models.kv_cache import causal_attention  # the one definition of the math
+
+    out = torch.zeros(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    kg, vg = split_group(group)
+    for i, length in enumerate(seq_lens):
+        lo, hi = query_start[i], query_start[i + 1]
+        if hi == lo:
+            continue
+        k = gather_ref(k_cache, k_scales, k_zeros, block_tables[i], length, kind, kg)
+        v = gather_ref(v_cache, v_scales, v_zeros, block_tables[i], length, kind, vg, values=True)
+        qf = q[lo:hi].float()
+        out[lo:hi] = causal_attention(qf, k, v, scale, sliding_window).to(out.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _store_quantized(X, x_row, CODES, SCALES, ZEROS, row_c, row_s, ok,
+                     D: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr, STRIDE: tl.constexpr = 1):
+    """Quantize one head's D values (at X + x_row) into the codes row at CODES + row_c (element i
+    at + i * STRIDE: a transposed block's column) and the scale/zero row at SCALES/ZEROS + row_s.
+    Groups of GROUP values share a scale."""
+    NG: tl.constexpr = D // GROUP
+    g = tl.arange(0, NG)
+    if KIND == 3:
+        # Even and odd elements as two tiles, so that each code pair lands in one byte.
+        j = tl.arange(0, GROUP // 2)
+        off = g[:, None] * GROUP + 2 * j[None, :]
+        xe = tl.load(X + x_row + off).to(tl.float32)
+        xo = tl.load(X + x_row + off + 1).to(tl.float32)
+        lo = tl.minimum(tl.min(xe, 1), tl.min(xo, 1))
+        hi = tl.maximum(tl.max(xe, 1), tl.max(xo, 1))
+        s = tl.maximum((hi - lo) / 15.0, 1e-5).to(tl.float16)
+        z = lo.to(tl.float16)
+        # Quantize with the fp16-rounded scale/zero: dequantization then reproduces them exactly.
+        sf = s.to(tl.float32)[:, None]
+        zf = z.to(tl.float32)[:, None]
+        ce = tl.minimum(tl.maximum(tl.floor((xe - zf) / sf + 0.5), 0.0), 15.0).to(tl.int32)
+        co = tl.minimum(tl.maximum(tl.floor((xo - zf) / sf + 0.5), 0.0), 15.0).to(tl.int32)
+        tl.store(CODES + row_c + g[:, None] * (GROUP // 2) + j[None, :], (ce | (co << 4)).to(tl.uint8), mask=ok)
+        tl.store(SCALES + row_s + g, s, mask=ok)
+        tl.store(ZEROS + row_s + g, z, mask=ok)
+    else:
+        d = tl.arange(0, GROUP)
+        off = g[:, None] * GROUP + d[None, :]
+        x = tl.load(X + x_row + off).to(tl.float32)
+        if KIND == 2:
+            s = tl.maximum(tl.max(tl.abs(x), 1) / 127.0, 1e-5).to(tl.float16)
+            c = tl.floor(x / s.to(tl.float32)[:, None] + 0.5)
+            c = tl.minimum(tl.maximum(c, -127.0), 127.0)
+            tl.store(CODES + row_c + off, c.to(tl.int8), mask=ok)
+            tl.store(SCALES + row_s + g, s, mask=ok)
+        else:
+            if KIND == 1:  # e4m3 has no infinity: saturate, and store NaN as 0 (see the module doc)
+                x = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -448.0), 448.0)
+            tl.store(CODES + row_c + off * STRIDE, x.to(CODES.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _cache_write_kernel(K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, s_kt, s_kh, s_vt, s_vh,
+                        H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, PAGE: tl.constexpr,
+                        KIND: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr, VT: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    ok = slot >= 0  # a negative slot marks a padding token: nothing is written
+    slot = tl.maximum(slot, 0)
+    row_c = (slot * H + h) * DC
+    _store_quantized(K, t * s_kt + h * s_kh, KC, KS, KZ, row_c, (slot * H + h) * (D // KGROUP), ok, D, KIND, KGROUP)
+    row_v = row_c
+    if VT:  # value column `slot % PAGE` of block `slot // PAGE`, [H, D, PAGE]
+        row_v = ((slot // PAGE * H + h) * D) * PAGE + slot % PAGE
+    _store_quantized(V, t * s_vt + h * s_vh, VC, VS, VZ, row_v, (slot * H + h) * (D // VGROUP), ok, D, KIND, VGROUP,
+                     PAGE if VT else 1)
+
+
+@triton.jit
+def _load_rows(CODES, SCALES, ZEROS, slot, head, valid, offs_d,
+               H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, KIND: tl.constexpr, GROUP: tl.constexpr):
+    """Rows `slot` [N] of one kv head, dequantized: [N, D] (float32, or the stored float dtype).
+    Scales are loaded once per group and broadcast (a load per element costs more than the codes)."""
+    row = slot * H + head
+    N: tl.constexpr = slot.shape[0]
+    NG: tl.constexpr = D // GROUP
+    if KIND == 3:
+        # Byte j holds elements 2j (low nibble) and 2j+1: join the nibbles, interleave by reshape.
+        j = tl.arange(0, D // 2)
+        b = tl.load(CODES + row[:, None] * DC + j[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        x = tl.reshape(tl.join(b & 15, b >> 4), (N, D)).to(tl.float32)
+    else:
+        x = tl.load(CODES + row[:, None] * DC + offs_d[None, :], mask=valid[:, None], other=0.0)
+    if KIND >= 2:
+        g = tl.arange(0, NG)
+        sp = row[:, None] * NG + g[None, :]
+        s = tl.load(SCALES + sp, mask=valid[:, None], other=0.0).to(tl.float32)
+        x = tl.reshape(x.to(tl.float32), (N, NG, GROUP)) * s[:, :, None]
+        if KIND == 3:
+            x += tl.load(ZEROS + sp, mask=valid[:, None], other=0.0).to(tl.float32)[:, :, None]
+        x = tl.reshape(x, (N, D))
+    return x
+
+
+@triton.jit
+def _load_values_t(VC, page, pos, head, page_ok, offs_d, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                   RUN: tl.constexpr):
+    """Value rows `pos` [N] of one kv head from a transposed cache ([block, H, D, PAGE]): [N, D].
+    Masked by page (`page_ok`, constant over each page), not by token, so each page's PAGE
+    consecutive tokens load as one vector; the unwritten tail of a sequence's last page comes along
+    (finite by the cache's invariant) and the caller weights it by exactly 0. `pos` starts at a
+    multiple of RUN = min(PAGE, N): the hints say so, as the page indices came from a load."""
+    off = (page * (H * D * PAGE) + head * (D * PAGE) + pos % PAGE)[:, None] + (offs_d * PAGE)[None, :]
+    off = tl.max_contiguous(tl.multiple_of(off, [RUN, RUN]), [RUN, 1])
+    return tl.load(VC + off, mask=page_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _tile_positions(n0, hi, BT, bt_row, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's token positions (n0 is a multiple of BLOCK_N), the pages that hold them (0 past
+    the sequence's last page) and which of those pages are the sequence's."""
+    pos = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BLOCK_N), BLOCK_N), BLOCK_N)
+    page_ok = pos // PAGE < tl.cdiv(hi, PAGE)
+    page = tl.load(BT + bt_row + pos // PAGE, mask=page_ok, other=0).to(tl.int64)
+    return pos, page, page_ok
+
+
+@triton.jit
+def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, scale, window, num_splits,
+                   s_qt, s_qh, s_bt, s_ot, s_oh,
+                   H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
+                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
+                   VGROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr,
+                   RUN: tl.constexpr, WINDOWED: tl.constexpr):
+    """One (sequence, kv head, split): the G query heads sharing that kv head against one slice of
+    the sequence. Partial results (unnormalised acc, running max, sum) go to PO/PML for the reduce,
+    or straight to OUT when there is a single split (DIRECT)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(SEQ + b)
+    start = seq_len * 0
+    if WINDOWED:
+        start = tl.maximum(seq_len - window, 0)
+    # Each sequence cuts its own span into num_splits slices: the grid does not depend on the
+    # lengths, so one CUDA graph serves every step. Tiles start at multiples of BLOCK_N (tokens
+    # before `start` are masked), so each page's tokens are one contiguous run within a tile.
+    first = start // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + sp * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    offs_d = tl.arange(0, D)
+    offs_g = tl.arange(0, GP)  # GQA: the group's heads are the rows of one tile (padded to >= 16)
+    heads = kvh * G + offs_g
+    q = tl.load(Q + b * s_qt + heads[:, None] * s_qh + offs_d[None, :], mask=(offs_g < G)[:, None], other=0.0)
+    if UPCAST:  # the interpreter's bf16/fp16 tl.dot is wrong: multiply in fp32 there
+        q = q.to(tl.float32)
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos, page, page_ok = _tile_positions(n0, hi, BT, b * s_bt, PAGE, BLOCK_N)
+        valid = pos < hi
+        if WINDOWED:
+            valid = valid & (pos >= start)
+        slot = page * PAGE + pos % PAGE
+        # keys masked by page (no per-token predicates): a row past the sequence feeds only its own
+        # score, which the next line replaces
+        k = _load_rows(KC, KS, KZ, slot, kvh, page_ok, offs_d, H, D, DC, KIND, KGROUP).to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # exactly 0 where masked: the values there may be any finite
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if VT:
+            v = _load_values_t(VC, page, pos, kvh, page_ok, offs_d, H, D, PAGE, RUN).to(q.dtype)
+        else:
+            v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, VGROUP).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    hmask = (offs_g < G)[:, None]
+    if DIRECT:
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]  # an empty sequence (graph padding) gives 0
+        tl.store(OUT + b * s_ot + heads[:, None] * s_oh + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=hmask)
+    else:
+        part = (b * (H * G) + heads) * num_splits + sp  # PO [B, Hq, S, D], PML [B, Hq, S, 2]
+        tl.store(PO + part[:, None] * D + offs_d[None, :], acc, mask=hmask)
+        tl.store(PML + part * 2, m_i, mask=offs_g < G)
+        tl.store(PML + part * 2 + 1, l_i, mask=offs_g < G)
+
+
+@triton.jit
+def _reduce_kernel(PO, PML, OUT, num_splits, s_ot, s_oh, HQ: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+    """Combine one (sequence, head)'s split partials: weights exp2(m_s - max m), empty splits 0."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    smask = s < num_splits
+    part = (b * HQ + h) * num_splits + s
+    m = tl.load(PML + part * 2, mask=smask, other=float("-inf"))
+    l = tl.load(PML + part * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+    offs_d = tl.arange(0, D)
+    acc = tl.load(PO + part[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(l * w, 0), 1e-30)
+    tl.store(OUT + b * s_ot + h * s_oh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, window,
+                    s_qt, s_qh, s_bt, s_ot, s_oh,
+                    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
+                    VGROUP: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr, RUN: tl.constexpr):
+    """BLOCK_M new queries of one (sequence, head) against the cached prefix plus the new tokens
+    (already written to the cache), causal. Query i of a chunk of q_len sits at position
+    seq_len - q_len + i."""
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q0 = tl.load(QSTART + b)
+    q_len = tl.load(QSTART + b + 1) - q0
+    seq_len = tl.load(SEQ + b)
+    ctx = seq_len - q_len
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    qmask = offs_m < q_len
+    q_pos = ctx + offs_m
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + (q0 + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=qmask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    kvh = h // G
+    qk_scale = scale * 1.4426950408889634
+
+    hi = tl.minimum(seq_len, ctx + (mb + 1) * BLOCK_M)
+    lo = seq_len * 0
+    if window > 0:
+        lo = tl.maximum(ctx + mb * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    if mb * BLOCK_M >= q_len:  # a tile past this sequence's queries: nothing to do
+        hi = lo
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos, page, page_ok = _tile_positions(n0, hi, BT, b * s_bt, PAGE, BLOCK_N)
+        valid = pos < hi
+        slot = page * PAGE + pos % PAGE
+        k = _load_rows(KC, KS, KZ, slot, kvh, page_ok, offs_d, H, D, DC, KIND, KGROUP).to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if window > 0:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if VT:
+            v = _load_values_t(VC, page, pos, kvh, page_ok, offs_d, H, D, PAGE, RUN).to(q.dtype)
+        else:
+            v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, VGROUP).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(OUT + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=qmask[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers (same signatures as the references)
+# ----------------------------------------------------------------------------------------------
+
+def _dummy(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return like if t is None else t
+
+
+def cache_write(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, slot_mapping, kind, group):
+    t, h, d = k.shape
+    if t == 0:
+        return
+    _cache_write_kernel[(t, h)](
+        k, v, k_cache, v_cache, _dummy(k_scales, k_cache), _dummy(v_scales, v_cache),
+        _dummy(k_zeros, k_cache), _dummy(v_zeros, v_cache), slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=h, D=d, DC=k_cache.shape[-1], PAGE=k_cache.shape[1], KIND=kind, **_group_args(kind, group, d),
+        VT=values_transposed(kind), num_warps=1)
+
+
+def _group_args(kind: int, group, d: int) -> dict:
+    kg, vg = split_group(group) if kind >= KIND_INT8 else (d, d)
+    return dict(KGROUP=kg, VGROUP=vg)
+
+
+def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Enough (sequence, kv head, split) programs to fill the GPU about twice, with splits of at
+    least 256 tokens (shorter ones cost more in the reduce than they win)."""
+    want = max(1, (2 * num_sms + batch * kv_heads - 1) // (batch * kv_heads))
+    return max(1, min(want, max_seq_len // 256, 64))
+
+
+def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, block_tables,
+                    query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float, kind: int, group,
+                    sliding_window: Optional[int] = None, out_dtype=None, *, max_query_len: int,
+                    max_seq_len: int, num_splits: Optional[int] = None, block_n: Optional[int] = None,
+                    num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> torch.Tensor:
+    """Triton paged attention. Decode batches (every query length 1) take the split-K kernel;
+    others the prefill/extend kernel. `query_start`/`seq_lens` are device tensors here."""
+    t, hq, d = q.shape
+    _, page, h, dc = k_cache.shape
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    batch = seq_lens.shape[0]
+    if t == 0 or batch == 0:
+        return out
+    window = sliding_window or 0
+    groups = _group_args(kind, group, d)
+    args = (k_cache, v_cache, _dummy(k_scales, k_cache), _dummy(v_scales, v_cache),
+            _dummy(k_zeros, k_cache), _dummy(v_zeros, v_cache), block_tables, seq_lens)
+    g = hq // h
+    upcast = not q.is_cuda
+    vt = values_transposed(kind)
+    if max_query_len == 1 and t == batch:
+        if num_splits is None:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+            num_splits = default_num_splits(batch, h, max_seq_len, sms)
+        # Tile defaults from the H200 sweep (benchmarks/RESULTS.md): quantized rows are short, so
+        # they want longer tiles and a deeper pipeline to keep enough bytes in flight. Triton
+        # double-buffers these tiles only from num_stages=5; fp8 wants that when the sequence is
+        # split (few programs each, latency exposed: B <= 16 at 32k 8-13 % faster), not otherwise
+        # (the second buffer costs occupancy that hides the latency better: B >= 64).
+        bn = block_n or (64 if kind == KIND_FLOAT else 128)
+        num_stages = num_stages or (2 if kind == KIND_FLOAT else 5 if kind == KIND_FP8 and num_splits > 1 else 3)
+        direct = num_splits == 1
+        if direct:
+            po = pml = out
+        else:
+            po = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device)
+            pml = torch.empty(batch, hq, num_splits, 2, dtype=torch.float32, device=q.device)
+        _decode_kernel[(batch, h, num_splits)](
+            q, *args, out, po, pml, scale, window, num_splits,
+            q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+            H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
+            KIND=kind, **groups, DIRECT=direct, UPCAST=upcast, VT=vt, RUN=min(page, bn), WINDOWED=window > 0,
+            num_warps=num_warps or 4, num_stages=num_stages)
+        if not direct:
+            _reduce_kernel[(batch, hq)](po, pml, out, num_splits, out.stride(0), out.stride(1),
+                                        HQ=hq, D=d, SP=triton.next_power_of_2(num_splits), num_warps=4)
+        return out
+    bm = 16 if max_query_len <= 16 else 64
+    bn = block_n or 64
+    grid = (triton.cdiv(max_query_len, bm), hq, batch)
+    _prefill_kernel[grid](
+        q, *args, query_start, out, scale, window,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        H=h, G=g, D=d, DC=dc, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, KIND=kind, **groups, UPCAST=upcast, VT=vt,
+        RUN=min(page, bn), num_warps=num_warps or 4, num_stages=num_stages or 2)
+    return out
