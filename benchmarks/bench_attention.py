@@ -90,7 +90,7 @@ class Pool:
             mk = lambda shape: torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=g)  # noqa: E731
         self.k = mk(pa.cache_shape(nb, page, HKV, D, self.k_id))
         self.v = mk(pa.cache_shape(nb, page, HKV, D, self.k_id, values=True))
-        kms, vms = (nb, page, HKV, D // self.k_group), (nb, page, HKV, D // self.v_group)
+        kms, vms = (pa.scales_shape(nb, page, HKV, D, g) for g in (self.k_group, self.v_group))
         self.ks = self.vs = self.kz = self.vz = None
         if kind in ("int8", "int4"):
             self.ks = (torch.rand(kms, device="cuda", generator=g) * 0.02 + 0.01).half()

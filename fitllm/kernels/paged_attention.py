@@ -14,7 +14,8 @@ is `block * block_size + offset`. fp8 *values* are the exception, stored transpo
   int8:  symmetric, one fp16 scale per `group` values: x = code * scale
   int4:  asymmetric, two codes per byte (element 2j in the low nibble, 2j+1 in the high one),
          fp16 scale and zero per `group` values: x = code * scale + zero
-Scales/zeros: `[num_blocks, block_size, kv_heads, head_dim // group]` fp16 (None for float/fp8).
+Scales/zeros: `[num_blocks, block_size, kv_heads, head_dim // group]` fp16 (None for float/fp8;
+`scales_shape`).
 `group` is one int for keys and values, or a pair (key group, value group): int4 keys use
 smaller groups than values (keys carry most of int4's error; see kv_cache.py).
 
@@ -59,6 +60,11 @@ def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, 
     if values and values_transposed(kind):
         return (num_blocks, kv_heads, codes, block_size)
     return (num_blocks, block_size, kv_heads, codes)
+
+
+def scales_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, group: int) -> tuple[int, ...]:
+    """The shape of one layer's int8/int4 scales (and int4 zeros): one per `group` values of a row."""
+    return (num_blocks, block_size, kv_heads, head_dim // group)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -246,7 +246,8 @@ class PagedKVCache:
         self.v = torch.zeros((num_layers, *v_shape), dtype=storage, device=device)
         self.k_scales = self.v_scales = self.k_zeros = self.v_zeros = None
         if self.kind in (pa.KIND_INT8, pa.KIND_INT4):
-            k_meta, v_meta = ((num_layers, num_blocks, block_size, num_kv_heads, head_dim // g) for g in self.group)
+            k_meta, v_meta = ((num_layers, *pa.scales_shape(num_blocks, block_size, num_kv_heads, head_dim, g))
+                              for g in self.group)
             self.k_scales = torch.zeros(k_meta, dtype=torch.float16, device=device)
             self.v_scales = torch.zeros(v_meta, dtype=torch.float16, device=device)
             if self.kind == pa.KIND_INT4:
