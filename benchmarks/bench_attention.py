@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fitllm.budget import default_block_size  # noqa: E402
 from fitllm.kernels import paged_attention as pa  # noqa: E402
+from fitllm.kernels._utils import num_sms  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 PAGE = None  # tokens per block; None: the product's default per KV dtype (budget.default_block_size)
@@ -181,18 +182,19 @@ def check_correctness(log) -> bool:
                     ok &= good
                     log(f"check {kind:5s} q_lens={'decode' if max(qlens) == 1 else 'mixed '} window={window} "
                         f"splits={splits} {knobs or ''} rel_err={e:.2e} {'ok' if good else 'FAIL'}")
-    # 1b) the fused split combine under CUDA-graph replays: many splits of a long sequence, every
-    # replay must give the reference (arrival counters reset by each launch's last split)
+    # 1b) the fused split combine under CUDA-graph replays (forced on: by default it serves only few
+    # splits): many splits of a long sequence, every replay must give the reference (arrival
+    # counters reset by each launch's last split)
     for kind in ("bf16", "fp8"):
         pool = Pool(kind, 2, 8192, seed=4)
         args = (pool.q, pool.k, pool.v, pool.ks, pool.vs, pool.kz, pool.vz, pool.tables)
         ref = pa.paged_attention_ref(*args, list(range(3)), [8192] * 2, D ** -0.5, pool.k_id, pool.group, None,
                                      torch.float32)
         for _ in range(2):
-            pool.run(num_splits=64)
+            pool.run(num_splits=64, fused_reduce=True)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            outs = [pool.run(num_splits=64) for _ in range(4)]
+            outs = [pool.run(num_splits=64, fused_reduce=True) for _ in range(4)]
         errs = []
         for _ in range(3):  # poisoned before each replay: a combine that did not run would show
             for o in outs:
@@ -235,8 +237,7 @@ def check_correctness(log) -> bool:
 def measure(row, b, ctx, kinds, sweep, baseline=None):
     for kind in kinds:
         pool = Pool(kind, b, ctx)
-        base_splits = pa.decode_config(pool.k_id, pool.k.element_size(), b, HKV, ctx,
-                                       torch.cuda.get_device_properties(0).multi_processor_count)["num_splits"]
+        base_splits = pa.decode_config(pool.k_id, pool.k.element_size(), b, HKV, ctx, num_sms(0))["num_splits"]
         if baseline is not None:  # an earlier kernel file, default config, cache rows as it expects them
             v_base = pool.values_for(baseline)
             row[f"{kind}_baseline_us"] = graph_time_us(lambda: pool.run(baseline, v_base))
@@ -295,14 +296,14 @@ def main() -> None:
     ap.add_argument("--skip-check", action="store_true", help="timings only (no correctness checks first)")
     ap.add_argument("--wide", action="store_true", help="add a split x tile x stages grid to the sweep")
     ap.add_argument("--fused-ab", action="store_true", help="time every config also with the separate "
-                    "reduce kernel (fused_reduce=False)")
+                    "reduce kernel forced (fused_reduce=False)")
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip combos whose bf16 K/V exceed this")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="also time the extend kernel: 4 sequences at "
                     "each context, their last N tokens as new queries")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per block for every kind "
                     "[default: the product's per KV dtype: 64 for fp8, else 16]")
-    ap.add_argument("--baseline", default=None, help="module name of an earlier paged_attention.py (rows layout for "
-                    "every kind) timed in the same run, default config: column 'baseline'")
+    ap.add_argument("--baseline", default=None, help="module name of an earlier paged_attention.py timed in the "
+                    "same run with its default config, on the value layout it reads: column 'baseline'")
     args = ap.parse_args()
     baseline = importlib.import_module(args.baseline) if args.baseline else None
     global PAGE
@@ -363,10 +364,11 @@ def main() -> None:
                     msg += f" baseline {row[f'{kind}_baseline_us']:.1f}us"
                 by_reduce = {}
                 for cfg, us in row.get(f"{kind}_sweep", []):
-                    key = "reduce kernel" if cfg.get("fused_reduce") is False else "fused"
+                    key = "reduce kernel" if cfg.get("fused_reduce") is False else "default combine"
                     by_reduce[key] = min(us, by_reduce.get(key, us))
                 if len(by_reduce) == 2:
-                    msg += f" best fused {by_reduce['fused']:.1f} vs reduce kernel {by_reduce['reduce kernel']:.1f}"
+                    msg += (f" best with the default combine {by_reduce['default combine']:.1f} vs the reduce kernel "
+                            f"{by_reduce['reduce kernel']:.1f}")
                 msg += "\n    sweep " + ", ".join(f"{us:.1f}" for _, us in row.get(f"{kind}_sweep", []))
             log(msg)
             results.append(row)

@@ -40,7 +40,7 @@ class Pool:
         else:
             self.k, self.v = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
         self.k_group, self.v_group = pa.split_group(self.group)
-        kms, vms = (nb, PAGE, H, D // self.k_group), (nb, PAGE, H, D // self.v_group)
+        kms, vms = (pa.scales_shape(nb, PAGE, H, D, g) for g in (self.k_group, self.v_group))
         # Poison: any slot never written dequantizes to NaN, so reading one shows in the output.
         self.ks = self.vs = self.kz = self.vz = None
         if self.kind >= pa.KIND_INT8:
@@ -145,7 +145,7 @@ def test_decode_and_mixed_batches_match_reference(name, window, monkeypatch):
     # combine that read a split's partials before they were written would show
     real_empty = torch.empty
     monkeypatch.setattr(pa.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
-                        if real_empty(0, dtype=k.get("dtype")).is_floating_point() else real_empty(*a, **k))
+                        if (k.get("dtype") or torch.get_default_dtype()).is_floating_point else real_empty(*a, **k))
     pool = Pool(name, [1, 9, 23, 16], seed=1)
     pool.write_all(pa.cache_write_ref)
     qdt = torch.bfloat16 if name == "bf16" else torch.float32

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fitllm.kernels._utils import interpreting, patch_interpreter_for_numpy_2_4, splitk_workspace
+from fitllm.kernels._utils import (device_index, interpreting, num_sms, patch_interpreter_for_numpy_2_4,
+                                   splitk_workspace)
 
 KIND_FLOAT, KIND_FP8, KIND_INT8, KIND_INT4 = 0, 1, 2, 3
 FP8_MAX = 448.0
@@ -475,7 +476,7 @@ def _group_args(kind: int, group, d: int) -> dict:
 
 
 def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int,
-                  num_sms: int = 132) -> dict:
+                  sms: int = 132) -> dict:
     """Default split count, tile and pipeline depth of the decode kernel, from the H200 sweeps
     (benchmarks/RESULTS.md, 2026-12-01 fourth session). Splits are at least 256 tokens (shorter ones
     cost more in the combine than they win), at most 64. With B sequences x H kv heads:
@@ -493,11 +494,11 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
     def split(programs: int) -> int:
         return max(1, min(programs // per_wave, max_seq_len // 256, 64))
 
-    two_waves = split(2 * num_sms + per_wave - 1)
+    two_waves = split(2 * sms + per_wave - 1)
     if kind == KIND_FLOAT and code_bytes == 2:
-        if per_wave <= num_sms:
-            return dict(num_splits=split(num_sms), block_n=128, num_stages=5)
-        if per_wave >= 12 * num_sms:
+        if per_wave <= sms:
+            return dict(num_splits=split(sms), block_n=128, num_stages=5)
+        if per_wave >= 12 * sms:
             return dict(num_splits=1, block_n=128, num_stages=3)
     if kind == KIND_FLOAT:
         return dict(num_splits=two_waves, block_n=64, num_stages=2)
@@ -533,8 +534,7 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
     upcast = not q.is_cuda
     vt = values_transposed(kind)
     if max_query_len == 1 and t == batch:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        cfg = decode_config(kind, k_cache.element_size(), batch, h, max_seq_len, sms)
+        cfg = decode_config(kind, k_cache.element_size(), batch, h, max_seq_len, num_sms(device_index(q)))
         num_splits = num_splits or cfg["num_splits"]
         bn = block_n or cfg["block_n"]
         num_stages = num_stages or cfg["num_stages"]

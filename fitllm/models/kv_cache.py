@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fitllm.kernels.fused import head_affine
+from fitllm.kernels.fused import head_affine, head_affine_ref
 
 
 @dataclass
@@ -320,12 +320,6 @@ class PagedKVCache:
         return self.num_layers * per_block // self.block_size
 
     # ---- model space <-> cache space --------------------------------------------------------------
-    def _rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x @ R (R^T) in float32 (gather: not on the step's path)."""
-        if self.rotation is None:
-            return x
-        return x @ (self.rotation.mT if inverse else self.rotation)
-
     def _hot_rotation(self, inverse: bool = False) -> Optional[torch.Tensor]:
         """R (R^T, a view) as the step's maps use it: in the model's dtype when that is 16-bit. The
         rotated values are rounded to fp8/int8/int4 (or, for q, to fp16) right after, so 16-bit
@@ -407,9 +401,10 @@ class PagedKVCache:
                           length, self.kind, self.group[0])
         v = pa.gather_ref(self.v[layer], self._m(self.v_scales, layer), self._m(self.v_zeros, layer), table,
                           length, self.kind, self.group[1], values=True)
-        if self.transformed:
-            k = self._rotate(k / self.k_mul[layer], inverse=True) + self.k_shift[layer]
-            v = self._rotate(v / self.v_mul[layer], inverse=True) + self.v_shift[layer]
+        if self.transformed:  # the inverse maps, in float32 (the torch reference: not the step's path)
+            r_t = None if self.rotation is None else self.rotation.mT
+            k = head_affine_ref(k, r_t, None, self.k_mul_inv[layer], None, self.k_shift[layer], torch.float32)
+            v = head_affine_ref(v, r_t, None, self.v_mul_inv[layer], None, self.v_shift[layer], torch.float32)
         elif self.kind == pa.KIND_FLOAT:
             k, v = k.to(self.dtype), v.to(self.dtype)
         return k, v
