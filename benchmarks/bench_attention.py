@@ -72,7 +72,7 @@ def copy_bandwidth() -> float:
 class Pool:
     """A paged cache of one kind for B sequences of `ctx` tokens, pages in random order."""
 
-    def __init__(self, kind: str, batch: int, ctx: int, seed: int = 0):
+    def __init__(self, kind: str, batch: int, ctx: int, seed: int = 0, max_len: int = 0):
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.kind, self.k_id = kind, KINDS[kind]
         self.group = INT4_GROUPS if kind == "int4" else D
@@ -103,7 +103,9 @@ class Pool:
         self.tables = perm.view(batch, pages)
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         self.query_start = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        self.batch, self.ctx = batch, ctx
+        # max_len: the max_seq_len the kernel is told (its splits are sized for it), as in the engine's
+        # CUDA graphs, which are captured for max_model_len whatever the sequences' lengths
+        self.batch, self.ctx, self.max_len = batch, ctx, max(max_len, ctx)
         qdt = torch.bfloat16 if kind == "bf16" else torch.float16
         self.q = torch.randn(batch, HQ, D, device="cuda", generator=g).to(qdt)
         def row_bytes(scales, zeros):  # one head of one token: codes + its scales/zeros
@@ -119,7 +121,7 @@ class Pool:
                                    self.kz, self.vz, self.tables,
                                    self.query_start if query_start is None else query_start, self.seq_lens,
                                    D ** -0.5, self.k_id, self.group, None, out_dtype, max_query_len=max_query_len,
-                                   max_seq_len=self.ctx, **cfg)
+                                   max_seq_len=self.max_len, **cfg)
 
     def values_for(self, mod) -> torch.Tensor:
         """The value codes in the layout kernel module `mod` reads (files before the transposed fp8
@@ -234,10 +236,11 @@ def check_correctness(log) -> bool:
     return ok
 
 
-def measure(row, b, ctx, kinds, sweep, baseline=None):
+def measure(row, b, ctx, kinds, sweep, baseline=None, max_len=0):
     for kind in kinds:
-        pool = Pool(kind, b, ctx)
-        base_splits = pa.decode_config(pool.k_id, pool.k.element_size(), b, HKV, ctx, num_sms(0))["num_splits"]
+        pool = Pool(kind, b, ctx, max_len=max_len)
+        base_splits = pa.decode_config(pool.k_id, pool.k.element_size(), b, HKV, pool.max_len,
+                                       num_sms(0))["num_splits"]
         if baseline is not None:  # an earlier kernel file, default config, cache rows as it expects them
             v_base = pool.values_for(baseline)
             row[f"{kind}_baseline_us"] = graph_time_us(lambda: pool.run(baseline, v_base))
@@ -297,6 +300,8 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="add a split x tile x stages grid to the sweep")
     ap.add_argument("--fused-ab", action="store_true", help="time every config also with the separate "
                     "reduce kernel forced (fused_reduce=False)")
+    ap.add_argument("--engine-max-len", type=int, default=0, help="tell the kernel this max_seq_len (>= each "
+                    "context), as the engine's CUDA graphs do with max_model_len; adds the fused combine forced on")
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip combos whose bf16 K/V exceed this")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="also time the extend kernel: 4 sequences at "
                     "each context, their last N tokens as new queries")
@@ -335,6 +340,8 @@ def main() -> None:
              dict(block_n=128, num_warps=8, num_stages=5), dict(block_n=256, num_warps=8, num_stages=3),
              dict(split_mul=2), dict(split_mul=2, block_n=128, num_warps=4, num_stages=5),
              dict(block_n=128, num_warps=4, num_stages=6)][: 1 if args.no_sweep else None]
+    if args.engine_max_len:  # the default, and the split combine forced into the decode kernel
+        sweep += [dict(fused_reduce=True), dict(split_mul=0.5), dict(split_mul=0.5, fused_reduce=True)]
     if args.fused_ab:  # each config also with the separate reduce kernel
         sweep += [dict(cfg, fused_reduce=False) for cfg in sweep]
     if args.wide:  # split count x tile shape x pipeline depth, for the small-batch regime (fused only)
@@ -350,7 +357,7 @@ def main() -> None:
                 continue
             row = {"batch": b, "ctx": ctx}
             try:
-                measure(row, b, ctx, args.kinds.split(","), sweep, baseline)
+                measure(row, b, ctx, args.kinds.split(","), sweep, baseline, args.engine_max_len)
             except Exception as exc:  # noqa: BLE001  (report and go on: one bad shape must not lose the rest)
                 log(f"B={b} ctx={ctx} FAILED: {exc!r}")
                 torch.cuda.empty_cache()

@@ -192,7 +192,8 @@ def test_quantized_attention_error_is_small():
 
 def test_decode_defaults():
     """One wave of single-program-per-SM 16-bit tiles; about two waves for quantized KV; splits of
-    >= 256 tokens; the fused combine only for few splits."""
+    >= 256 tokens, or of 128 from 512 tokens on while the combine stays fused; the fused combine
+    only for few splits."""
     cfg = lambda kind, nbytes, b, ctx: pa.decode_config(kind, nbytes, b, 8, ctx, 132)  # noqa: E731
     assert cfg(pa.KIND_FLOAT, 2, 1, 32768) == dict(num_splits=16, block_n=128, num_stages=5)
     assert cfg(pa.KIND_FLOAT, 2, 16, 32768) == dict(num_splits=1, block_n=128, num_stages=5)
@@ -202,4 +203,8 @@ def test_decode_defaults():
     assert cfg(pa.KIND_FP8, 1, 1, 32768) == dict(num_splits=33, block_n=128, num_stages=5)
     assert cfg(pa.KIND_FP8, 1, 256, 32768) == dict(num_splits=1, block_n=128, num_stages=3)
     assert cfg(pa.KIND_INT8, 1, 1, 100)["num_splits"] == 1
+    # short sequences: splits of one 128-token tile, up to the fused combine's limit; not below 512
+    assert [cfg(pa.KIND_FLOAT, 2, 1, n)["num_splits"] for n in (256, 511, 512, 1024, 2048, 4096)] == [1, 1, 4, 8, 8, 16]
+    assert cfg(pa.KIND_FP8, 1, 1, 1024)["num_splits"] == pa.FUSED_COMBINE_MAX_SPLITS
+    assert cfg(pa.KIND_FLOAT, 2, 16, 1024)["num_splits"] == 1  # B x H fills the GPU: no split
     assert 1 < pa.FUSED_COMBINE_MAX_SPLITS < 33

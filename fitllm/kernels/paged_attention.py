@@ -475,11 +475,18 @@ def _group_args(kind: int, group, d: int) -> dict:
     return dict(KGROUP=kg, VGROUP=vg)
 
 
+# The split combine runs in the decode kernel itself (its last split to finish) up to this many
+# splits: one small tile to read. Beyond it the reduce kernel's 32 programs are faster than one
+# program reading all partials (H200: B=1 at 32k, 66 splits: 30.2 vs 33.7 µs fused).
+FUSED_COMBINE_MAX_SPLITS = 8
+
+
 def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int,
                   sms: int = 132) -> dict:
     """Default split count, tile and pipeline depth of the decode kernel, from the H200 sweeps
     (benchmarks/RESULTS.md, 2026-12-01 fourth session). Splits are at least 256 tokens (shorter ones
-    cost more in the combine than they win), at most 64. With B sequences x H kv heads:
+    cost more in the combine than they win) unless the combine stays fused, at most 64. With B
+    sequences x H kv heads:
     - 16-bit KV, B*H <= SMs: 128-token tiles, double-buffered (Triton does that for this loop only
       from num_stages=5). That is ~128 KB of shared memory, one program per SM, so the sequence is
       split just enough for one wave (B=1 and 16 at 32k: 15 % and 4 % faster than 64-token tiles).
@@ -490,9 +497,13 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
     - fp32 KV (tests, parity runs): 64-token tiles, one buffer (a double-buffered 128 x 128 fp32
       K and V tile would not fit in shared memory)."""
     per_wave = batch * kv_heads
+    # Splits of >= 256 tokens, or from 512 tokens on of >= 128 while the combine stays in the decode
+    # kernel: one program per 128-token tile beats two to eight tiles in a row (H200, B=1: 512 tokens
+    # 7.3 -> 6.3 µs, 1024 7.7 -> 6.3; at 256, two splits lose: 5.5 -> 5.9; RESULTS.md, fifth session).
+    by_len = max(max_seq_len // 256, min(max_seq_len // 128, FUSED_COMBINE_MAX_SPLITS) if max_seq_len >= 512 else 0)
 
     def split(programs: int) -> int:
-        return max(1, min(programs // per_wave, max_seq_len // 256, 64))
+        return max(1, min(programs // per_wave, by_len, 64))
 
     two_waves = split(2 * sms + per_wave - 1)
     if kind == KIND_FLOAT and code_bytes == 2:
@@ -503,12 +514,6 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
     if kind == KIND_FLOAT:
         return dict(num_splits=two_waves, block_n=64, num_stages=2)
     return dict(num_splits=two_waves, block_n=128, num_stages=5 if kind == KIND_FP8 and two_waves > 1 else 3)
-
-
-# The split combine runs in the decode kernel itself (its last split to finish) up to this many
-# splits: one small tile to read. Beyond it the reduce kernel's 32 programs are faster than one
-# program reading all partials (H200: B=1 at 32k, 66 splits: 30.2 vs 33.7 µs fused).
-FUSED_COMBINE_MAX_SPLITS = 8
 
 
 def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, block_tables,
