@@ -20,9 +20,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):
-    """Every output buffer starts as NaN: an element the kernel does not write shows up."""
-    monkeypatch.setattr(fused, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                                 device=device))
+    """Every output buffer starts as NaN (integers: -7): an element the kernel does not write shows up."""
+    monkeypatch.setattr(fused, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device))
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0):
@@ -157,6 +157,24 @@ def test_head_affine_matches_reference(rot_dtype, T, H, P, which):
                                atol=1e-3 if out_dtype == torch.float16 else 1e-5)
 
 
+@pytest.mark.parametrize("T,h0", [(1, 6), (20, 4), (3, 7)])
+def test_head_affine_split_outputs(T, h0):
+    """split=(h0, dtype2): heads below h0 in out_dtype, the rest in dtype2, each exactly what the
+    unsplit launch gives in that dtype (q, k and v of a layer in one launch: fp16 q, fp32 k/v)."""
+    D, H = 64, 8
+    rot = torch.linalg.qr(randn(D, D))[0].to(torch.bfloat16)
+    x = randn(T, H + 2, D, dtype=torch.bfloat16, scale=3.0)[:, 2:]
+    params = _affine_params(H, D, ("shift", "post"))
+    a, b = fused.head_affine_triton(x, rot, **params, out_dtype=torch.float16, split=(h0, torch.float32))
+    assert a.shape == (T, h0, D) and b.shape == (T, H - h0, D) and (a.dtype, b.dtype) == (torch.float16, torch.float32)
+    assert torch.isfinite(a).all() and torch.isfinite(b).all(), "output not fully written (NaN poison survived)"
+    assert torch.equal(a, fused.head_affine_triton(x, rot, **params, out_dtype=torch.float16)[:, :h0])
+    assert torch.equal(b, fused.head_affine_triton(x, rot, **params, out_dtype=torch.float32)[:, h0:])
+    ra, rb = fused.head_affine_ref(x, rot, **params, out_dtype=torch.float16, split=(h0, torch.float32))
+    torch.testing.assert_close(a.float(), ra.float(), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(b, rb, rtol=1e-5, atol=1e-5)
+
+
 def test_head_affine_reference_is_the_documented_map():
     """Against the formula in float64, head h using parameter row h // (H // P)."""
     T, H, P, D = 5, 6, 3, 16
@@ -177,6 +195,8 @@ def test_head_affine_rejects_bad_parameters():
         fused.head_affine_triton(x, None, randn(3, 64), None, None, None, torch.float32)  # 3 does not divide 8
     with pytest.raises(ValueError, match="head_affine"):
         fused.head_affine_triton(x, randn(32, 32), None, None, None, None, torch.float32)
+    with pytest.raises(ValueError, match="head_affine"):  # a split past the last head
+        fused.head_affine_triton(x, None, None, None, None, None, torch.float32, split=(9, torch.float32))
 
 
 # --------------------------------------------------------------------------- dispatch and the decoder
@@ -250,3 +270,27 @@ def test_decoder_fused_paths_agree(family, dtype, monkeypatch):
     assert torch.isfinite(got).all()
     err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+# --------------------------------------------------------------------------- greedy_tokens
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [5, 2048, 4099, 9000])
+def test_greedy_tokens_matches_torch_argmax(dtype, V):
+    """First maximal column (ties across lanes, loop steps and 4096-column chunks), -1 for NaN/inf
+    rows; the per-row counters are back at zero afterwards."""
+    from fitllm.kernels import _utils
+
+    x = randn(7, V).to(dtype)
+    x[1, :] = 3.0  # all tied: column 0
+    if V > 4:
+        x[2, [V - 1, V // 2, 3]] = 50.0  # tied max in different lanes/steps: the first wins
+        x[3, V // 3] = float("nan")
+        x[4, V - 1] = float("inf")
+        x[5, 0] = float("-inf")
+    got = fused.greedy_tokens_triton(x)
+    ref = fused.greedy_tokens_ref(x)
+    assert got.dtype == torch.int64 and torch.equal(got, ref)
+    assert got[1] == 0 and (V <= 4 or (got[2] == min(3, V // 2) and (got[3:6] == -1).all()))
+    assert torch.equal(ref[[0, 6]], x[[0, 6]].float().argmax(-1))  # the reference is torch's argmax
+    assert (_utils.splitk_workspace(x.device, 0, 0)[1] == 0).all()

@@ -41,9 +41,10 @@ def make(kv_dtype, num_blocks=24, rotated_stats=False, **kw):
                         calibration=cal, **kw)
 
 
-def run_steps(cache, seed=0):
+def run_steps(cache, seed=0, joined=False):
     """Two sequences: a prefill chunk, an extend chunk, then decode steps; returns outputs and
-    the K/V written (in model space) per sequence."""
+    the K/V written (in model space) per sequence. joined: q, k and v are views of one qkv buffer,
+    as the decoder's projection gives them."""
     g = torch.Generator().manual_seed(seed)
     cal = random_calibration()
     tables = [[5, 2, 9, 11, 0], [7, 1, 3, 20, 13]]
@@ -55,6 +56,10 @@ def run_steps(cache, seed=0):
         k = cal.k_mean[0] + torch.randn(t, H, D, generator=g) * 1.5
         v = cal.v_mean[0] + torch.randn(t, H, D, generator=g)
         q = torch.randn(t, H * G, D, generator=g)
+        if joined:
+            qkv = torch.cat([x.flatten(1) for x in (q, k, v)], 1)
+            q, k, v = (qkv[:, a * D:b * D].view(t, b - a, D) for a, b in ((0, H * G), (H * G, H * G + H),
+                                                                          (H * G + H, H * G + 2 * H)))
         out = ForwardContext(cache, meta).attend(0, q, k, v, 0.25)
         lo = 0
         for i, n in enumerate(chunk):
@@ -87,6 +92,23 @@ def test_attention_equals_plain_attention_over_dequantized_cache(kv_dtype, rotat
         assert ((out - exact).norm() / exact.norm()) < bound
 
 
+@pytest.mark.parametrize("kv_dtype,rotate", [("fp8", False), ("int4", True), ("int8", True)])
+def test_qkv_maps_in_one_launch_compute_the_separate_maps(kv_dtype, rotate, monkeypatch):
+    """q, k, v as consecutive heads of one buffer take one head_affine launch (split outputs), and
+    the step's results are exactly those of the three separate maps."""
+    from fitllm.models import kv_cache
+
+    kw = ROTATED[kv_dtype] if rotate else dict(rotate=False)
+    separate = run_steps(make(kv_dtype, **kw))[0]
+    calls = []
+    real = kv_cache.head_affine
+    monkeypatch.setattr(kv_cache, "head_affine", lambda *a, **k: calls.append(k.get("split")) or real(*a, **k))
+    joined = run_steps(make(kv_dtype, **kw), joined=True)[0]
+    assert calls and all(c is not None for c in calls[::2]) and len(calls) == 2 * 4  # joined map + output map, 4 steps
+    for (_, _, _, a), (_, _, _, b) in zip(separate, joined):
+        assert torch.equal(a, b)
+
+
 # fp8 is left out here: triton 3.6's interpreter rounds fp32 -> e4m3 wrongly for a few values
 # (test_paged_attention covers it loosely; the GPU run in bench_attention.py exactly).
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
@@ -96,7 +118,7 @@ def test_triton_path_matches_torch_path(kv_dtype, monkeypatch):
     monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
     tri_cache = make(kv_dtype)
     assert (tri_cache.rotation is not None) == (kv_dtype == "int4")  # the rotated path, through the kernels
-    tri_outs = run_steps(tri_cache)[0]
+    tri_outs = run_steps(tri_cache, joined=True)[0]  # quantized: the one-launch q/k/v maps' kernel
     for (_, _, _, a), (_, _, _, b) in zip(ref_outs, tri_outs):
         tol = 2e-2 if kv_dtype != "int4" else 5e-2  # interpreter rounds to bf16/fp8 by truncation
         assert ((a - b).norm() / a.norm()) < tol

@@ -25,6 +25,19 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
     assert out.token_ids == x.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_plain_greedy_batches_take_the_one_kernel_path(backend, monkeypatch):
+    """All rows greedy without bias, penalties or logprobs: fused.greedy_tokens, the same tokens
+    (and the same failed rows) as the general path, which one row with logprobs forces."""
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", backend)
+    x = logits(3, seed=7).bfloat16()
+    x[2, 5] = float("inf")
+    fast = Sampler()(x, [row(temperature=0)] * 3)
+    general = Sampler()(x, [row(temperature=0)] * 2 + [row(temperature=0, logprobs=1)])
+    assert fast.token_ids == general.token_ids and fast.failed == general.failed == [False, False, True]
+    assert fast.token_ids[:2] == x[:2].float().argmax(-1).tolist()
+
+
 def test_filters_keep_samples_inside_their_sets():
     x = logits(1, seed=1)
     order = x[0].argsort(descending=True).tolist()

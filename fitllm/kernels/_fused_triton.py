@@ -84,11 +84,12 @@ def silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def head_affine_kernel(x_ptr, r_ptr, shift_ptr, pre_ptr, post_ptr, add_ptr, y_ptr, T, G, sx_t, sx_h, sr_0, sr_1,
-                       D: tl.constexpr, BT: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SHIFT: tl.constexpr,
+def head_affine_kernel(x_ptr, r_ptr, shift_ptr, pre_ptr, post_ptr, add_ptr, y_ptr, y2_ptr, H0, T, G, sx_t, sx_h,
+                       sr_0, sr_1, D: tl.constexpr, BT: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SHIFT: tl.constexpr,
                        HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr, HAS_ADD: tl.constexpr,
-                       RNE: tl.constexpr, RNE_OUT: tl.constexpr, UPCAST: tl.constexpr):
-    # One program per (BT tokens, head h); its parameters are row h // G. y is [T, H, D] contiguous.
+                       RNE: tl.constexpr, RNE_OUT: tl.constexpr, RNE_OUT2: tl.constexpr, UPCAST: tl.constexpr):
+    # One program per (BT tokens, head h); its parameters are row h // G. Heads below H0 go to y
+    # [T, H0, D], the others to y2 [T, H - H0, D] (both contiguous; y2 is y when H0 = H).
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -114,5 +115,57 @@ def head_affine_kernel(x_ptr, r_ptr, shift_ptr, pre_ptr, post_ptr, add_ptr, y_pt
     if HAS_ADD:
         x += tl.load(add_ptr + prow)[None, :]
     H = tl.num_programs(1)
-    tl.store(y_ptr + (rows.to(tl.int64)[:, None] * H + h) * D + d[None, :], _cast(x, y_ptr.dtype.element_ty, RNE_OUT),
-             mask=mask)
+    if h < H0:
+        tl.store(y_ptr + (rows.to(tl.int64)[:, None] * H0 + h) * D + d[None, :],
+                 _cast(x, y_ptr.dtype.element_ty, RNE_OUT), mask=mask)
+    else:
+        tl.store(y2_ptr + (rows.to(tl.int64)[:, None] * (H - H0) + h - H0) * D + d[None, :],
+                 _cast(x, y2_ptr.dtype.element_ty, RNE_OUT2), mask=mask)
+
+
+
+@triton.jit
+def _lane_best(x_ptr, row, lo, hi, sx, BLOCK: tl.constexpr):
+    # Each lane keeps the best value it saw in columns [lo, hi) and its first column (strictly
+    # greater replaces: a lane visits its columns in increasing order), and whether it saw a NaN or
+    # an infinity. Then the row slice's max, the first column holding it, and the flag.
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], hi, tl.int32)
+    bad = tl.zeros([BLOCK], tl.int32)
+    for start in range(lo, hi, BLOCK):
+        c = start + cols
+        inside = c < hi
+        v = tl.load(x_ptr + row * sx + c, mask=inside, other=0.0).to(tl.float32)
+        bad |= (inside & ((v != v) | (tl.abs(v) == float("inf")))).to(tl.int32)
+        take = inside & ((v > best) | (best_i == hi))  # the first value seen always counts (-inf rows)
+        best = tl.where(take, v, best)
+        best_i = tl.where(take, c, best_i)
+    m = tl.max(best, 0)
+    return m, tl.min(tl.where(best == m, best_i, hi), 0), tl.max(bad, 0)
+
+
+@triton.jit
+def greedy_tokens_kernel(x_ptr, out_ptr, pm_ptr, pi_ptr, cnt_ptr, N, sx, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                         NCH: tl.constexpr):
+    # Program (row, chunk) reduces CHUNK columns to (max, first column, non-finite flag); the last
+    # chunk of a row to finish (a ticket from the row's counter, which it resets) combines the
+    # row's partials: the first column holding the max wins, as torch.argmax; -1 if any flag is set.
+    row = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1)
+    nch = tl.num_programs(1)
+    lo = ch * CHUNK
+    m, first, bad = _lane_best(x_ptr, row, lo, tl.minimum(lo + CHUNK, N), sx, BLOCK)
+    part = row * nch + ch
+    tl.store(pm_ptr + part, m)
+    tl.store(pi_ptr + part, tl.where(bad > 0, -1, first))
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel") == nch - 1:
+        j = tl.arange(0, NCH)
+        ok = j < nch
+        pm = tl.load(pm_ptr + row * nch + j, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        pi = tl.load(pi_ptr + row * nch + j, mask=ok, other=N, cache_modifier=".cg")
+        top = tl.max(pm, 0)
+        token = tl.min(tl.where(ok & (pm == top), pi, N), 0)
+        tl.store(out_ptr + row, tl.where(tl.min(pi, 0) < 0, -1, token).to(tl.int64))
+        tl.atomic_xchg(cnt_ptr + row, 0)

@@ -177,6 +177,20 @@ def _self_generated(model, num_seqs: int = 4, length: int = 256, seed: int = 0) 
     return [[bos] + out for out in generate(model, [[bos]] * num_seqs, length - 1, temperature=1.0, seed=seed)]
 
 
+def _consecutive_heads(*parts: torch.Tensor) -> Optional[torch.Tensor]:
+    """[T, H_i, D] views that are consecutive heads of one buffer (same token stride, heads D apart,
+    each part starting where the previous ends) as one [T, sum H_i, D] view; else None."""
+    first = parts[0]
+    t, _, d = first.shape
+    at = first.data_ptr()
+    for p in parts:
+        if (p.dim() != 3 or p.shape[0] != t or p.shape[2] != d or p.dtype != first.dtype or p.stride(1) != d
+                or p.stride(2) != 1 or (t > 1 and p.stride(0) != first.stride(0)) or p.data_ptr() != at):
+            return None
+        at += p.shape[1] * d * p.element_size()
+    return first.as_strided((t, sum(p.shape[1] for p in parts), d), (first.stride(0), d, 1))
+
+
 class PagedKVCache:
     """K/V blocks for every layer, optionally quantized. The decoder only calls
     `ForwardContext.attend`, which calls `write` then `attention`.
@@ -307,6 +321,7 @@ class PagedKVCache:
         half = self.compute_dtype in (torch.float16, torch.bfloat16)
         self.rotation16 = None if rot is None or not half else rot.to(dev, self.compute_dtype)  # _hot_rotation
         self.k_mul_inv, self.v_mul_inv = 1 / self.k_mul, 1 / self.v_mul
+        self._qkv_cache = None  # _qkv_params
 
     @property
     def block_tensors(self) -> list[torch.Tensor]:
@@ -348,6 +363,29 @@ class PagedKVCache:
             return q if self.kind == 0 else q.to(dt)
         return head_affine(q, self._hot_rotation(), None, None, self.k_mul_inv[layer], None, dt)
 
+    def _qkv_to_cache_space(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """The three maps in one head_affine launch, when q, k and v are consecutive heads of one
+        buffer (the qkv projection's output: no copy to join them); else None. Head rows of the
+        parameters: q (no shift, post 1 / k_mul of its kv head), k, then v."""
+        joined = _consecutive_heads(q, k, v)
+        if joined is None:
+            return None
+        hq = q.shape[1]
+        shift, post = self._qkv_params(hq)
+        dt = torch.float16 if self.compute_dtype in (torch.float16, torch.bfloat16) else torch.float32
+        qc, kv = head_affine(joined, self._hot_rotation(), shift[layer], None, post[layer], None, dt,
+                             split=(hq, torch.float32))
+        return qc, kv[:, : k.shape[1]], kv[:, k.shape[1]:]
+
+    def _qkv_params(self, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shift, post) [L, hq + 2 kv_heads, D] for _qkv_to_cache_space, built once per query head count."""
+        if self._qkv_cache is None or self._qkv_cache[0] != hq:
+            g = hq // self.num_kv_heads
+            shift = torch.cat([torch.zeros_like(self.k_shift).repeat_interleave(g, 1), self.k_shift, self.v_shift], 1)
+            post = torch.cat([self.k_mul_inv.repeat_interleave(g, 1), self.k_mul, self.v_mul], 1)
+            self._qkv_cache = (hq, shift.contiguous(), post.contiguous())
+        return self._qkv_cache[1], self._qkv_cache[2]
+
     def _output_to_model_space(self, layer: int, out: torch.Tensor) -> torch.Tensor:
         if not self.transformed:
             return out
@@ -360,22 +398,41 @@ class PagedKVCache:
         return backend_for(self.k) == "triton"
 
     # ---- the two operations the decoder's step needs ----------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """write, then attention; with the three maps into cache space in one launch when it can."""
+        maps = self._qkv_to_cache_space(layer, q, k, v) if self.transformed else None
+        if maps is None:
+            self.write(layer, k, v, meta.slot_mapping)
+            return self.attention(layer, q, meta, scale)
+        qc, kc, vc = maps
+        self._store(layer, kc, vc, meta.slot_mapping)
+        return self._output_to_model_space(layer, self._attend_cache_space(layer, qc, meta, scale, q.dtype))
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the step's new K/V [T, kv_heads, D] at their slots (quantizing on the way)."""
+        self._store(layer, *self._to_cache_space(layer, k, v), slot_mapping)
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """K/V already in cache space (any token and head strides, unit stride along head_dim)."""
         from fitllm.kernels import paged_attention as pa
 
-        k, v = self._to_cache_space(layer, k, v)
         fn = pa.cache_write if self._use_triton() else pa.cache_write_ref
-        fn(k.contiguous(), v.contiguous(), self.k[layer], self.v[layer], self._m(self.k_scales, layer),
+        k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+        fn(k, v, self.k[layer], self.v[layer], self._m(self.k_scales, layer),
            self._m(self.v_scales, layer), self._m(self.k_zeros, layer), self._m(self.v_zeros, layer),
            slot_mapping, self.kind, self.group)
 
     def attention(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Each sequence's new queries over its cached keys (including this step's), causal."""
+        qc = self._query_to_cache_space(layer, q)
+        return self._output_to_model_space(layer, self._attend_cache_space(layer, qc, meta, scale, q.dtype))
+
+    def _attend_cache_space(self, layer: int, qc: torch.Tensor, meta: AttentionMetadata, scale: float,
+                            model_dtype: torch.dtype) -> torch.Tensor:
         from fitllm.kernels import paged_attention as pa
 
-        qc = self._query_to_cache_space(layer, q)
-        out_dtype = q.dtype if not self.transformed else torch.float32
+        out_dtype = model_dtype if not self.transformed else torch.float32
         args = (qc, self.k[layer], self.v[layer], self._m(self.k_scales, layer), self._m(self.v_scales, layer),
                 self._m(self.k_zeros, layer), self._m(self.v_zeros, layer), meta.block_tables)
         if self._use_triton():
@@ -386,7 +443,7 @@ class PagedKVCache:
         else:
             out = pa.paged_attention_ref(*args, meta.query_start_list, meta.seq_lens_list, scale, self.kind,
                                          self.group, self.sliding_window, out_dtype)
-        return self._output_to_model_space(layer, out)
+        return out
 
     @staticmethod
     def _m(t: Optional[torch.Tensor], layer: int) -> Optional[torch.Tensor]:
@@ -439,8 +496,7 @@ class ForwardContext:
         self.cache, self.meta = cache, meta
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        self.cache.write(layer, k, v, self.meta.slot_mapping)
-        return self.cache.attention(layer, q, self.meta, scale)
+        return self.cache.attend(layer, q, k, v, self.meta, scale)
 
 
 class NoCacheContext:

@@ -261,6 +261,8 @@ class GraphContext(ForwardContext):
         self.attention = attention
 
     def attend(self, layer, q, k, v, scale):
+        if self.attention == self.cache.attention:  # the cache's own kernels: its write + attention in one
+            return self.cache.attend(layer, q, k, v, self.meta, scale)
         self.cache.write(layer, k, v, self.meta.slot_mapping)
         return self.attention(layer, q, self.meta, scale)
 

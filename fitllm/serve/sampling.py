@@ -22,6 +22,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from fitllm.kernels.fused import greedy_tokens
+
 MAX_LOGPROBS = 20
 
 
@@ -160,6 +162,9 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleInput]) -> DeviceSample:
         """Queue the sampling of every row on the logits' device; nothing waits for the GPU."""
+        if all(r.params.greedy and not r.params.logit_bias and not r.params.has_penalties
+               and r.params.logprobs is None for r in rows):  # plain greedy: one kernel, the same tokens
+            return DeviceSample(greedy_tokens(logits), [], [], None)
         logits = logits.float()
         finite = torch.isfinite(logits).all(dim=-1)
         raw = torch.where(finite[:, None], logits, torch.zeros((), device=logits.device))
