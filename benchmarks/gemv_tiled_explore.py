@@ -62,13 +62,19 @@ def read_floor(w, out):
                                  out, BLOCK=1024, num_warps=8)
 
 
-def configs():
+def configs(fine_waves: bool = False, regs: bool = False):
+    if regs:  # register caps (more programs per SM) x split-K
+        return [_gemv(bn, u, w, wv, maxnreg=r) for bn, u, w in ((128, 4, 8), (64, 4, 4), (128, 1, 8))
+                for r in (None, 56, 48, 40) for wv in (4, 5, 6)]
+    if fine_waves:  # the table's families with many split-K counts: how much the last partial wave costs
+        return [_gemv(bn, u, w, wv) for bn, u, w in ((128, 4, 8), (128, 1, 8), (64, 4, 4))
+                for wv in (3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24)]
     out = [_gemv(bn, u, w, wv) for bn, u, w, wv in itertools.product((64, 128), (1, 2, 4), (4, 8), (1, 2, 4))]
     return out + [_gemv(32, 2, 4, wv) for wv in (1, 2, 4)] + [_gemv(256, 1, 8, wv) for wv in (1, 2)]
 
 
 def name(c):
-    return f"gemv BN{c['BN']} U{c['UNROLL']} w{c['num_warps']} waves{c['waves']}"
+    return f"gemv BN{c['BN']} U{c['UNROLL']} w{c['num_warps']} waves{c['waves']} regs{c.get('maxnreg')}"
 
 
 def main():
@@ -76,13 +82,15 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--baseline", default=None, help="module with an earlier w4a16_tiled_triton")
     ap.add_argument("--budget-s", type=float, default=240)
+    ap.add_argument("--fine-waves", action="store_true", help="sweep split-K finely for the table's configs")
+    ap.add_argument("--regs", action="store_true", help="sweep register caps (maxnreg) x split-K")
     a = ap.parse_args()
     deadline = time.time() + a.budget_s
     dev = "cuda"
     torch.manual_seed(0)
     baseline = importlib.import_module(a.baseline) if a.baseline else None
     res = {"device": torch.cuda.get_device_name(), "linears": {}}
-    cfgs = configs()
+    cfgs = configs(a.fine_waves, a.regs)
     for lin, (K, N) in SHAPES.items():
         nbytes = K * N // 2 + 2 * (K // GS) * N * 2
         copies = max(2, -(-200_000_000 // nbytes))

@@ -6,7 +6,7 @@ Run the script under ncu (it launches each kernel a few times; ncu profiles the 
 
   ncu --clock-control none --target-processes all -k regex:'tiled|fp8|gemv' --launch-skip-before-match 0 \\
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \\
-      python3 benchmarks/ncu_kernels.py > $OUT/ncu.txt
+      python3 benchmarks/ncu_kernels.py [M,M,...] > $OUT/ncu.txt      (M: default 1,16,64)
 """
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ K, N = 4096, 28672
 
 
 def main() -> None:
+    ms = [int(m) for m in (sys.argv[1] if len(sys.argv) > 1 else "1,16,64").split(",")]  # M values to profile
     torch.manual_seed(0)
     w4 = make_w4(K, N, "cuda")
     qt = dict(qtile=tile_pack(w4["qweight"]), scales=w4["scales"], zeros=w4["zeros"], group_size=128, K=K)
     f8 = make_fp8(K, N, "cuda")
-    for M in (1, 16, 64):
+    for M in ms:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         xq = quantize_fp8_per_token(x)
         for _ in range(2):  # compile, then the profiled launch

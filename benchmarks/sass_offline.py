@@ -45,7 +45,8 @@ def const_value(v: str):
             return getattr(tl, v) if hasattr(tl, v) else v
 
 
-def compile_kernel(kernel, types: dict, consts: dict, arch: int = 90, warps: int = 4, stages: int = 3):
+def compile_kernel(kernel, types: dict, consts: dict, arch: int = 90, warps: int = 4, stages: int = 3,
+                   maxnreg: int | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -71,7 +72,8 @@ def compile_kernel(kernel, types: dict, consts: dict, arch: int = 90, warps: int
         elif t.startswith("*") or t.startswith("i"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature=sig, constexprs=cvals, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+    opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
 def sass_of(cubin: bytes) -> str:
@@ -160,13 +162,14 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas .maxnreg)")
     ap.add_argument("--dump", default=None)
     ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
     a = ap.parse_args()
     mod, name = a.kernel.split(":")
     kernel = getattr(importlib.import_module(mod), name)
     consts = {k: const_value(v) for k, v in parse_kv(a.consts).items()}
-    c = compile_kernel(kernel, parse_kv(a.types), consts, a.arch, a.warps, a.stages)
+    c = compile_kernel(kernel, parse_kv(a.types), consts, a.arch, a.warps, a.stages, a.maxnreg)
     r = report(c, a.dump)
     if a.json:
         import json

@@ -381,9 +381,11 @@ def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled"):
                 backend=backend)
 
 
-def _gemv(bn, unroll, warps, waves=4.0, stages=1):
-    """The CUDA-core GEMV (M <= 4; groups of 128*j or per-channel, else the tensor-core path)."""
-    return dict(BM=4, BN=bn, UNROLL=unroll, num_warps=warps, num_stages=stages, waves=waves, backend="gemv")
+def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None):
+    """The CUDA-core GEMV (M <= 4; groups of 128*j or per-channel, else the tensor-core path).
+    maxnreg caps registers per thread (more programs per SM)."""
+    return dict(BM=4, BN=bn, UNROLL=unroll, num_warps=warps, num_stages=stages, waves=waves, backend="gemv",
+                maxnreg=maxnreg)
 
 
 # rows (max M, config), first match wins; 'waves' sets split-K (programs ~= SMs * waves).
@@ -485,6 +487,11 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     return y
 
 
+def _reg_cap(cfg) -> dict:
+    """The launch option capping registers, where the config sets one (not under the interpreter)."""
+    return {} if cfg.get("maxnreg") is None or interpreting() else {"maxnreg": cfg["maxnreg"]}
+
+
 def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
     M, N = x.shape[0], qtile.shape[0]
     if x.stride(0) % 2 or x.storage_offset() % 2:  # viewed as int32 pairs below
@@ -499,7 +506,7 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split,
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg))
     return y
 
 
