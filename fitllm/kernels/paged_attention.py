@@ -271,6 +271,16 @@ def _load_values_t(VC, page, pos, head, page_ok, offs_d, H: tl.constexpr, D: tl.
 
 
 @triton.jit
+def _load_values(VC, VS, VZ, page, pos, slot, head, page_ok, valid, offs_d, H: tl.constexpr, D: tl.constexpr,
+                 DC: tl.constexpr, PAGE: tl.constexpr, RUN: tl.constexpr, KIND: tl.constexpr, VGROUP: tl.constexpr,
+                 VT: tl.constexpr):
+    """A tile's value rows [N, D]: from the transposed fp8 blocks (masked by page) or from rows."""
+    if VT:
+        return _load_values_t(VC, page, pos, head, page_ok, offs_d, H, D, PAGE, RUN)
+    return _load_rows(VC, VS, VZ, slot, head, valid, offs_d, H, D, DC, KIND, VGROUP)
+
+
+@triton.jit
 def _tile_positions(n0, hi, BT, bt_row, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The tile's token positions (n0 is a multiple of BLOCK_N), the pages that hold them (0 past
     the sequence's last page) and which of those pages are the sequence's."""
@@ -333,10 +343,8 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # exactly 0 where masked: the values there may be any finite
         l_i = l_i * alpha + tl.sum(p, 1)
-        if VT:
-            v = _load_values_t(VC, page, pos, kvh, page_ok, offs_d, H, D, PAGE, RUN).to(q.dtype)
-        else:
-            v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, VGROUP).to(q.dtype)
+        v = _load_values(VC, VS, VZ, page, pos, slot, kvh, page_ok, valid, offs_d, H, D, DC, PAGE, RUN, KIND, VGROUP,
+                         VT).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -439,10 +447,8 @@ def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, wind
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if VT:
-            v = _load_values_t(VC, page, pos, kvh, page_ok, offs_d, H, D, PAGE, RUN).to(q.dtype)
-        else:
-            v = _load_rows(VC, VS, VZ, slot, kvh, valid, offs_d, H, D, DC, KIND, VGROUP).to(q.dtype)
+        v = _load_values(VC, VS, VZ, page, pos, slot, kvh, page_ok, valid, offs_d, H, D, DC, PAGE, RUN, KIND, VGROUP,
+                         VT).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]

@@ -354,14 +354,17 @@ class PagedKVCache:
         return (head_affine(k, r, self.k_shift[layer], None, self.k_mul[layer], None, torch.float32),
                 head_affine(v, r, self.v_shift[layer], None, self.v_mul[layer], None, torch.float32))
 
-    def _query_to_cache_space(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    @property
+    def _query_dtype(self) -> torch.dtype:
         # Quantized K/V are dequantized to fp16 inside the kernels (fp8 and int codes convert to it
         # exactly or nearly; on the GPU fp8 -> fp16 is one instruction, fp8 -> bf16 is several),
         # so queries go in as fp16 with half-precision models and as fp32 otherwise.
-        dt = torch.float16 if self.compute_dtype in (torch.float16, torch.bfloat16) else torch.float32
+        return torch.float16 if self.compute_dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+    def _query_to_cache_space(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         if not self.transformed:
-            return q if self.kind == 0 else q.to(dt)
-        return head_affine(q, self._hot_rotation(), None, None, self.k_mul_inv[layer], None, dt)
+            return q if self.kind == 0 else q.to(self._query_dtype)
+        return head_affine(q, self._hot_rotation(), None, None, self.k_mul_inv[layer], None, self._query_dtype)
 
     def _qkv_to_cache_space(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """The three maps in one head_affine launch, when q, k and v are consecutive heads of one
@@ -372,8 +375,7 @@ class PagedKVCache:
             return None
         hq = q.shape[1]
         shift, post = self._qkv_params(hq)
-        dt = torch.float16 if self.compute_dtype in (torch.float16, torch.bfloat16) else torch.float32
-        qc, kv = head_affine(joined, self._hot_rotation(), shift[layer], None, post[layer], None, dt,
+        qc, kv = head_affine(joined, self._hot_rotation(), shift[layer], None, post[layer], None, self._query_dtype,
                              split=(hq, torch.float32))
         return qc, kv[:, : k.shape[1]], kv[:, k.shape[1]:]
 
