@@ -233,3 +233,21 @@ def test_calibration_and_quantized_logits(tiny_model):
         lp = prompt_logits(tiny_model, ids, cache).log_softmax(-1)
         kl = (base.exp() * (base - lp)).sum(-1).mean().item()
         assert kl < bound, (kv, kl)
+
+
+def test_graph_context_attends_through_the_cache(monkeypatch):
+    """Under CUDA graphs the step's attention goes through PagedKVCache.attend when the graph uses
+    the cache's own kernels (so q, k, v share one map launch there too); another attention
+    function gets the write, then that function."""
+    from fitllm.serve.model_runner import GraphContext
+
+    cache = make("fp8")
+    meta = AttentionMetadata.build([1], [1], [[0]], PAGE, "cpu")
+    q, k, v = torch.randn(1, H * G, D), torch.randn(1, H, D), torch.randn(1, H, D)
+    seen = []
+    monkeypatch.setattr(cache, "attend", lambda *a: seen.append("attend") or "out")
+    assert GraphContext(cache, meta, cache.attention).attend(0, q, k, v, 0.25) == "out" and seen == ["attend"]
+    monkeypatch.setattr(cache, "write", lambda *a: seen.append("write"))
+    other = lambda layer, q, meta, scale: seen.append("other") or "other out"  # noqa: E731
+    assert GraphContext(cache, meta, other).attend(0, q, k, v, 0.25) == "other out"
+    assert seen == ["attend", "write", "other"]
