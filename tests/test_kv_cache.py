@@ -237,17 +237,21 @@ def test_calibration_and_quantized_logits(tiny_model):
 
 def test_graph_context_attends_through_the_cache(monkeypatch):
     """Under CUDA graphs the step's attention goes through PagedKVCache.attend when the graph uses
-    the cache's own kernels (so q, k, v share one map launch there too); another attention
-    function gets the write, then that function."""
-    from fitllm.serve.model_runner import GraphContext
+    the cache's own kernels (so q, k, v share one map launch there too); the padded torch stand-in
+    gets the write, then its attention."""
+    from fitllm.serve import model_runner
+    from fitllm.serve.model_runner import GraphContext, graph_safe_attention
 
     cache = make("fp8")
     meta = AttentionMetadata.build([1], [1], [[0]], PAGE, "cpu")
     q, k, v = torch.randn(1, H * G, D), torch.randn(1, H, D), torch.randn(1, H, D)
     seen = []
+    monkeypatch.setattr(cache, "supports_cuda_graphs", True)
     monkeypatch.setattr(cache, "attend", lambda *a: seen.append("attend") or "out")
-    assert GraphContext(cache, meta, cache.attention).attend(0, q, k, v, 0.25) == "out" and seen == ["attend"]
-    monkeypatch.setattr(cache, "write", lambda *a: seen.append("write"))
-    other = lambda layer, q, meta, scale: seen.append("other") or "other out"  # noqa: E731
-    assert GraphContext(cache, meta, other).attend(0, q, k, v, 0.25) == "other out"
+    assert GraphContext(cache, meta, graph_safe_attention(cache)).attend(0, q, k, v, 0.25) == "out"
+    assert seen == ["attend"]
+    plain = make("fp32")
+    monkeypatch.setattr(plain, "write", lambda *a: seen.append("write"))
+    monkeypatch.setattr(model_runner, "padded_attention", lambda *a: seen.append("other") or "other out")
+    assert GraphContext(plain, meta, graph_safe_attention(plain)).attend(0, q, k, v, 0.25) == "other out"
     assert seen == ["attend", "write", "other"]

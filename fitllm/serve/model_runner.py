@@ -143,8 +143,8 @@ class ModelRunner:
         False when the cache's attention cannot be captured."""
         if self.device.type != "cuda" and not emulate_on_cpu:
             return False
-        attention = graph_safe_attention(self.cache)
-        if attention is None:
+        attend = graph_safe_attention(self.cache)
+        if attend is None:
             log.warning("CUDA graphs off: %s has no capturable attention", type(self.cache).__name__)
             return False
         sizes = [b for b in GRAPH_BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
@@ -157,7 +157,7 @@ class ModelRunner:
         for q in sorted(set(query_lens) - {1}):  # speculation: small batches, within the step budget
             shapes[q] = [b for b in sizes if b <= MULTI_TOKEN_GRAPH_MAX_BATCH
                          and (max_batched_tokens is None or b * q <= max_batched_tokens)] or [1]
-        self.graphs = StepGraphs(self.model, self.cache, attention, shapes, max_model_len, self.scratch_block)
+        self.graphs = StepGraphs(self.model, self.cache, attend, shapes, max_model_len, self.scratch_block)
         return True
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -221,15 +221,23 @@ class ModelRunner:
 
 # ---- CUDA graphs -------------------------------------------------------------------------------
 def graph_safe_attention(cache: PagedKVCache) -> Optional[Callable]:
-    """Attention that reads only device tensors, so a captured graph stays valid when the
-    batch's lengths and block tables change (the torch reference loops over host lengths:
-    capturing it would freeze them). The Triton path says so with `supports_cuda_graphs`; for
-    an unquantized cache without it (CPU emulation in tests) a padded torch version stands in."""
+    """The step's write + attention, `attend(layer, q, k, v, meta, scale)`, reading only device
+    tensors, so a captured graph stays valid when the batch's lengths and block tables change (the
+    torch reference loops over host lengths: capturing it would freeze them). The Triton path says
+    so with `supports_cuda_graphs` (then the cache's own `attend`, whose q/k/v maps share one
+    launch); for an unquantized cache without it (CPU emulation in tests) a padded torch attention
+    stands in after the cache's write."""
     if getattr(cache, "supports_cuda_graphs", False):
-        return cache.attention
+        return cache.attend
     if cache.k.dtype in (torch.float32, torch.float16, torch.bfloat16) and not getattr(cache, "transformed", False):
-        return partial(padded_attention, cache)
+        return partial(padded_attend, cache)
     return None
+
+
+def padded_attend(cache: PagedKVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    cache.write(layer, k, v, meta.slot_mapping)
+    return padded_attention(cache, layer, q, meta, scale)
 
 
 def padded_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: AttentionMetadata,
@@ -256,15 +264,12 @@ def padded_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: Att
 
 
 class GraphContext(ForwardContext):
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, attention: Callable):
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, attend: Callable):
         super().__init__(cache, meta)
-        self.attention = attention
+        self.attend_fn = attend  # graph_safe_attention's
 
     def attend(self, layer, q, k, v, scale):
-        if self.attention == self.cache.attention:  # the cache's own kernels: its write + attention in one
-            return self.cache.attend(layer, q, k, v, self.meta, scale)
-        self.cache.write(layer, k, v, self.meta.slot_mapping)
-        return self.attention(layer, q, self.meta, scale)
+        return self.attend_fn(layer, q, k, v, self.meta, scale)
 
 
 class StepGraphs:
@@ -276,7 +281,7 @@ class StepGraphs:
     sequences: ids = longs[:T], positions = longs[T:2T], ...), so a step copies only what its
     graph reads."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, attention: Callable, shapes: dict[int, list[int]],
+    def __init__(self, model: CausalLM, cache: PagedKVCache, attend: Callable, shapes: dict[int, list[int]],
                  max_model_len: int, scratch_block: int):
         self.model, self.cache = model, cache
         self.shapes = {q: sorted(set(sizes)) for q, sizes in sorted(shapes.items())}
@@ -300,7 +305,7 @@ class StepGraphs:
         self.query_starts = {q: torch.arange(0, q * (max_seqs + 1), q, dtype=torch.int32, device=dev)
                              for q in self.shapes}
         self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}  # (q, batch size) -> run the graph
-        self._capture(attention)
+        self._capture(attend)
 
     def _views(self, q: int, b: int, buf: Optional[torch.Tensor] = None, ints: Optional[torch.Tensor] = None):
         """(ids, positions, slots, seq_lens, tables) of the (q, b) graph, in the device buffers
@@ -320,7 +325,7 @@ class StepGraphs:
             max_query_len=q, max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
-    def _capture(self, attention: Callable) -> None:
+    def _capture(self, attend: Callable) -> None:
         pool = None
         shapes = sorted(((q, b) for q, sizes in self.shapes.items() for b in sizes), key=lambda s: -s[0] * s[1])
         for q, b in shapes:  # most tokens first: the smaller graphs fit in its pool
@@ -330,7 +335,7 @@ class StepGraphs:
             tables.fill_(self.scratch_block)
             seq_lens.fill_(q)
             pos.copy_(torch.arange(q, device=pos.device).repeat(b))
-            run = partial(self.model, ids, pos, GraphContext(self.cache, self._meta(q, b), attention))
+            run = partial(self.model, ids, pos, GraphContext(self.cache, self._meta(q, b), attend))
             if self.model.device.type != "cuda":
                 self.replays[q, b] = run  # CPU: the same buffers and padding, run eagerly (tests)
                 continue
