@@ -153,6 +153,7 @@ def main():
                     help="module with an earlier w4a16_tiled_triton (e.g. a copy of the last commit's file under "
                          "fitllm/kernels/) timed in the same run as column 'baseline'")
     a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
     deadline = time.time() + a.budget_s
     baseline = importlib.import_module(a.baseline) if a.baseline else None
     dev = "cuda"

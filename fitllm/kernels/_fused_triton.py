@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._pdl import pdl_start
 
 
 @triton.jit
@@ -21,9 +22,11 @@ def _cast(x, DT: tl.constexpr, RNE_BF16: tl.constexpr):
 
 @triton.jit
 def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, N, n_inner, sx_o, sx_i, sr_o, sr_i, eps,
-                    HAS_RES: tl.constexpr, RNE: tl.constexpr, RNE_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_RES: tl.constexpr, RNE: tl.constexpr, RNE_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PDL: tl.constexpr = False):
     # Row `row` of x sits at (row // n_inner) * sx_o + (row % n_inner) * sx_i: [T, N] or [T, H, N]
     # views (q|k slices of the qkv output) without a copy. out and h are contiguous.
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer, inner = row // n_inner, row % n_inner
     cols = tl.arange(0, BLOCK_N)
@@ -59,8 +62,9 @@ def _rope_heads(x_ptr, t, H, s_t, s_h, s_d, c, s, HALF, RNE: tl.constexpr,
 @triton.jit
 def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HK, HALF,
                 sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sc_t, ss_t,
-                RNE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                RNE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     # One program per (token, q or k): all heads of one token in one tile, rotated in place.
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)[None, :]
     c = tl.load(cos_ptr + t * sc_t + d, mask=d < HALF, other=0.0).to(tl.float32)
@@ -72,7 +76,8 @@ def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HK, HALF,
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr):
+def silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -87,9 +92,11 @@ def silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.conste
 def head_affine_kernel(x_ptr, r_ptr, shift_ptr, pre_ptr, post_ptr, add_ptr, y_ptr, y2_ptr, H0, T, G, sx_t, sx_h,
                        sr_0, sr_1, D: tl.constexpr, BT: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SHIFT: tl.constexpr,
                        HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr, HAS_ADD: tl.constexpr,
-                       RNE: tl.constexpr, RNE_OUT: tl.constexpr, RNE_OUT2: tl.constexpr, UPCAST: tl.constexpr):
+                       RNE: tl.constexpr, RNE_OUT: tl.constexpr, RNE_OUT2: tl.constexpr, UPCAST: tl.constexpr,
+                       PDL: tl.constexpr = False):
     # One program per (BT tokens, head h); its parameters are row h // G. Heads below H0 go to y
     # [T, H0, D], the others to y2 [T, H - H0, D] (both contiguous; y2 is y when H0 = H).
+    pdl_start(PDL)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -147,10 +154,11 @@ def _lane_best(x_ptr, row, lo, hi, sx, BLOCK: tl.constexpr):
 
 @triton.jit
 def greedy_tokens_kernel(x_ptr, out_ptr, pm_ptr, pi_ptr, cnt_ptr, N, sx, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                         NCH: tl.constexpr):
+                         NCH: tl.constexpr, PDL: tl.constexpr = False):
     # Program (row, chunk) reduces CHUNK columns to (max, first column, non-finite flag); the last
     # chunk of a row to finish (a ticket from the row's counter, which it resets) combines the
     # row's partials: the first column holding the max wins, as torch.argmax; -1 if any flag is set.
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1)
     nch = tl.num_programs(1)

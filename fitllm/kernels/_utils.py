@@ -46,6 +46,20 @@ def device_index(t: torch.Tensor) -> int | None:
     return t.device.index if t.is_cuda else None
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """Launch options for programmatic dependent launch (see _pdl.py): on sm90+ CUDA tensors
+    unless FITLLM_PDL=0; nothing (the kernels' PDL=False default) elsewhere and under the
+    interpreter."""
+    if not t.is_cuda or interpreting() or os.environ.get("FITLLM_PDL", "1") == "0" or not _pdl_capable(t.device.index):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
 # Split-K partial sums go to an fp32 workspace with atomics; the last program of each output tile
 # (found with a per-tile counter) reads the sum, writes the output and zeroes its slice again, so
 # the workspace is always clean between launches: no memset launch, and CUDA graphs stay valid.

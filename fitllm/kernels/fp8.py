@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import backend_for, device_index, gpu_arch, interpreting, num_sms, pick_config, split_k_for, splitk_workspace
+from ._utils import (backend_for, device_index, gpu_arch, interpreting, num_sms, pdl_args, pick_config, split_k_for,
+                     splitk_workspace)
 
 try:
     import triton
@@ -61,6 +62,7 @@ def fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode=
 # --------------------------------------------------------------------------- Triton kernels
 
 if triton is not None:
+    from ._pdl import let_next_launch, pdl_start, wait_for_previous
     from .w4a16 import _store_output, _store_tile
 
     @triton.jit
@@ -76,8 +78,9 @@ if triton is not None:
 
     @triton.jit
     def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, STATIC: tl.constexpr, BLOCK: tl.constexpr,
-                          EXACT_ROUND: tl.constexpr):
+                          EXACT_ROUND: tl.constexpr, PDL: tl.constexpr = False):
         """One program per row: amax pass, then scale-and-round pass (the row is in L1/L2)."""
+        pdl_start(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         if STATIC:
@@ -104,7 +107,7 @@ if triton is not None:
         M, N, K, stride_xm, stride_wn, stride_ym, K_ITERS,
         W8A8: tl.constexpr, XS_PER_ROW: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
         SWAP: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
     ):
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -119,6 +122,7 @@ if triton is not None:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
+        wait_for_previous(PDL)
         for it in range(0, K_ITERS):
             offs_k = (pid_k * K_ITERS + it) * BK + tl.arange(0, BK)
             k_mask = offs_k < K
@@ -135,6 +139,7 @@ if triton is not None:
                 acc = tl.dot(w, tl.trans(x), acc)
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
+        let_next_launch(PDL)
         if SWAP:
             acc = tl.trans(acc)
         if WS_PER_CHANNEL:
@@ -154,7 +159,7 @@ if triton is not None:
     def _fp8_gemv_kernel(
         x_ptr, xs_ptr, w_ptr, wsc_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, K_ITERS, SPLIT,
         W8A8: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """Batch-1 GEMV on CUDA cores: program (n, k) owns BN weight rows and K_ITERS tiles of BK.
         Products of e4m3 values (and of an e4m3 and a bf16) are exact in fp32, so this computes the
@@ -165,6 +170,7 @@ if triton is not None:
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         acc = tl.zeros((BN, BK), dtype=tl.float32)
+        wait_for_previous(PDL)
         for it in range(0, K_ITERS):
             offs_k = (pid_k * K_ITERS + it) * BK + tl.arange(0, BK)
             k_mask = offs_k < K
@@ -172,6 +178,7 @@ if triton is not None:
                         mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             acc += w * x[None, :]
+        let_next_launch(PDL)
         out = tl.sum(acc, axis=1)
         if WS_PER_CHANNEL:
             out = out * tl.load(wsc_ptr + offs_n, mask=n_mask, other=0.0)
@@ -202,7 +209,7 @@ def _quantize_triton(x, static_scale):
     block = min(triton.next_power_of_2(K), 4096)
     if M:
         _quant_fp8_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), STATIC=static_scale is not None, BLOCK=block, EXACT_ROUND=interpreting(),
-                                num_warps=4 if block <= 2048 else 8)
+                                num_warps=4 if block <= 2048 else 8, **pdl_args(x))
     return q, s
 
 
@@ -279,7 +286,7 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
         M, N, K, xq.stride(0), weight_fp8.stride(0), y.stride(0), k_iters,
         W8A8=mode == "w8a8", XS_PER_ROW=xs.numel() > 1, WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None,
         SWAP=cfg.get("SWAP", False), SPLIT_K=split, UPCAST=interpreting(), BM=BM, BN=BN, BK=BK,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x),
     )
     return y
 
@@ -293,7 +300,7 @@ def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev):
     _fp8_gemv_kernel[(n_blocks, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt, N, K, weight_fp8.stride(0), k_iters, split,
         W8A8=mode == "w8a8", WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None, USE_WS=split > 1,
-        BN=BN, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BN=BN, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y))
     return y
 
 

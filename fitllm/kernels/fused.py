@@ -20,7 +20,9 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
 
 Dispatch as for the GEMMs (_utils.backend_for): Triton on CUDA tensors, the reference elsewhere,
 FITLLM_KERNEL_BACKEND forces either. The launches are CUDA-graph safe: shapes come from tensor
-metadata only, no host syncs, outputs are allocated with the input's (static) shape.
+metadata only, no host syncs, outputs are allocated with the input's (static) shape. On sm90+ they
+launch with programmatic dependent launch (_pdl.py: each waits for its predecessor, then lets the
+next kernel launch).
 
 The kernels live in _fused_triton, imported on the first Triton call: the decoder imports this
 module, and importing triton at that point would fix triton's mode before a test could set
@@ -33,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import backend_for, interpreting, splitk_workspace
+from ._utils import backend_for, interpreting, pdl_args, splitk_workspace
 
 
 # --------------------------------------------------------------------------- torch references
@@ -153,7 +155,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         block = _pow2(N)
         _kernels().rms_norm_kernel[(rows,)](
             x, residual, weight.contiguous(), out, h, N, n_inner, sx_o, sx_i, sr_o, sr_i, float(eps),
-            HAS_RES=has_res, RNE=_rne(x.dtype), RNE_OUT=_rne(out_dtype), BLOCK_N=block, num_warps=_warps(block))
+            HAS_RES=has_res, RNE=_rne(x.dtype), RNE_OUT=_rne(out_dtype), BLOCK_N=block, num_warps=_warps(block),
+            **pdl_args(x))
     return (out, h) if has_res else out
 
 
@@ -170,7 +173,7 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
         block_d = _pow2(half)
         _kernels().rope_kernel[(T, 2)](
             q, k, cos, sin, HQ, HK, half, *q.stride(), *k.stride(), cos.stride(0), sin.stride(0),
-            RNE=_rne(q.dtype), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_warps(block_h * block_d))
+            RNE=_rne(q.dtype), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=_warps(block_h * block_d), **pdl_args(q))
     return q, k
 
 
@@ -187,7 +190,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if T and I:
         block = min(_pow2(I), 1024)
         _kernels().silu_mul_kernel[(T, (I + block - 1) // block)](
-            x, out, I, x.stride(0), RNE=_rne(x.dtype), BLOCK=block, num_warps=_warps(block) * 2)
+            x, out, I, x.stride(0), RNE=_rne(x.dtype), BLOCK=block, num_warps=_warps(block) * 2, **pdl_args(x))
     return out
 
 
@@ -218,7 +221,7 @@ def head_affine_triton(x: torch.Tensor, rot: torch.Tensor | None, shift: torch.T
             D=D, BT=bt, HAS_ROT=rot is not None, HAS_SHIFT=shift is not None, HAS_PRE=pre is not None,
             HAS_POST=post is not None, HAS_ADD=add is not None,
             RNE=rot is not None and _rne(rot.dtype), RNE_OUT=_rne(out_dtype), RNE_OUT2=_rne(out2.dtype),
-            UPCAST=interpreting(), num_warps=4)
+            UPCAST=interpreting(), num_warps=4, **pdl_args(x))
     return out if split is None else (out, out2)
 
 
@@ -236,7 +239,8 @@ def greedy_tokens_triton(logits: torch.Tensor) -> torch.Tensor:
         pi = torch.empty(rows * nch, dtype=torch.int32, device=logits.device)
         cnt = splitk_workspace(logits.device, 0, rows)[1]  # zero between launches: the last chunk resets it
         _kernels().greedy_tokens_kernel[(rows, nch)](logits, out, pm, pi, cnt, vocab, logits.stride(0), CHUNK=chunk,
-                                                    BLOCK=1024, NCH=_pow2(nch), num_warps=4)
+                                                    BLOCK=1024, NCH=_pow2(nch), num_warps=4,
+                                                    **pdl_args(logits))
     return out
 
 

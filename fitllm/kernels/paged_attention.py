@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fitllm.kernels._utils import (device_index, interpreting, num_sms, patch_interpreter_for_numpy_2_4,
+from fitllm.kernels._pdl import let_next_launch, pdl_start, wait_for_previous
+from fitllm.kernels._utils import (device_index, interpreting, num_sms, patch_interpreter_for_numpy_2_4, pdl_args,
                                    splitk_workspace)
 
 KIND_FLOAT, KIND_FP8, KIND_INT8, KIND_INT4 = 0, 1, 2, 3
@@ -216,7 +217,9 @@ def _store_quantized(X, x_row, CODES, SCALES, ZEROS, row_c, row_s, ok,
 @triton.jit
 def _cache_write_kernel(K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, s_kt, s_kh, s_vt, s_vh,
                         H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, PAGE: tl.constexpr,
-                        KIND: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr, VT: tl.constexpr):
+                        KIND: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr, VT: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -297,11 +300,12 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
                    VGROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr,
                    RUN: tl.constexpr, WINDOWED: tl.constexpr, FUSED: tl.constexpr, GQ: tl.constexpr,
-                   SP: tl.constexpr):
+                   SP: tl.constexpr, PDL: tl.constexpr = False):
     """One (sequence, kv head, split): the G query heads sharing that kv head against one slice of
     the sequence. Partial results (unnormalised acc, running max, sum) go to PO/PML, or straight to
     OUT when there is a single split (DIRECT). FUSED: the split that finishes last combines them
     (no reduce launch); else _reduce_kernel does."""
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -348,6 +352,7 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    let_next_launch(PDL)
     hmask = (offs_g < G)[:, None]
     if DIRECT:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # an empty sequence (graph padding) gives 0
@@ -389,7 +394,9 @@ def _combine_partials(PO, PML, rows, rmask, num_splits, D: tl.constexpr, SP: tl.
 
 @triton.jit
 def _reduce_kernel(PO, PML, OUT, num_splits, s_ot, s_oh, HQ: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
-    """Combine one (sequence, head)'s split partials (the unfused path)."""
+    """Combine one (sequence, head)'s split partials (the unfused path). Launched without PDL: with
+    it, decode -> reduce -> decode chains lost at batch 1 (H200, fp8 KV at 32k: 25.7 -> 29.1 µs;
+    bf16 won 1 µs; RESULTS.md, sixth session)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     one = tl.arange(0, 1)
@@ -402,10 +409,12 @@ def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, wind
                     s_qt, s_qh, s_bt, s_ot, s_oh,
                     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
-                    VGROUP: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr, RUN: tl.constexpr):
+                    VGROUP: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr, RUN: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """BLOCK_M new queries of one (sequence, head) against the cached prefix plus the new tokens
     (already written to the cache), causal. Query i of a chunk of q_len sits at position
     seq_len - q_len + i."""
+    wait_for_previous(PDL)
     mb = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -451,6 +460,7 @@ def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, wind
                          VT).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    let_next_launch(PDL)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(OUT + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
              mask=qmask[:, None])
@@ -473,7 +483,7 @@ def cache_write(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, sl
         _dummy(k_zeros, k_cache), _dummy(v_zeros, v_cache), slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=h, D=d, DC=k_cache.shape[-1], PAGE=k_cache.shape[1], KIND=kind, **_group_args(kind, group, d),
-        VT=values_transposed(kind), num_warps=1)
+        VT=values_transposed(kind), num_warps=1, **pdl_args(k))
 
 
 def _group_args(kind: int, group, d: int) -> dict:
@@ -564,7 +574,7 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
             H=h, G=g, GP=max(16, gq), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
             KIND=kind, **groups, DIRECT=direct, UPCAST=upcast, VT=vt, RUN=min(page, bn), WINDOWED=window > 0,
             FUSED=fused, GQ=gq, SP=sp,
-            num_warps=num_warps or 4, num_stages=num_stages)
+            num_warps=num_warps or 4, num_stages=num_stages, **pdl_args(q))
         if not direct and not fused:
             _reduce_kernel[(batch, hq)](po, pml, out, num_splits, out.stride(0), out.stride(1),
                                         HQ=hq, D=d, SP=sp, num_warps=4)
@@ -576,5 +586,5 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
         q, *args, query_start, out, scale, window,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         H=h, G=g, D=d, DC=dc, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, KIND=kind, **groups, UPCAST=upcast, VT=vt,
-        RUN=min(page, bn), num_warps=num_warps or 4, num_stages=num_stages or 2)
+        RUN=min(page, bn), num_warps=num_warps or 4, num_stages=num_stages or 2, **pdl_args(q))
     return out

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import backend_for, device_index, gpu_arch, interpreting, num_sms, pick_config, split_k_for, splitk_workspace
+from ._utils import (backend_for, device_index, gpu_arch, interpreting, num_sms, pdl_args, pick_config, split_k_for,
+                     splitk_workspace)
 
 try:
     import triton
     import triton.language as tl
 
+    from ._pdl import let_next_launch, wait_for_previous
     from .w4a16 import _dot, _dot_pairs, _half, _one_row_dot, _rows_out, _store_tile, _unpack_q_minus_z
 except ImportError:  # CPU-only installs without triton still get the reference
     triton = None
@@ -222,7 +224,7 @@ if triton is not None:
         M, N, K, NUM_GROUPS, stride_q, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC2,
         GROUP_SIZE: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, ROW_WARPS: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-        SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr,
+        SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """y = x W^T for the tiled layout: program (tile of BM rows x BN columns, K split) walks
         K_ITERS tiles of 128; per tile one dot per group chunk (CHUNK = 128, 64 or 32 columns),
@@ -231,6 +233,7 @@ if triton is not None:
         unpacked weights (large M: one more packed multiply per weight pair, and the MMA
         accumulates in place)."""
         MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
+        wait_for_previous(PDL)
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_pid_m = tl.cdiv(M, BM)
@@ -275,6 +278,7 @@ if triton is not None:
                     w = _field_tile(qw, j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)
                     acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0 + 32 * j, K, w, acc, s, UPCAST,
                                      SCALE_IN_W)
+        let_next_launch(PDL)
         _store_tile(tl.trans(acc), bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     pid_mn, SPLIT, HAS_BIAS, USE_WS)
 
@@ -343,7 +347,7 @@ if triton is not None:
         M, N, K, NUM_GROUPS, stride_q, stride_xw, stride_ym, K_ITERS, SPLIT,
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-        EVEN_K: tl.constexpr,
+        EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
     ):
         """y = x W^T for 1..4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), CUDA cores, packed
         16-bit math (w4a16's _unpack_q_minus_z / _dot_pairs / _one_row_dot). Program (n, k, m) owns
@@ -363,12 +367,14 @@ if triton is not None:
         acc2 = tl.zeros((BN, 16), dtype=tl.float32)
         acc3 = tl.zeros((BN, 16), dtype=tl.float32)
         kt_end = tl.minimum((pid_k + 1) * K_ITERS, stride_q // 16)  # the last split may be shorter
+        wait_for_previous(PDL)  # x is the previous kernel's output
         for kt in range(pid_k * K_ITERS, kt_end, UNROLL):
             for u in tl.static_range(UNROLL):
                 if UNROLL == 1 or kt + u < kt_end:
                     acc0, acc1, acc2, acc3 = _gemv_tile(
                         x_ptr, q_ptr, s_ptr, z_ptr, kt + u, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n,
                         n_mask, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K)
+        let_next_launch(PDL)
         out, offs_m, m_mask = _rows_out(tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3), m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
@@ -483,7 +489,8 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0), y.stride(0), k_iters, split, _magic2(x.dtype),
         GROUP_SIZE=min(group_size, K), CHUNK=_chunk_for(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws,
         BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
-        SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), num_warps=warps, num_stages=cfg["num_stages"])
+        SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), num_warps=warps, num_stages=cfg["num_stages"],
+        **pdl_args(x))
     return y
 
 
@@ -506,7 +513,8 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split,
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
+        **pdl_args(x))
     return y
 
 

@@ -1,0 +1,78 @@
+"""Programmatic dependent launch in the engine's decode step, A/B in one process (issue 10).
+
+Each variant sets FITLLM_PDL before its engine is built (the CUDA graphs are captured then, and
+the kernels compile per PDL setting), decodes 256 tokens at batch 1, and counts how many of its
+greedy tokens equal those of the first variant (with random weights the logits are nearly flat,
+so split-K's atomic adds, whose order varies, flip int4 tokens from run to run; bf16 and fp8 are
+deterministic and must match). Variants run in rounds, interleaved, so drift in the card's
+clocks hits all of them alike.
+
+    python benchmarks/pdl_ab.py --schemes int4,bf16 --variants off,on --rounds 3 [--batch 64] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import build, engine_for  # noqa: E402
+from gpu_engine_check import decode_speed, free, throughput  # noqa: E402
+
+from fitllm.serve.sampling import SamplingParams  # noqa: E402
+
+VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}}
+
+
+def greedy_tokens(engine, n: int = 48) -> list[int]:
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, engine.model_config.vocab_size, (100,), generator=g).tolist()
+    out = engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return list(out[0].new_token_ids)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schemes", default="int4,bf16")
+    ap.add_argument("--variants", default="off,on")
+    ap.add_argument("--kv", default="auto")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=0, help="also offline throughput of this many 128/128 requests")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    rows = []
+    for scheme in args.schemes.split(","):
+        model = build(scheme)
+        reference = None
+        for r in range(args.rounds):
+            for name in args.variants.split(","):
+                os.environ.update(VARIANTS[name])
+                engine = engine_for(model, kv_dtype=args.kv, max_num_seqs=max(8, args.batch))
+                tokens = greedy_tokens(engine)
+                if reference is None:
+                    reference = tokens
+                same = sum(a == b for a, b in zip(tokens, reference))
+                tps = decode_speed(engine, 128, 256)
+                row = {"scheme": scheme, "kv": args.kv, "variant": name, "round": r, "tok_s": tps,
+                       "tokens_equal": f"{same}/{len(reference)}"}
+                if args.batch:
+                    row["batch_tok_s"] = throughput(engine, args.batch, 128, 128)[0]
+                rows.append(row)
+                print(f"{scheme:5s} {args.kv:5s} {name:5s} round {r}: {tps:7.1f} tok/s  greedy tokens equal to the "
+                      f"first variant {same}/{len(reference)}" + (f"  B={args.batch}: {row['batch_tok_s']:.0f} tok/s"
+                                                                  if args.batch else ""), flush=True)
+                free(engine)
+        del model
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"pdl_ab_{args.kv}.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (PDL, sm90+), the device side.
+
+A kernel launched with PDL may become resident while the kernel before it in the stream is still
+running. Until `wait_for_previous` returns (the previous grid has finished and its writes are
+visible) it must neither load what that kernel writes nor store anything at all: torch's caching
+allocator hands out memory in stream order, so even a fresh output buffer may still be read by
+the previous kernel. `let_next_launch` allows the next kernel to launch that early. In a decode
+step of ~10 kernels a layer this overlaps each launch with its predecessor's tail (H200, batch-1
+decode, every weight scheme: about +5 % tokens/s; benchmarks/RESULTS.md, sixth session).
+
+Every PDL kernel waits in every program, so a kernel's completion implies its predecessor's, and
+"waited for the previous kernel" covers all the earlier ones too. Kernels that fill the GPU
+release the next one after their main loop; small ones right after their wait (pdl_start).
+Launched without PDL (older GPUs, FITLLM_PDL=0) both are no-ops. The host side is
+_utils.pdl_args; under TRITON_INTERPRET=1 the kernels get PDL=False and never emit them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def let_next_launch(PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """The prologue of a small kernel (a few programs, latency-bound): wait, then let the next
+    kernel launch. Released only once our predecessor is done, the next kernel (typically a GEMV
+    of a full wave) finds the GPU all but empty: its programs spread over every SM while we run.
+    (Released at the start of a kernel that fills the GPU, the next one's programs took the few
+    slots free at that moment and spilled into a second wave: H200, int4 batch-1 decode 5 %
+    slower than without PDL; RESULTS.md, sixth session.)"""
+    wait_for_previous(PDL)
+    let_next_launch(PDL)

@@ -1,0 +1,97 @@
+"""Run as a script (no TRITON_INTERPRET): compile each PDL kernel for sm_90 with PDL=True and
+print, per kernel, where in its PTX the grid-dependency wait and release sit relative to the
+first global load and store. tests/test_pdl.py reads the JSON line this prints."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from sass_offline import compile_kernel  # noqa: E402
+
+BF16_GEMM = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16",
+                 ws_ptr="*fp32", cnt_ptr="*i32")
+FP8_GEMM = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", wsc_ptr="*fp32", bias_ptr="*fp32",
+                y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
+ATTN = dict(Q="*bf16", KC="*bf16", VC="*bf16", KS="*fp32", VS="*fp32", KZ="*fp32", VZ="*fp32", BT="*i32",
+            SEQ="*i32", OUT="*bf16", scale="fp32")
+KV = dict(KIND=0, KGROUP=128, VGROUP=128, VT=False, H=8, D=128, DC=128, PAGE=16)
+# name -> (module:kernel, types, constexprs, warps, stages, fills the GPU: releases after its main loop)
+KERNELS = {
+    "tiled_gemv": ("fitllm.kernels.w4a16_tiled:_tiled_gemv_kernel", {**BF16_GEMM, "x_ptr": "*i32"},
+                   dict(GROUP_SIZE=128, HAS_BIAS=False, USE_WS=True, BM=1, BN=128, UNROLL=4, F16=False, ASM=True,
+                        EVEN_K=True), 8, 1, True),
+    "tiled_tc": ("fitllm.kernels.w4a16_tiled:_w4a16_tiled_kernel", BF16_GEMM,
+                 dict(GROUP_SIZE=128, CHUNK=128, HAS_BIAS=False, USE_WS=True, BM=16, BN=64, ROW_WARPS=4, F16=False,
+                      ASM=True, SCALE_IN_W=False, UPCAST=False), 4, 3, True),
+    "fp8_gemv": ("fitllm.kernels.fp8:_fp8_gemv_kernel", FP8_GEMM,
+                 dict(W8A8=True, WS_PER_CHANNEL=True, HAS_BIAS=False, USE_WS=True, BN=16, BK=512), 8, 1, True),
+    "fp8_tc": ("fitllm.kernels.fp8:_fp8_kernel", FP8_GEMM,
+               dict(W8A8=True, XS_PER_ROW=True, WS_PER_CHANNEL=True, HAS_BIAS=False, SWAP=True, SPLIT_K=2,
+                    UPCAST=False, BM=16, BN=64, BK=256), 4, 4, True),
+    "quant_fp8": ("fitllm.kernels.fp8:_quant_fp8_kernel", dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
+                  dict(STATIC=False, BLOCK=4096, EXACT_ROUND=False), 8, 1, False),
+    "decode": ("fitllm.kernels.paged_attention:_decode_kernel", {**ATTN, "PO": "*fp32", "PML": "*fp32", "CNT": "*i32"},
+               dict(KV, G=4, GP=16, BLOCK_N=128, DIRECT=False, UPCAST=False, RUN=16, WINDOWED=False, FUSED=True,
+                    GQ=4, SP=8), 4, 5, True),
+    "prefill": ("fitllm.kernels.paged_attention:_prefill_kernel", {**ATTN, "QSTART": "*i32"},
+                dict(KV, G=4, BLOCK_M=16, BLOCK_N=64, UPCAST=False, RUN=16), 4, 2, True),
+    "cache_write": ("fitllm.kernels.paged_attention:_cache_write_kernel",
+                    dict(K="*bf16", V="*bf16", KC="*bf16", VC="*bf16", KS="*fp32", VS="*fp32", KZ="*fp32",
+                         VZ="*fp32", SLOTS="*i64"), dict(KV), 1, 1, False),
+    "rms_norm": ("fitllm.kernels._fused_triton:rms_norm_kernel",
+                 dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16", eps="fp32"),
+                 dict(HAS_RES=True, RNE=False, RNE_OUT=False, BLOCK_N=4096), 8, 1, False),
+    "rope": ("fitllm.kernels._fused_triton:rope_kernel", dict(q_ptr="*bf16", k_ptr="*bf16", cos_ptr="*fp32",
+                                                               sin_ptr="*fp32"),
+             dict(RNE=False, BLOCK_H=32, BLOCK_D=64), 4, 1, False),
+    "silu_mul": ("fitllm.kernels._fused_triton:silu_mul_kernel", dict(x_ptr="*bf16", out_ptr="*bf16"),
+                 dict(RNE=False, BLOCK=1024), 4, 1, False),
+    "head_affine": ("fitllm.kernels._fused_triton:head_affine_kernel",
+                    dict(x_ptr="*bf16", r_ptr="*bf16", shift_ptr="*fp32", pre_ptr="*fp32", post_ptr="*fp32",
+                         add_ptr="*fp32", y_ptr="*fp16", y2_ptr="*fp32"),
+                    dict(D=128, BT=16, HAS_ROT=True, HAS_SHIFT=True, HAS_PRE=True, HAS_POST=True, HAS_ADD=True,
+                         RNE=False, RNE_OUT=False, RNE_OUT2=False, UPCAST=False), 4, 1, False),
+    "greedy": ("fitllm.kernels._fused_triton:greedy_tokens_kernel",
+               dict(x_ptr="*bf16", out_ptr="*i64", pm_ptr="*fp32", pi_ptr="*i32", cnt_ptr="*i32"),
+               dict(CHUNK=4096, BLOCK=1024, NCH=32), 4, 1, False),
+}
+
+
+def first(ptx: str, pattern: str) -> int:
+    m = re.search(pattern, ptx)
+    return m.start() if m else -1
+
+
+def kernels_with_pdl() -> set[str]:
+    """module:kernel of every Triton kernel in fitllm.kernels that takes PDL (all must be listed above)."""
+    import fitllm.kernels as pkg
+
+    found = set()
+    for mod in ("w4a16_tiled", "w4a16", "fp8", "paged_attention", "_fused_triton"):
+        m = importlib.import_module(f"{pkg.__name__}.{mod}")
+        found |= {f"{m.__name__}:{k}" for k, v in vars(m).items()
+                  if "PDL" in getattr(v, "arg_names", ()) and v.fn.__module__ == m.__name__ and k.endswith("_kernel")}
+    return found
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(KERNELS)
+    out = {"_unlisted": sorted(kernels_with_pdl() - {path for path, *_ in KERNELS.values()})}
+    for name in names:
+        path, types, consts, warps, stages, big = KERNELS[name]
+        mod, fn = path.split(":")
+        ptx = compile_kernel(getattr(importlib.import_module(mod), fn), types, {**consts, "PDL": True},
+                             warps=warps, stages=stages).asm["ptx"]
+        out[name] = {"big": big, "wait": first(ptx, r"griddepcontrol\.wait"),
+                     "release": first(ptx, r"griddepcontrol\.launch_dependents"),
+                     "load": first(ptx, r"\b(ld|cp\.async)\.(global|ca|cg)"),
+                     "store": first(ptx, r"\b(st|atom|red)\.global")}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

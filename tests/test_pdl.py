@@ -1,0 +1,37 @@
+"""Programmatic dependent launch (fitllm/kernels/_pdl.py): the kernels' ordering rules, checked in
+the PTX Triton emits for sm_90 (compiled offline, no GPU needed), and the host switch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from fitllm.kernels._utils import pdl_args
+
+
+def test_pdl_is_off_for_cpu_tensors():
+    assert pdl_args(torch.zeros(2)) == {}
+
+
+def test_pdl_kernels_wait_before_touching_memory_and_release_where_intended():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real, for sm_90
+    script = Path(__file__).with_name("pdl_ptx.py")
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found.pop("_unlisted") == [], "kernels taking PDL that pdl_ptx.py does not check"
+    assert len(found) >= 13
+    for name, at in found.items():
+        # no global load or store (atomics included) before the wait: the previous kernel may still
+        # be writing its output, or reading memory the allocator has handed to us
+        assert 0 <= at["wait"] < at["load"], name
+        assert at["wait"] < at["store"], name
+        assert at["release"] > at["wait"], name
+        if at["big"]:  # a kernel that fills the GPU lets the next one launch after its main loop
+            assert at["release"] > at["load"], name
+        else:  # a small one right after its wait
+            assert at["release"] < at["load"], name
