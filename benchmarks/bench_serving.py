@@ -54,8 +54,11 @@ def part_decode(args) -> None:
         for kv in args.decode_kv.split(","):
             engine = engine_for(model, kv_dtype=kv, max_num_seqs=8)
             tps = decode_speed(engine, 128, 256)
-            rows.append({"weights": scheme, "kv": kv, "tokens_per_s": tps, "ms_per_token": 1e3 / tps})
-            print(f"decode b1  weights={scheme:5s} kv={kv:5s}  {tps:8.1f} tok/s  ({1e3 / tps:.2f} ms/token)", flush=True)
+            synced = decode_speed(engine, 128, 256, sync_each_step=True)
+            rows.append({"weights": scheme, "kv": kv, "tokens_per_s": tps, "ms_per_token": 1e3 / tps,
+                         "tokens_per_s_sync_each_step": synced})
+            print(f"decode b1  weights={scheme:5s} kv={kv:5s}  {tps:8.1f} tok/s  ({1e3 / tps:.2f} ms/token; "
+                  f"synced after every step as before: {synced:.1f})", flush=True)
             free(engine)
         del model
         gc.collect()

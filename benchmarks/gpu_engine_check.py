@@ -134,15 +134,21 @@ def run_parity(model: CausalLM, args) -> bool:
     return ok
 
 
-def decode_speed(engine: LLMEngine, prompt_len: int, new_tokens: int) -> float:
+def decode_speed(engine: LLMEngine, prompt_len: int, new_tokens: int, sync_each_step: bool = False) -> float:
+    """Batch-1 decode tokens/s as a client of the engine sees them: the rate at which step() returns
+    tokens (each return has waited for its step's tokens; with look-ahead the next step is already
+    queued then, as in the server's loop). sync_each_step=True also waits for that queued step
+    before timing the return, which serialises the look-ahead with the host's work: the method of
+    the sessions before the sixth, kept for comparison."""
     prompt = torch.randint(0, engine.model_config.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(3)).tolist()
     engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
-    engine.add_request("speed", prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    engine.add_request(f"speed-{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
     times = []
     while engine.has_unfinished_requests():
         engine.step()
-        sync()
+        if sync_each_step:
+            sync()
         times.append(time.perf_counter())
     return (len(times) - 2) / (times[-1] - times[1])  # decode steps only (the first step is the prefill)
 
