@@ -227,6 +227,28 @@ def check_correctness(log) -> bool:
         good = e < 1e-3 and (kind != "fp8" or torch.equal(*outs))  # fp8: bit for bit
         ok &= good
         log(f"check write {kind:5s} rel_err={e:.2e} {'ok' if good else 'FAIL'}")
+    # 2b) RoPE fused into the float cache's write == RoPE, then the reference write (to 1e-5: the GPU
+    # contracts x1 * c - x2 * s into an FMA, torch does not)
+    for dt in (torch.bfloat16, torch.float32):
+        t, hq = 40, HKV * 4
+        qkv = torch.randn(t, (hq + 2 * HKV) * D, device="cuda").to(dt)
+        q, k, v = qkv[:, :hq * D].view(t, hq, D), qkv[:, hq * D:(hq + HKV) * D].view(t, HKV, D), \
+            qkv[:, (hq + HKV) * D:].view(t, HKV, D)
+        angle = torch.randint(0, 8000, (t, 1), device="cuda").float() * 5e5 ** -(torch.arange(D // 2, device="cuda")
+                                                                              / (D // 2))
+        cos, sin = angle.cos(), angle.sin()
+        slots = torch.randperm(64 * 16, device="cuda")[:t]
+        slots[3] = -1
+        res = []
+        for fn in (pa.rope_cache_write, pa.rope_cache_write_ref):
+            qc = q.clone()
+            kc, vc = (torch.zeros(64, 16, HKV, D, device="cuda", dtype=dt) for _ in range(2))
+            fn(qc, k, v, cos, sin, kc, vc, slots)
+            res.append((qc, kc, vc))
+        same = all(a.equal(b) for a, b in zip(*res))
+        near = max(rel(a.float(), b.float()) for a, b in zip(*res))
+        ok &= near < 1e-5
+        log(f"check rope+write {str(dt)[6:]:8s} bit-equal={same} rel_err={near:.2e} {'ok' if near < 1e-5 else 'FAIL'}")
     # 3) real shapes: paged bf16 decode == SDPA over contiguous K/V
     pool = Pool("bf16", 16, 4096, seed=3)
     k, v = pool.dense()

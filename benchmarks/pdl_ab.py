@@ -1,4 +1,5 @@
-"""Programmatic dependent launch in the engine's decode step, A/B in one process (issue 10).
+"""Programmatic dependent launch in the engine's decode step, A/B in one process (issue 10); also
+RoPE in the cache write's launch against RoPE as its own kernel (variant rope-apart).
 
 Each variant sets FITLLM_PDL before its engine is built (the CUDA graphs are captured then, and
 the kernels compile per PDL setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -23,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import build, engine_for  # noqa: E402
 from gpu_engine_check import decode_speed, free, throughput  # noqa: E402
 
+from fitllm.models.kv_cache import PagedKVCache  # noqa: E402
 from fitllm.serve.sampling import SamplingParams  # noqa: E402
 
-VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}}
+VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"}}
 
 
 def greedy_tokens(engine, n: int = 48) -> list[int]:
@@ -45,12 +47,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = []
+    fuses_rope, apart = PagedKVCache.fuses_rope, property(lambda self: False)
     for scheme in args.schemes.split(","):
         model = build(scheme)
         reference = None
         for r in range(args.rounds):
             for name in args.variants.split(","):
                 os.environ.update(VARIANTS[name])
+                PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
                 engine = engine_for(model, kv_dtype=args.kv, max_num_seqs=max(8, args.batch))
                 tokens = greedy_tokens(engine)
                 if reference is None:

@@ -255,3 +255,71 @@ def test_graph_context_attends_through_the_cache(monkeypatch):
     monkeypatch.setattr(model_runner, "padded_attention", lambda *a: seen.append("other") or "other out")
     assert GraphContext(plain, meta, graph_safe_attention(plain)).attend(0, q, k, v, 0.25) == "other out"
     assert seen == ["attend", "write", "other"]
+
+
+def rope_tables(t, seed):
+    g = torch.Generator().manual_seed(seed)
+    angle = torch.randint(0, 500, (t, 1), generator=g).float() * (1e4 ** -(torch.arange(D // 2) / (D // 2)))
+    return angle.cos(), angle.sin()
+
+
+@pytest.mark.parametrize("kv_dtype,dtype", [("fp32", torch.float32), ("bf16", torch.float32),
+                                            ("bf16", torch.bfloat16)])
+def test_rope_fused_into_the_cache_write_equals_rope_then_attend(kv_dtype, dtype, monkeypatch):
+    """The Triton path of an unquantized cache takes RoPE into its write's launch (rope_cache_write):
+    the same outputs and the same cache bytes as RoPE, then the reference write and attention.
+    q, k, v are views of one qkv buffer, padding slots (-1) are skipped, GQA groups rotate once."""
+    from fitllm.kernels.fused import apply_rope_ref
+
+    def run(fused):
+        monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton" if fused else "torch")
+        cache = PagedKVCache(L, 24, PAGE, H, D, dtype=dtype, device="cpu", kv_dtype=kv_dtype)
+        assert cache.fuses_rope == fused
+        g = torch.Generator().manual_seed(1)
+        outs, lens = [], [0, 0]
+        for step, chunk in enumerate(([5, 3], [1, 1], [1, 1])):
+            new = [a + b for a, b in zip(lens, chunk)]
+            meta = AttentionMetadata.build(chunk, new, [[5, 2, 9], [7, 1, 3]], PAGE, "cpu")
+            t = sum(chunk)
+            if step == 2:
+                meta.slot_mapping[-1] = -1  # a padding token: its K/V must not land anywhere
+            qkv = torch.randn(t, (H * G + 2 * H) * D, generator=g).to(dtype)
+            q, k, v = qkv[:, :H * G * D].view(t, H * G, D), qkv[:, H * G * D:(H * G + H) * D].view(t, H, D), \
+                qkv[:, (H * G + H) * D:].view(t, H, D)
+            cos, sin = rope_tables(t, step)
+            ctx = ForwardContext(cache, meta)
+            if fused:
+                outs.append(ctx.attend(0, q, k, v, 0.25, rope=(cos, sin)))
+            else:
+                q, k = apply_rope_ref(q, k, cos, sin)
+                outs.append(ctx.attend(0, q, k, v, 0.25))
+            outs.append(q.clone())  # rotated in place on both paths
+            lens = new
+        return outs, cache.k[0].clone(), cache.v[0].clone()
+
+    ref, tri = run(False), run(True)
+    for out_r, out_t, q_r, q_t in zip(ref[0][::2], tri[0][::2], ref[0][1::2], tri[0][1::2]):
+        assert q_t.equal(q_r)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # the interpreter's 16-bit attention vs torch's
+        assert ((out_t.float() - out_r.float()).norm() / out_r.float().norm()) < tol
+    assert tri[1].equal(ref[1]) and tri[2].equal(ref[2])  # bit for bit, the padding slot untouched
+
+
+def test_decoder_hands_rope_to_a_context_that_fuses_it(tiny_model):
+    """A context saying fuses_rope gets q and k unrotated plus (cos, sin); the model's output is the
+    one of rotating first."""
+    from fitllm.kernels.fused import apply_rope_ref
+
+    class Fusing(NoCacheContext):
+        fuses_rope, calls = True, 0
+
+        def attend(self, layer, q, k, v, scale, rope=None):
+            Fusing.calls += 1
+            q, k = apply_rope_ref(q, k, *rope)
+            return super().attend(layer, q, k, v, scale)
+
+    ids = torch.tensor([1, 17, 42, 99, 5, 3])
+    with torch.inference_mode():
+        want = tiny_model(ids, torch.arange(6), NoCacheContext([6]))
+        got = tiny_model(ids, torch.arange(6), Fusing([6]))
+    assert Fusing.calls == tiny_model.config.num_layers and torch.equal(got, want)

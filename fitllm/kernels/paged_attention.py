@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fitllm.kernels._fused_triton import _cast, _rope_heads
 from fitllm.kernels._pdl import let_next_launch, pdl_start, wait_for_previous
 from fitllm.kernels._utils import (device_index, interpreting, num_sms, patch_interpreter_for_numpy_2_4, pdl_args,
                                    splitk_workspace)
@@ -136,6 +137,18 @@ def cache_write_ref(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros
                 meta.view(-1, meta.shape[-2], meta.shape[-1]).index_copy_(0, slots, m)
 
 
+def rope_cache_write_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    """RoPE and the cache write of an unquantized (float) cache in one step: q [T, Hq, D] rotated IN
+    PLACE, k [T, H, D] rotated into the cache at its slots with v (k itself is left as it was:
+    after the write nothing reads it). Rounding as apply_rope then cache_write: the rotation in
+    fp32, rounded to k's dtype, then to the cache's."""
+    from fitllm.kernels.fused import apply_rope_ref
+
+    k_rot = k.clone()
+    apply_rope_ref(q, k_rot, cos, sin)
+    cache_write_ref(k_rot, v, k_cache, v_cache, None, None, None, None, slot_mapping, KIND_FLOAT, k.shape[-1])
+
+
 def gather_ref(cache, scales, zeros, table, length, kind, group, values: bool = False) -> torch.Tensor:
     """A sequence's first `length` rows of keys (or values), dequantized: [length, H, D] float32."""
     transposed = values and values_transposed(kind)
@@ -232,6 +245,46 @@ def _cache_write_kernel(K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, s_kt, s_kh, s_vt, s
         row_v = ((slot // PAGE * H + h) * D) * PAGE + slot % PAGE
     _store_quantized(V, t * s_vt + h * s_vh, VC, VS, VZ, row_v, (slot * H + h) * (D // VGROUP), ok, D, KIND, VGROUP,
                      PAGE if VT else 1)
+
+
+@triton.jit
+def _rotated(X, HALF, c, s, mask, RNE: tl.constexpr):
+    """Rotate-half RoPE of the head at X (halves at + d and + HALF + d), rounded to X's dtype as
+    the reference rounds: (first half, second half)."""
+    d = tl.arange(0, c.shape[1])[None, :]
+    x1 = tl.load(X + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    DT = X.dtype.element_ty
+    return _cast(x1 * c - x2 * s, DT, RNE), _cast(x2 * c + x1 * s, DT, RNE)
+
+
+@triton.jit
+def _rope_write_kernel(Q, K, V, COS, SIN, KC, VC, SLOTS, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ct, s_st, HALF,
+                       H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+                       RNE: tl.constexpr, RNE_C: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (token t, kv head h): RoPE on h's key, which goes to the float cache at t's slot
+    with h's value, and on the G query heads sharing h, rotated in place. One launch instead of
+    the RoPE kernel's and the cache write's. RNE / RNE_C: round to bf16 by hand (the interpreter
+    truncates) for q and k's dtype / the cache's."""
+    pdl_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BH)[None, :]
+    dm = d < HALF
+    c = tl.load(COS + t * s_ct + d, mask=dm, other=0.0).to(tl.float32)
+    s = tl.load(SIN + t * s_st + d, mask=dm, other=0.0).to(tl.float32)
+    _rope_heads(Q + h * G * s_qh, t, G, s_qt, s_qh, 1, c, s, HALF, RNE, GP, BH)  # q stays where it is
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    ok = slot >= 0  # a negative slot marks a padding token: nothing is written
+    row = (tl.maximum(slot, 0) * H + h) * D
+    k1, k2 = _rotated(K + t * s_kt + h * s_kh, HALF, c, s, dm, RNE)
+    CT = KC.dtype.element_ty
+    tl.store(KC + row + d, _cast(k1.to(tl.float32), CT, RNE_C), mask=dm & ok)
+    tl.store(KC + row + HALF + d, _cast(k2.to(tl.float32), CT, RNE_C), mask=dm & ok)
+    dv = tl.arange(0, 2 * BH)
+    vm = dv < D
+    v = tl.load(V + t * s_vt + h * s_vh + dv, mask=vm, other=0.0)
+    tl.store(VC + row + dv, _cast(v.to(tl.float32), CT, RNE_C), mask=vm & ok)
 
 
 @triton.jit
@@ -484,6 +537,25 @@ def cache_write(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, sl
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=h, D=d, DC=k_cache.shape[-1], PAGE=k_cache.shape[1], KIND=kind, **_group_args(kind, group, d),
         VT=values_transposed(kind), num_warps=1, **pdl_args(k))
+
+
+def rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    """Triton rope_cache_write_ref (same signature): float caches only (v_cache of k_cache's dtype)."""
+    t, hq, d = q.shape
+    h = k.shape[1]
+    if (d % 2 or k.shape != (t, h, d) or v.shape != k.shape or cos.shape != (t, d // 2) or sin.shape != cos.shape
+            or k_cache.shape[-2:] != (h, d) or hq % h or k.dtype != q.dtype or q.stride(-1) != 1
+            or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1):
+        raise ValueError(f"rope_cache_write: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"cos {tuple(cos.shape)}, cache {tuple(k_cache.shape)}")
+    if t == 0:
+        return
+    g = hq // h
+    _rope_write_kernel[(t, h)](
+        q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), d // 2, H=h, G=g, GP=triton.next_power_of_2(g),
+        D=d, BH=triton.next_power_of_2(d // 2), RNE=interpreting() and q.dtype == torch.bfloat16,
+        RNE_C=interpreting() and k_cache.dtype == torch.bfloat16, num_warps=1, **pdl_args(q))
 
 
 def _group_args(kind: int, group, d: int) -> dict:

@@ -76,8 +76,11 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = fused.apply_rope(q, k, cos, sin)  # in place: q and k are views of the qkv output
-        out = ctx.attend(self.layer, q, k, v, self.scale)
+        if getattr(ctx, "fuses_rope", False):  # RoPE in the launch that writes the cache
+            out = ctx.attend(self.layer, q, k, v, self.scale, rope=(cos, sin))
+        else:
+            q, k = fused.apply_rope(q, k, cos, sin)  # in place: q and k are views of the qkv output
+            out = ctx.attend(self.layer, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
 

@@ -1,6 +1,8 @@
 """The attention/KV-cache interface the decoder runs on, and the paged KV cache (torch path).
 
-The decoder sees one method: `ctx.attend(layer, q, k, v) -> out` over a flat batch of tokens.
+The decoder sees one method: `ctx.attend(layer, q, k, v) -> out` over a flat batch of tokens (q, k
+rotated by RoPE first, or, where the context says `fuses_rope`, `attend(..., rope=(cos, sin))`: the
+paged cache then rotates them in its write's launch).
 `ForwardContext` binds a cache to one step's `AttentionMetadata` (which tokens belong to which
 sequence, where their K/V go, which blocks hold each sequence's past). Prefill, chunked prefill
 and decode are the same call: a step is just tokens.
@@ -18,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fitllm.kernels.fused import head_affine, head_affine_ref
+from fitllm.kernels.fused import apply_rope, head_affine, head_affine_ref
 
 
 @dataclass
@@ -400,9 +402,25 @@ class PagedKVCache:
         return backend_for(self.k) == "triton"
 
     # ---- the two operations the decoder's step needs ----------------------------------------------
+    @property
+    def fuses_rope(self) -> bool:
+        """Whether `attend` takes the step's RoPE (rope=(cos, sin)) into its cache write's launch:
+        the Triton path of an unquantized cache."""
+        from fitllm.kernels import paged_attention as pa
+
+        return not self.transformed and self.kind == pa.KIND_FLOAT and self._use_triton()
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        """write, then attention; with the three maps into cache space in one launch when it can."""
+               scale: float, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """write, then attention; with the three maps into cache space in one launch when it can.
+        rope=(cos, sin): q and k are rotated first (fused into the write where `fuses_rope`)."""
+        if rope is not None:
+            if self.fuses_rope:
+                from fitllm.kernels import paged_attention as pa
+
+                pa.rope_cache_write(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
+                return self.attention(layer, q, meta, scale)
+            q, k = apply_rope(q, k, *rope)
         maps = self._qkv_to_cache_space(layer, q, k, v) if self.transformed else None
         if maps is None:
             self.write(layer, k, v, meta.slot_mapping)
@@ -497,8 +515,13 @@ class ForwardContext:
     def __init__(self, cache: PagedKVCache, meta: AttentionMetadata):
         self.cache, self.meta = cache, meta
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.cache.attend(layer, q, k, v, self.meta, scale)
+    @property
+    def fuses_rope(self) -> bool:  # then the decoder hands RoPE to attend (see PagedKVCache.attend)
+        return self.cache.fuses_rope
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        return self.cache.attend(layer, q, k, v, self.meta, scale, rope)
 
 
 class NoCacheContext:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fitllm.kernels.fused import apply_rope
 from fitllm.models.decoder import CausalLM
 from fitllm.models.kv_cache import (AttentionMetadata, ForwardContext, KVCalibration, PagedKVCache,
                                     calibrate_kv_scales)
@@ -235,7 +236,9 @@ def graph_safe_attention(cache: PagedKVCache) -> Optional[Callable]:
 
 
 def padded_attend(cache: PagedKVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, rope=None) -> torch.Tensor:
+    if rope is not None:
+        q, k = apply_rope(q, k, *rope)
     cache.write(layer, k, v, meta.slot_mapping)
     return padded_attention(cache, layer, q, meta, scale)
 
@@ -268,8 +271,8 @@ class GraphContext(ForwardContext):
         super().__init__(cache, meta)
         self.attend_fn = attend  # graph_safe_attention's
 
-    def attend(self, layer, q, k, v, scale):
-        return self.attend_fn(layer, q, k, v, self.meta, scale)
+    def attend(self, layer, q, k, v, scale, rope=None):
+        return self.attend_fn(layer, q, k, v, self.meta, scale, rope)
 
 
 class StepGraphs:
