@@ -222,7 +222,7 @@ class ModelRunner:
 
 # ---- CUDA graphs -------------------------------------------------------------------------------
 def graph_safe_attention(cache: PagedKVCache) -> Optional[Callable]:
-    """The step's write + attention, `attend(layer, q, k, v, meta, scale)`, reading only device
+    """The step's write + attention, `attend(layer, q, k, v, meta, scale, rope=None)`, reading only device
     tensors, so a captured graph stays valid when the batch's lengths and block tables change (the
     torch reference loops over host lengths: capturing it would freeze them). The Triton path says
     so with `supports_cuda_graphs` (then the cache's own `attend`, whose q/k/v maps share one
