@@ -143,7 +143,8 @@ def decode_speed(engine: LLMEngine, prompt_len: int, new_tokens: int, sync_each_
     prompt = torch.randint(0, engine.model_config.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(3)).tolist()
     engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
-    engine.add_request(f"speed-{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(f"speed-{time.perf_counter_ns()}", prompt, params)
     times = []
     while engine.has_unfinished_requests():
         engine.step()
