@@ -41,6 +41,13 @@ def make(kv_dtype, num_blocks=24, rotated_stats=False, **kw):
                         calibration=cal, **kw)
 
 
+def qkv_views(qkv):
+    """q [T, H*G, D], k and v [T, H, D] as views of one [T, (H*G + 2H) D] buffer (the qkv projection's output)."""
+    t = qkv.shape[0]
+    return (qkv[:, :H * G * D].view(t, H * G, D), qkv[:, H * G * D:(H * G + H) * D].view(t, H, D),
+            qkv[:, (H * G + H) * D:].view(t, H, D))
+
+
 def run_steps(cache, seed=0, joined=False):
     """Two sequences: a prefill chunk, an extend chunk, then decode steps; returns outputs and
     the K/V written (in model space) per sequence. joined: q, k and v are views of one qkv buffer,
@@ -57,9 +64,7 @@ def run_steps(cache, seed=0, joined=False):
         v = cal.v_mean[0] + torch.randn(t, H, D, generator=g)
         q = torch.randn(t, H * G, D, generator=g)
         if joined:
-            qkv = torch.cat([x.flatten(1) for x in (q, k, v)], 1)
-            q, k, v = (qkv[:, a * D:b * D].view(t, b - a, D) for a, b in ((0, H * G), (H * G, H * G + H),
-                                                                          (H * G + H, H * G + 2 * H)))
+            q, k, v = qkv_views(torch.cat([x.flatten(1) for x in (q, k, v)], 1))
         out = ForwardContext(cache, meta).attend(0, q, k, v, 0.25)
         lo = 0
         for i, n in enumerate(chunk):
@@ -283,9 +288,7 @@ def test_rope_fused_into_the_cache_write_equals_rope_then_attend(kv_dtype, dtype
             t = sum(chunk)
             if step == 2:
                 meta.slot_mapping[-1] = -1  # a padding token: its K/V must not land anywhere
-            qkv = torch.randn(t, (H * G + 2 * H) * D, generator=g).to(dtype)
-            q, k, v = qkv[:, :H * G * D].view(t, H * G, D), qkv[:, H * G * D:(H * G + H) * D].view(t, H, D), \
-                qkv[:, (H * G + H) * D:].view(t, H, D)
+            q, k, v = qkv_views(torch.randn(t, (H * G + 2 * H) * D, generator=g).to(dtype))
             cos, sin = rope_tables(t, step)
             ctx = ForwardContext(cache, meta)
             if fused:

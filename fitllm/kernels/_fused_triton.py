@@ -45,6 +45,16 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, N, n_inner, sx_o, sx_i,
 
 
 @triton.jit
+def _rotate_half(p1, p2, c, s, mask, RNE: tl.constexpr):
+    """Rotate-half RoPE of the halves at p1 and p2: computed in fp32, rounded to their dtype as the
+    reference rounds. Returns the new (first, second) halves."""
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+    DT = p1.dtype.element_ty
+    return _cast(x1 * c - x2 * s, DT, RNE), _cast(x2 * c + x1 * s, DT, RNE)
+
+
+@triton.jit
 def _rope_heads(x_ptr, t, H, s_t, s_h, s_d, c, s, HALF, RNE: tl.constexpr,
                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -52,11 +62,9 @@ def _rope_heads(x_ptr, t, H, s_t, s_h, s_d, c, s, HALF, RNE: tl.constexpr,
     mask = (heads < H) & (d < HALF)
     p1 = x_ptr + t * s_t + heads * s_h + d * s_d
     p2 = p1 + HALF * s_d
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-    DT = x_ptr.dtype.element_ty
-    tl.store(p1, _cast(x1 * c - x2 * s, DT, RNE), mask=mask)
-    tl.store(p2, _cast(x2 * c + x1 * s, DT, RNE), mask=mask)
+    r1, r2 = _rotate_half(p1, p2, c, s, mask, RNE)
+    tl.store(p1, r1, mask=mask)
+    tl.store(p2, r2, mask=mask)
 
 
 @triton.jit

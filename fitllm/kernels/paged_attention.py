@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fitllm.kernels._fused_triton import _cast, _rope_heads
+from fitllm.kernels._fused_triton import _cast, _rope_heads, _rotate_half
 from fitllm.kernels._pdl import let_next_launch, pdl_start, wait_for_previous
 from fitllm.kernels._utils import (device_index, interpreting, num_sms, patch_interpreter_for_numpy_2_4, pdl_args,
                                    splitk_workspace)
@@ -248,17 +248,6 @@ def _cache_write_kernel(K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, s_kt, s_kh, s_vt, s
 
 
 @triton.jit
-def _rotated(X, HALF, c, s, mask, RNE: tl.constexpr):
-    """Rotate-half RoPE of the head at X (halves at + d and + HALF + d), rounded to X's dtype as
-    the reference rounds: (first half, second half)."""
-    d = tl.arange(0, c.shape[1])[None, :]
-    x1 = tl.load(X + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    DT = X.dtype.element_ty
-    return _cast(x1 * c - x2 * s, DT, RNE), _cast(x2 * c + x1 * s, DT, RNE)
-
-
-@triton.jit
 def _rope_write_kernel(Q, K, V, COS, SIN, KC, VC, SLOTS, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ct, s_st, HALF,
                        H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
                        RNE: tl.constexpr, RNE_C: tl.constexpr, PDL: tl.constexpr = False):
@@ -277,7 +266,8 @@ def _rope_write_kernel(Q, K, V, COS, SIN, KC, VC, SLOTS, s_qt, s_qh, s_kt, s_kh,
     slot = tl.load(SLOTS + t).to(tl.int64)
     ok = slot >= 0  # a negative slot marks a padding token: nothing is written
     row = (tl.maximum(slot, 0) * H + h) * D
-    k1, k2 = _rotated(K + t * s_kt + h * s_kh, HALF, c, s, dm, RNE)
+    kp = K + t * s_kt + h * s_kh + d
+    k1, k2 = _rotate_half(kp, kp + HALF, c, s, dm, RNE)
     CT = KC.dtype.element_ty
     tl.store(KC + row + d, _cast(k1.to(tl.float32), CT, RNE_C), mask=dm & ok)
     tl.store(KC + row + HALF + d, _cast(k2.to(tl.float32), CT, RNE_C), mask=dm & ok)
