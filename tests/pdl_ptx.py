@@ -27,6 +27,8 @@ KERNELS = {
     "tiled_tc": ("fitllm.kernels.w4a16_tiled:_w4a16_tiled_kernel", BF16_GEMM,
                  dict(GROUP_SIZE=128, CHUNK=128, HAS_BIAS=False, USE_WS=True, BM=16, BN=64, ROW_WARPS=4, F16=False,
                       ASM=True, SCALE_IN_W=False, UPCAST=False), 4, 3, True),
+    "w4a16_mma": ("fitllm.kernels.w4a16_mma:_w4a16_mma_kernel", BF16_GEMM,
+                  dict(GROUP_SIZE=128, HAS_BIAS=False, USE_WS=True, BN=128, BM=8, F16=False), 8, 1, True),
     "fp8_gemv": ("fitllm.kernels.fp8:_fp8_gemv_kernel", FP8_GEMM,
                  dict(W8A8=True, WS_PER_CHANNEL=True, HAS_BIAS=False, USE_WS=True, BN=16, BK=512), 8, 1, True),
     "fp8_tc": ("fitllm.kernels.fp8:_fp8_kernel", FP8_GEMM,
@@ -74,7 +76,7 @@ def kernels_with_pdl() -> set[str]:
     import fitllm.kernels as pkg
 
     found = set()
-    for mod in ("w4a16_tiled", "w4a16", "fp8", "paged_attention", "_fused_triton"):
+    for mod in ("w4a16_tiled", "w4a16_mma", "w4a16", "fp8", "paged_attention", "_fused_triton"):
         m = importlib.import_module(f"{pkg.__name__}.{mod}")
         found |= {f"{m.__name__}:{k}" for k, v in vars(m).items()
                   if "PDL" in getattr(v, "arg_names", ()) and v.fn.__module__ == m.__name__ and k.endswith("_kernel")}

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from fitllm.kernels.w4a16_tiled import (
     _gemv,
+    _mma,
     _tiled,
     dequantize_tiled,
     tile_pack,
@@ -107,6 +108,9 @@ TC_CASES = [  # (M, K, N, group, dtype, config)
     (3, 256, 64, 256, torch.float16, _gemv(64, 1, 4, waves=0)),  # four-row block, per channel
     (6, 576, 64, 576, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # two row blocks, K padded
     (1, 256, 64, 64, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # groups of 64: falls back to the tc tile
+    # the Gluon mma.sync kernel has no interpreter: its configs fall back to the GEMV / the tc tile
+    (1, 512, 64, 128, torch.bfloat16, _mma(64, 4, waves=4)),
+    (5, 256, 64, 128, torch.float16, _mma(128, 4, waves=2)),
 ]
 
 
@@ -176,11 +180,8 @@ def test_quant_linear_serves_a_tiled_weight():
 
 # --------------------------------------------------------------------------- codegen
 
-def test_tensor_core_path_keeps_weights_out_of_shared_memory():
-    """The layout's point, checked where it is decided: compiled offline for sm_90 (triton's own
-    ptxas, no GPU needed), the main loop of the table's tensor-core configs has no shared-memory
-    store or ldmatrix: the unpacked registers are the wgmma operand. A layout change that lets
-    Triton insert a shared-memory round trip fails this (it did before the load trick)."""
+def _sass_loop(kernel, consts, warps, stages):
+    """Main-loop instruction histogram of a kernel compiled offline for sm_90 (benchmarks/sass_offline.py)."""
     import json
     import subprocess
     import sys
@@ -189,15 +190,39 @@ def test_tensor_core_path_keeps_weights_out_of_shared_memory():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_offline.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     types = ("x_ptr=*bf16,q_ptr=*i32,s_ptr=*bf16,z_ptr=*bf16,bias_ptr=*bf16,y_ptr=*bf16,ws_ptr=*fp32,cnt_ptr=*i32")
+    p = subprocess.run([sys.executable, str(script), kernel, types, consts, "--warps", str(warps), "--stages",
+                        str(stages), "--json"], capture_output=True, text=True, env=env, timeout=300)
+    if p.returncode != 0 and "ptxas" in p.stderr and "not found" in p.stderr:
+        pytest.skip("triton's ptxas is not available here")
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_tensor_core_path_keeps_weights_out_of_shared_memory():
+    """The layout's point, checked where it is decided: compiled offline for sm_90 (triton's own
+    ptxas, no GPU needed), the main loop of the table's tensor-core configs has no shared-memory
+    store or ldmatrix: the unpacked registers are the wgmma operand. A layout change that lets
+    Triton insert a shared-memory round trip fails this (it did before the load trick)."""
     for consts, warps in (("BM=16,BN=64,ROW_WARPS=4,CHUNK=128,GROUP_SIZE=128", 4),
                           ("BM=64,BN=128,ROW_WARPS=8,CHUNK=64,GROUP_SIZE=64", 8)):
         consts += ",HAS_BIAS=False,USE_WS=True,F16=False,ASM=True,SCALE_IN_W=False,UPCAST=False"
-        p = subprocess.run([sys.executable, str(script), "fitllm.kernels.w4a16_tiled:_w4a16_tiled_kernel", types, consts,
-                            "--warps", str(warps), "--stages", "3", "--json"], capture_output=True, text=True, env=env,
-                           timeout=300)
-        if p.returncode != 0 and "ptxas" in p.stderr and "not found" in p.stderr:
-            pytest.skip("triton's ptxas is not available here")
-        assert p.returncode == 0, p.stderr[-2000:]
-        loop = json.loads(p.stdout.strip().splitlines()[-1])["loop_hist"]
+        loop = _sass_loop("fitllm.kernels.w4a16_tiled:_w4a16_tiled_kernel", consts, warps, 3)["loop_hist"]
         assert loop.get("HGMMA", 0) >= 8, loop  # the main loop is the wgmma loop
         assert not any(loop.get(op, 0) for op in ("STS", "STSM", "LDSM")), loop
+
+
+@pytest.mark.parametrize("bn,warps,bm", [(128, 8, 8), (128, 4, 8), (64, 2, 16)])
+def test_mma_kernel_is_tensor_core_code_without_shared_memory(bn, warps, bm):
+    """fitllm.kernels.w4a16_mma, which no interpreter can run, compiled for sm_90: its main loop has
+    one HMMA per word a thread unpacks (two for 16 columns of x), no shared-memory traffic (words
+    and x go from global memory straight into the MMA's registers; the kernel's
+    convert_layout(assert_trivial) already refuses to compile otherwise), at most 25 instructions
+    per word and no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    r = _sass_loop("fitllm.kernels.w4a16_mma:_w4a16_mma_kernel",
+                   f"GROUP_SIZE=128,HAS_BIAS=False,USE_WS=True,BN={bn},BM={bm},F16=False,PDL=True", warps, 1)
+    loop, words = r["loop_hist"], bn * 16 // (32 * warps)  # a tile's words per thread
+    assert loop.get("HMMA", 0) == words * (bm // 8), loop
+    assert not any(loop.get(op, 0) for op in ("LDS", "STS", "STSM", "LDSM", "BAR")), loop
+    assert r["loop_instr"] <= 25 * words, r["loop_instr"]
+    assert r["spills"] == 0

@@ -387,6 +387,12 @@ def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled"):
                 backend=backend)
 
 
+def _mma(bn, warps, waves=4.0):
+    """The mma.sync kernel of fitllm.kernels.w4a16_mma (M <= 16, sm80+; elsewhere the GEMV or the
+    tensor-core rows serve)."""
+    return dict(BN=bn, num_warps=warps, waves=waves, backend="mma")
+
+
 def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None):
     """The CUDA-core GEMV (M <= 4; groups of 128*j or per-channel, else the tensor-core path).
     maxnreg caps registers per thread (more programs per SM)."""
@@ -472,6 +478,12 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
+    if cfg["backend"] == "mma":
+        from . import w4a16_mma  # (it imports this module)
+
+        if w4a16_mma.mma_supported(x, group_size, K):
+            return w4a16_mma.w4a16_mma(x, qtile, scales, zeros, group_size, K, bias, y, cfg)
+        cfg = _gemv(128, 4, 8) if M == 1 else _tiled(16, 64, 4, 3, waves=4)
     if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K:
         return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev)
     if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word: the tensor-core path
