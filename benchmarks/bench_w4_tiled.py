@@ -31,11 +31,9 @@ INT4_BYTES = sum(K * N // 2 + 2 * (K // GS) * N * 2 for K, N in SHAPES.values())
 
 
 def mma_candidates(M):
-    """The mma.sync kernel (w4a16_mma) for M <= 16: tile rows x warps x split-K waves, with and
-    without the next tile's loads in flight."""
+    """The mma.sync kernel (w4a16_mma) for M <= 16: tile rows x warps x split-K waves."""
     shapes = ((64, 4), (128, 4), (128, 8), (256, 8), (64, 2), (32, 2)) if M == 1 else ((128, 4), (128, 8), (64, 2))
-    return [_mma(bn, w, waves, pf) for bn, w in shapes for waves in (2, 4, 8) for pf in (True, False)
-            if pf or waves == 4]
+    return [_mma(bn, w, waves) for bn, w in shapes for waves in (2, 4, 8)]
 
 
 def candidates(M):
@@ -122,25 +120,24 @@ def variants(dev):
 
 def mma_variants(dev):
     """The mma.sync kernel off the Llama shapes: fp16, bias, per-channel and 256-groups, K not a
-    multiple of 128 (padded words), N not a multiple of the tile, M = 1 .. 16, both zero modes."""
+    multiple of 128 (padded words), N not a multiple of the tile, M = 1 .. 16."""
     out = []
     for M in (1, 5, 9, 16):
         for kw in (dict(), dict(dtype=torch.float16), dict(gs=4096), dict(gs=256), dict(K=576, gs=576),
-                   dict(N=1000), dict(prefetch=False), dict(prefetch=False, dtype=torch.float16)):
+                   dict(N=1000)):
             kw = dict(kw)
             dt, K, N = kw.pop("dtype", torch.bfloat16), kw.pop("K", 4096), kw.pop("N", 4096)
-            pf = kw.pop("prefetch", True)
             w4 = make_w4(K, N, dev, dtype=dt, **kw)
             x = torch.randn(M, K, device=dev, dtype=dt)
             bias = torch.randn(N, device=dev, dtype=dt)
             y = torch.full((M, N), float("nan"), device=dev, dtype=dt)
             w4a16_tiled_triton(x, tile_pack(w4["qweight"]), w4["scales"], w4["zeros"], w4["group_size"], K, bias=bias,
-                               config=_mma(128, 4, 4, pf), out=y)
+                               config=_mma(128, 4, 4), out=y)
             ref = x.double() @ dequantize_packed(w4["qweight"], w4["scales"], w4["zeros"], w4["group_size"], 4,
                                                  dtype=torch.float64) + bias.double()
             e = rel_err(y, ref)
-            out.append(dict(M=M, K=K, N=N, gs=kw.get("gs", GS), dtype=str(dt), prefetch=pf, err=e))
-            log(f"  mma variant M={M} K={K} N={N} gs={kw.get('gs', GS)} {dt} prefetch={pf}: {e:.2e}")
+            out.append(dict(M=M, K=K, N=N, gs=kw.get("gs", GS), dtype=str(dt), err=e))
+            log(f"  mma variant M={M} K={K} N={N} gs={kw.get('gs', GS)} {dt}: {e:.2e}")
     return out
 
 
@@ -269,8 +266,7 @@ def main():
         bs = f"{b['us']:.1f} ({r['bf16'] / b['us']:.2f}x)" if b else "-"
         c = b["cfg"] if b else {}
         cfg = (f"{c['backend']} BM{c.get('BM', '-')} BN{c['BN']} w{c['num_warps']} s{c.get('num_stages', 1)} "
-               f"waves{c['waves']} siw{int(c.get('SCALE_IN_W', False))} unroll{c.get('UNROLL', '-')} "
-               f"prefetch{int(c.get('prefetch', False))}") if b else ""
+               f"waves{c['waves']} siw{int(c.get('SCALE_IN_W', False))} unroll{c.get('UNROLL', '-')}") if b else ""
         fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
         print(f"| {r['M']} | {fmt(r['bf16'])} | {fmt(r['tinygemm'])} | {fmt(r['standard'])} | {fmt(r.get('baseline'))} | {fmt(r['tiled'])} | {bs} | {cfg} |")
 
