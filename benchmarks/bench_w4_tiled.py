@@ -31,9 +31,12 @@ INT4_BYTES = sum(K * N // 2 + 2 * (K // GS) * N * 2 for K, N in SHAPES.values())
 
 
 def mma_candidates(M):
-    """The mma.sync kernel (w4a16_mma) for M <= 16: tile rows x warps x split-K waves."""
+    """The mma.sync kernel (w4a16_mma) for M <= 16: tile rows x warps x split-K waves, then its two
+    options (prefetch, x through shared memory) around the shapes that won on the H200 (seventh session)."""
     shapes = ((64, 4), (128, 4), (128, 8), (256, 8), (64, 2), (32, 2)) if M == 1 else ((128, 4), (128, 8), (64, 2))
-    return [_mma(bn, w, waves) for bn, w in shapes for waves in (2, 4, 8)]
+    plain = [_mma(bn, w, waves) for bn, w in shapes for waves in (2, 4, 8)]
+    return plain + [_mma(bn, w, waves, pf, xs) for bn, w in ((128, 8), (64, 4), (64, 2), (128, 4)) for waves in (4, 8)
+                    for pf, xs in ((True, False), (False, True), (True, True))]
 
 
 def candidates(M):
@@ -120,24 +123,29 @@ def variants(dev):
 
 def mma_variants(dev):
     """The mma.sync kernel off the Llama shapes: fp16, bias, per-channel and 256-groups, K not a
-    multiple of 128 (padded words), N not a multiple of the tile, M = 1 .. 16."""
+    multiple of 128 (padded words, an odd tile count for the two-tile prefetch), N not a multiple of the
+    tile, M = 1 .. 16, each with the kernel's options off and on."""
     out = []
     for M in (1, 5, 9, 16):
         for kw in (dict(), dict(dtype=torch.float16), dict(gs=4096), dict(gs=256), dict(K=576, gs=576),
-                   dict(N=1000)):
+                   dict(N=1000), dict(opts=(True, False)), dict(opts=(False, True)),
+                   dict(opts=(True, True), K=576, gs=576, waves=0),  # one split: 5 tiles
+                   dict(opts=(True, True), dtype=torch.float16, N=1000), dict(opts=(True, False), K=4992, waves=0)):
             kw = dict(kw)
             dt, K, N = kw.pop("dtype", torch.bfloat16), kw.pop("K", 4096), kw.pop("N", 4096)
+            pf, xs = kw.pop("opts", (False, False))
+            waves = kw.pop("waves", 4)
             w4 = make_w4(K, N, dev, dtype=dt, **kw)
             x = torch.randn(M, K, device=dev, dtype=dt)
             bias = torch.randn(N, device=dev, dtype=dt)
             y = torch.full((M, N), float("nan"), device=dev, dtype=dt)
             w4a16_tiled_triton(x, tile_pack(w4["qweight"]), w4["scales"], w4["zeros"], w4["group_size"], K, bias=bias,
-                               config=_mma(128, 4, 4), out=y)
+                               config=_mma(128, 4, waves, pf, xs), out=y)
             ref = x.double() @ dequantize_packed(w4["qweight"], w4["scales"], w4["zeros"], w4["group_size"], 4,
                                                  dtype=torch.float64) + bias.double()
             e = rel_err(y, ref)
-            out.append(dict(M=M, K=K, N=N, gs=kw.get("gs", GS), dtype=str(dt), err=e))
-            log(f"  mma variant M={M} K={K} N={N} gs={kw.get('gs', GS)} {dt}: {e:.2e}")
+            out.append(dict(M=M, K=K, N=N, gs=kw.get("gs", GS), dtype=str(dt), prefetch=pf, x_smem=xs, err=e))
+            log(f"  mma variant M={M} K={K} N={N} gs={kw.get('gs', GS)} {dt} prefetch={pf} x_smem={xs}: {e:.2e}")
     return out
 
 

@@ -52,12 +52,17 @@ def compile_kernel(kernel, types: dict, consts: dict, arch: int = 90, warps: int
     from triton.compiler import ASTSource
 
     fn = kernel.fn if hasattr(kernel, "fn") else kernel
-    params = list(inspect.signature(fn).parameters)
+    sig_params = inspect.signature(fn).parameters
+    params = list(sig_params)
     sig, cvals = {}, {}
     for p in params:
+        param = sig_params[p]
         if p in consts:
             sig[p] = "constexpr"
             cvals[p] = consts[p]
+        elif "constexpr" in str(param.annotation) and param.default is not inspect.Parameter.empty:
+            sig[p] = "constexpr"  # a constexpr not named keeps its default (not a runtime i32)
+            cvals[p] = param.default
         else:
             sig[p] = types.get(p, "i32")
     # launches specialise integer and pointer arguments that are multiples of 16; assume they are

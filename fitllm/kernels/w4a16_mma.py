@@ -40,6 +40,17 @@ except ImportError:  # CPU-only installs, or a triton without Gluon: the callers
     gluon = None
 
 
+def _x_layout(bm: int, warps: int, smem: bool, b_operand):
+    """Where x's tile [128, bm] is loaded: straight into the B operand, or (X_SMEM) whole by every
+    warp, 8 neighbouring k (16 bytes) per lane and load, for a move into B through shared memory."""
+    if not smem:
+        return b_operand
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0]] + [[0, 2 << i] for i in range(int(math.log2(bm)) - 1)],
+        lane_bases=[[8, 0], [16, 0], [32, 0], [64, 0], [0, 1]],
+        warp_bases=[[0, 0]] * int(math.log2(warps)), block_bases=[], shape=[128, bm])
+
+
 def _word_layout(bn: int, warps: int):
     """Where the words [bn, 16] of one K tile live: the MMA (v2, warps stacked along the weight
     rows) gives warp w rows 16 w + g (+ 8) of every 16·warps-row block, g = lane // 4, and k pairs
@@ -60,6 +71,7 @@ if gluon is not None:
     from .w4a16_tiled import _SUB_BF16, _SUB_F16, _magic2
 
     word_layout = constexpr_function(_word_layout)  # called by the kernel at compile time
+    x_layout = constexpr_function(_x_layout)
 
     @gluon.jit
     def _wait_for_previous(PDL: gl.constexpr):
@@ -103,23 +115,24 @@ if gluon is not None:
 
     @gluon.jit
     def _tile_loads(q_ptrs, z_ptr, s_ptr, x_ptrs, kt, wn, an, wn_mask, an_mask, x_row_ok, bk, N, K, NUM_GROUPS,
-                    GROUP_SIZE: gl.constexpr):
+                    GROUP_SIZE: gl.constexpr, ok):
         """K tile kt's words [BN, 16], zeros (word layout) and scales (accumulator layout) of its group,
-        and x as the B operand [128, BM] (zeros past K and past M)."""
-        qw = gl.load(q_ptrs + kt * 16, mask=wn_mask[:, None], other=0)
+        and x [128, BM] (zeros past K, past M, and everything where not `ok`)."""
+        qw = gl.load(q_ptrs + kt * 16, mask=wn_mask[:, None] & ok, other=0)
         g = gl.minimum((kt * 128) // GROUP_SIZE, NUM_GROUPS - 1)
-        z = gl.load(z_ptr + g * N + wn, mask=wn_mask, other=0.0).to(gl.float32)
-        s = gl.load(s_ptr + g * N + an, mask=an_mask, other=0.0).to(gl.float32)
-        xt = gl.load(x_ptrs + kt * 128, mask=x_row_ok & ((kt * 128 + bk) < K)[:, None], other=0.0)
+        z = gl.load(z_ptr + g * N + wn, mask=wn_mask & ok, other=0.0).to(gl.float32)
+        s = gl.load(s_ptr + g * N + an, mask=an_mask & ok, other=0.0).to(gl.float32)
+        xt = gl.load(x_ptrs + kt * 128, mask=x_row_ok & ((kt * 128 + bk) < K)[:, None] & ok, other=0.0)
         return qw, z, s, xt
 
     @gluon.jit
-    def _tile_mma(acc, qw, z, s, xt, MAGIC2, A_L: gl.constexpr, F16: gl.constexpr):
-        """acc [BN, BM] += (W tile @ x tile^T) * s, the tile's sum in fp32 from one MMA chain."""
+    def _tile_mma(acc, qw, z, s, xt, MAGIC2, A_L: gl.constexpr, B_L: gl.constexpr, F16: gl.constexpr):
+        """acc [BN, BM] += (W tile @ x tile^T) * s, the tile's sum in fp32 from one MMA chain. (x is
+        already in B_L unless X_SMEM: then the conversion goes through shared memory.)"""
         MAGICF: gl.constexpr = 1024.0 if F16 else 128.0
         DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
         nz = gl.broadcast(_pair16(-(z + MAGICF), DT)[:, None], qw)[0]
-        part = mma_v2(_a_operand(qw, nz, MAGIC2, A_L, F16), xt, gl.zeros_like(acc))
+        part = mma_v2(_a_operand(qw, nz, MAGIC2, A_L, F16), gl.convert_layout(xt, B_L), gl.zeros_like(acc))
         return acc + part * s[:, None]
 
     @gluon.jit
@@ -151,11 +164,16 @@ if gluon is not None:
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, NUM_GROUPS, stride_q, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC2,
         GROUP_SIZE: gl.constexpr, HAS_BIAS: gl.constexpr, USE_WS: gl.constexpr, BN: gl.constexpr,
-        BM: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr = False,
+        BM: gl.constexpr, F16: gl.constexpr, PREFETCH: gl.constexpr = False, X_SMEM: gl.constexpr = False,
+        PDL: gl.constexpr = False,
     ):
         """y = x W^T for M <= BM (8 or 16): program (n block, K split) owns BN weight rows and K_ITERS
         K tiles of 128, one group per tile (group sizes that are multiples of 128, or per-channel).
-        Each tile's MMA sum is scaled in fp32 (acc += part * s)."""
+        Each tile's MMA sum is scaled in fp32 (acc += part * s).
+        Options not yet timed on a GPU (configs 'prefetch', 'x_smem'; bench_w4_tiled sweeps them):
+        PREFETCH walks two tiles a step, ping-pong, so one tile's loads are in flight while the other
+        is unpacked; X_SMEM loads x with 16-byte loads (all of the tile in every warp) and moves it
+        into the B fragments through 2 KB of shared memory, instead of one 4-byte load per x pair."""
         WORDS_L: gl.constexpr = word_layout(BN, gl.num_warps())
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[gl.num_warps(), 1],
                                                         instr_shape=[16, 8])
@@ -170,8 +188,9 @@ if gluon is not None:
         wn_mask = wn < N
         q_ptrs = q_ptr + wn[:, None] * stride_q + wp[None, :]
         # x as the B operand [128, BM]: column m = row m of x
-        bk = gl.arange(0, 128, layout=gl.SliceLayout(1, B_L))
-        bm = gl.arange(0, BM, layout=gl.SliceLayout(0, B_L))
+        X_L: gl.constexpr = x_layout(BM, gl.num_warps(), X_SMEM, B_L)
+        bk = gl.arange(0, 128, layout=gl.SliceLayout(1, X_L))
+        bm = gl.arange(0, BM, layout=gl.SliceLayout(0, X_L))
         x_ptrs = x_ptr + bm[None, :] * stride_xm + bk[:, None]
         x_row_ok = (bm < M)[None, :]
         # scales per weight row, in the accumulator's layout
@@ -180,10 +199,22 @@ if gluon is not None:
         acc = gl.zeros([BN, BM], gl.float32, ACC_L)
         kt_end = gl.minimum((pid_k + 1) * K_ITERS, stride_q // 16)  # the last split may be shorter
         _wait_for_previous(PDL)  # x is the previous kernel's output
-        for kt in range(pid_k * K_ITERS, kt_end):
-            qw, z, s, xt = _tile_loads(q_ptrs, z_ptr, s_ptr, x_ptrs, kt, wn, an, wn_mask, an_mask, x_row_ok, bk, N, K,
-                                       NUM_GROUPS, GROUP_SIZE)
-            acc = _tile_mma(acc, qw, z, s, xt, MAGIC2, A_L, F16)
+        kt0 = pid_k * K_ITERS
+        if PREFETCH:
+            qw, z, s, xt = _tile_loads(q_ptrs, z_ptr, s_ptr, x_ptrs, kt0, wn, an, wn_mask, an_mask, x_row_ok, bk, N,
+                                       K, NUM_GROUPS, GROUP_SIZE, True)
+            for kt in range(kt0, kt_end, 2):
+                qw2, z2, s2, xt2 = _tile_loads(q_ptrs, z_ptr, s_ptr, x_ptrs, kt + 1, wn, an, wn_mask, an_mask,
+                                               x_row_ok, bk, N, K, NUM_GROUPS, GROUP_SIZE, kt + 1 < kt_end)
+                acc = _tile_mma(acc, qw, z, s, xt, MAGIC2, A_L, B_L, F16)
+                qw, z, s, xt = _tile_loads(q_ptrs, z_ptr, s_ptr, x_ptrs, kt + 2, wn, an, wn_mask, an_mask, x_row_ok,
+                                           bk, N, K, NUM_GROUPS, GROUP_SIZE, kt + 2 < kt_end)
+                acc = _tile_mma(acc, qw2, z2, s2, xt2, MAGIC2, A_L, B_L, F16)  # a tile past the end is 0: adds 0
+        else:
+            for kt in range(kt0, kt_end):
+                qw, z, s, xt = _tile_loads(q_ptrs, z_ptr, s_ptr, x_ptrs, kt, wn, an, wn_mask, an_mask, x_row_ok, bk,
+                                           N, K, NUM_GROUPS, GROUP_SIZE, True)
+                acc = _tile_mma(acc, qw, z, s, xt, MAGIC2, A_L, B_L, F16)
         _let_next_launch(PDL)
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC_L))
         _store(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, an, offs_m, an_mask, offs_m < M, N, stride_ym, pid_n,
@@ -213,6 +244,6 @@ def w4a16_mma(x, qtile, scales, zeros, group_size, K, bias, y, cfg):
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0), y.stride(0), k_iters, split,
         _magic2(x.dtype),
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BN=BN, BM=8 if M <= 8 else 16,
-        F16=x.dtype == torch.float16,
+        F16=x.dtype == torch.float16, PREFETCH=cfg.get("prefetch", False), X_SMEM=cfg.get("x_smem", False),
         num_warps=warps, num_stages=1, **pdl_args(x))
     return y

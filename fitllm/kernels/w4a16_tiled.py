@@ -387,10 +387,10 @@ def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled"):
                 backend=backend)
 
 
-def _mma(bn, warps, waves=4.0):
+def _mma(bn, warps, waves=4.0, prefetch=False, x_smem=False):
     """The mma.sync kernel of fitllm.kernels.w4a16_mma (M <= 16, sm80+; elsewhere the GEMV or the
-    tensor-core rows serve)."""
-    return dict(BN=bn, num_warps=warps, waves=waves, backend="mma")
+    tensor-core rows serve). prefetch / x_smem: its options not yet timed on a GPU."""
+    return dict(BN=bn, num_warps=warps, waves=waves, prefetch=prefetch, x_smem=x_smem, backend="mma")
 
 
 def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None):
