@@ -6,7 +6,7 @@ few serving settings; every byte counted here has a name and a reason.
 
 A served model's GPU memory, in the order it is allocated:
   cuda_context     driver context + kernel images (cuBLAS, Triton); outside torch's allocator
-  weights          quantized linears + bf16 embeddings, lm_head and norms
+  weights          quantized linears + bf16 embeddings, lm_head (unless quantized) and norms
   workspace        cuBLAS/cuBLASLt workspaces (torch allocates them)
   activations      peak of one forward step of `max_batched_tokens` tokens, plus the logits
   cuda_graphs      the private pool the captured decode graphs keep for their activations
@@ -97,7 +97,7 @@ def linear_bytes(k: int, n: int, scheme: str, group_size: int = 128) -> int:
 class Weights:
     linears: int  # all decoder-layer linears in the chosen scheme
     embeddings: int  # bf16 token table: never quantized (it is a gather, not a GEMM)
-    lm_head: int  # bf16: a small share of bytes and the most sensitive layer (0 when tied)
+    lm_head: int  # bf16 (the most sensitive layer; 0 when tied) unless the checkpoint quantized it
     norms_biases: int  # bf16 RMSNorm weights (+ qkv biases for Qwen2)
 
     @property
@@ -122,7 +122,18 @@ def weight_bytes(config: ModelConfig, scheme: str = "bf16", group_size: Optional
         norms += 2 * 2 * config.head_dim * config.num_layers
     if config.qkv_bias:
         norms += 2 * (config.q_size + 2 * config.kv_size) * config.num_layers
-    return Weights(per_layer * config.num_layers, table, 0 if config.tie_word_embeddings else table, norms)
+    if lm_head_quantized(config) and scheme in ("awq", "gptq"):
+        head = linear_bytes(config.hidden_size, config.vocab_size, scheme, group_size)
+        head += 4 * config.hidden_size if scheme == "gptq" else 0  # its g_idx
+    else:
+        head = 0 if config.tie_word_embeddings else table
+    return Weights(per_layer * config.num_layers, table, head, norms)
+
+
+def lm_head_quantized(config: ModelConfig) -> bool:
+    """Whether the checkpoint holds its lm_head quantized (GPTQ `lm_head: true`); else it is bf16."""
+    q = config.quantization_config or {}
+    return str(q.get("quant_method", "")).lower() == "gptq" and bool(q.get("lm_head", False))
 
 
 def detect_scheme(config: ModelConfig) -> str:

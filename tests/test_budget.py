@@ -105,6 +105,18 @@ def test_smollm2_weights_tied_and_group_64():
     assert w.read_per_step == w.total
 
 
+def test_a_quantized_lm_head_counts_as_int4():
+    """GPTQ `lm_head: true`: the head is a 4096 -> 128256 int4 GEMM (+ its g_idx); the embedding
+    table stays bf16 and, tied or not, is no longer what a decode step streams."""
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}
+    head = 4096 * 128256 // 2 + 32 * 128256 * 2 * 2 + 4 * 4096  # words, bf16 scales and zeros, g_idx
+    for tied in (False, True):
+        w = bm.weight_bytes(replace(LLAMA3, quantization_config=gptq, tie_word_embeddings=tied), "gptq")
+        assert w.lm_head == head and w.embeddings == 2 * EMBED
+        assert w.read_per_step == w.linears + head + w.norms_biases
+    assert bm.weight_bytes(replace(LLAMA3, quantization_config={**gptq, "lm_head": False}), "gptq").lm_head == 2 * EMBED
+
+
 def test_detect_scheme_from_checkpoint_config():
     cfg = replace(LLAMA3, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128})
     assert bm.detect_scheme(cfg) == "awq"

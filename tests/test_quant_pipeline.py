@@ -128,3 +128,53 @@ def test_cli_errors_are_one_line(tiny):
     res = CliRunner().invoke(app, ["convert", str(model), "--method", "nope", "-o", str(root / "cli")])
     assert res.exit_code == 1
     assert "unknown method" in res.output and "Traceback" not in res.output
+
+
+def test_quantized_lm_head_round_trip(tiny, monkeypatch):
+    """--quantize-lm-head (GPTQ format): the tied table becomes a GPTQ-quantized lm_head next to the
+    dense embeddings, recorded as `lm_head: true`; loading serves exactly the weight the pipeline
+    measured, and the logits stay close to the dense model's."""
+    from safetensors import safe_open
+
+    from fitllm.quant.formats import gptq as gptq_format
+    from fitllm.quant.layers import QuantLinear
+
+    written = []
+    real_write = gptq_format.write
+    monkeypatch.setattr(gptq_format, "write", lambda qw: written.append(qw) or real_write(qw))
+    r = convert(tiny, "gptq-head", "gptq", fmt="gptq", group_size=32, lm_head=True)
+    raw = json.loads((r.output / "config.json").read_text())
+    assert raw["quantization_config"]["lm_head"] is True and raw["tie_word_embeddings"] is False
+    with safe_open(str(r.output / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {"lm_head.qweight", "lm_head.scales", "lm_head.qzeros", "model.embed_tokens.weight"} <= names
+    assert "lm_head.weight" not in names
+    loaded = load_quantized_model(r.output)
+    assert isinstance(loaded.lm_head, QuantLinear)
+    assert torch.equal(loaded.lm_head.dequantized_weight(), written[-1].dequantize())  # the last matrix written
+    assert 0 < r.lm_head_error < 0.2
+    dense_head = convert(tiny, "gptq-dense-head", "gptq", fmt="gptq", group_size=32)
+    assert json.loads((dense_head.output / "config.json").read_text())["quantization_config"]["lm_head"] is False
+    ref = tiny[2]
+    assert rel_err(prompt_logits(loaded, IDS), ref) < rel_err(prompt_logits(load_quantized_model(dense_head.output), IDS), ref) + 0.2
+
+
+def test_quantized_lm_head_needs_the_gptq_format(tiny):
+    for fmt in ("compressed-tensors", "autoawq"):
+        with pytest.raises(QuantError, match="--quantize-lm-head"):
+            convert(tiny, f"head-{fmt}", "rtn", fmt=fmt, lm_head=True)
+
+
+def test_on_the_fly_int4_can_take_the_lm_head(tiny):
+    """quantize_in_memory(lm_head=True) (the GPU benchmarks' int4+head): a tied model gets a quantized
+    copy of its table as lm_head, the table itself stays as it was (it still embeds the input)."""
+    from fitllm.quant.inplace import quantize_in_memory
+    from fitllm.quant.layers import QuantLinear
+
+    model = load_model(tiny[1])
+    table = model.model.embed_tokens.weight.clone()
+    quantize_in_memory(model, "int4", lm_head=True)
+    assert isinstance(model.lm_head, QuantLinear) and torch.equal(model.model.embed_tokens.weight, table)
+    w = model.lm_head.dequantized_weight()
+    assert w.shape == table.shape and 0 < rel_err(w, table) < 0.2
+    assert rel_err(prompt_logits(model, IDS), tiny[2]) < 0.5

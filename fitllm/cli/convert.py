@@ -29,6 +29,10 @@ def convert(
     fp8_static: bool = typer.Option(False, "--fp8-static", help="FP8: static per-tensor activation scales from calibration."),
     calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration sequences."),
     calib_len: int = typer.Option(512, "--calib-len", help="Tokens per calibration sequence."),
+    lm_head: bool = typer.Option(False, "--quantize-lm-head",
+                                 help="Quantize the lm_head too (--format gptq only; GPTQ on --method gptq, else RTN): "
+                                      "it is the largest matrix a decode step reads (Llama-3-8B: 1 GB of bf16) and "
+                                      "the most sensitive one; the summary shows its logits error."),
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda[:N] (default: cuda when present)."),
 ) -> None:
@@ -45,6 +49,7 @@ def convert(
         result = quantize_model(folder, output, method, bits=bits, group_size=group_size, sym=sym, fmt=format,
                                 calib=calib, calib_samples=calib_samples, calib_len=calib_len, act_order=act_order,
                                 static_groups=static_groups, fp8_static=fp8_static, force=force, device=device,
+                                lm_head=lm_head,
                                 log=lambda s: console.print(s, highlight=False))
     except FitLLMError as exc:
         fail(str(exc))
@@ -72,6 +77,8 @@ def print_summary(r) -> None:
     console.print(table)
     if errs:
         console.print(f"mean {sum(errs) / len(errs):.4f}, worst layer {worst} ({errs[worst]:.4f})")
+    if r.lm_head_error is not None:
+        console.print(f"lm_head: relative logits error {r.lm_head_error:.4f} on calibration tokens")
 
 
 def register(app: typer.Typer) -> None:

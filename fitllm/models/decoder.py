@@ -141,10 +141,15 @@ class CausalLM(nn.Module):
         make_linear = make_linear or dense_factory(dtype, device)
         with torch.device(device):
             self.model = Backbone(config, make_linear)
-            # lm_head stays dense: it is a small share of the bytes and sensitive to quantization.
-            self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.lm_head is not None:
-            self.lm_head.weight.requires_grad_(False)
+            # lm_head stays dense (it is the layer most sensitive to quantization) unless the
+            # checkpoint holds it quantized (GPTQ `lm_head: true`): then the factory builds it.
+            if getattr(make_linear, "quantizes_lm_head", False):
+                self.lm_head = make_linear("lm_head", config.hidden_size, [config.vocab_size], False)
+            elif config.tie_word_embeddings:
+                self.lm_head = None
+            else:
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                self.lm_head.weight.requires_grad_(False)
         # Embeddings and norms take the compute dtype; linear layers chose their own storage
         # (Module.to would also cast fp8 weights, which count as floating point).
         for module in self.modules():
@@ -171,6 +176,8 @@ class CausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, FusedLinear):  # a quantized lm_head
+            return self.lm_head(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 

@@ -111,7 +111,7 @@ def route(name: str) -> tuple[str, Optional[int], str]:
         if head[-1] in FUSED_SHARDS:
             fused, shard = FUSED_SHARDS[head[-1]]
             return ".".join(head[:-1] + [fused]), shard, tail
-        if head[-1] in ("o_proj", "down_proj"):
+        if head[-1] in ("o_proj", "down_proj", "lm_head"):
             return ".".join(head), 0, tail
     return ".".join(parts[:-1]), None, parts[-1]
 

@@ -1,8 +1,7 @@
 """Quantize a loaded model on the fly (no calibration, no files): RTN int4 or FP8 per channel.
 
-For load-time quantization (`quant serve --quantize`), random-weight GPU benchmarks, and the
-int4 self-drafter of speculative decoding, which shares everything but the linear layers with
-its target.
+For random-weight GPU benchmarks and the int4 self-drafter of speculative decoding, which shares
+everything but the linear layers with its target.
 """
 from __future__ import annotations
 
@@ -23,21 +22,26 @@ ON_THE_FLY_METHODS = ("int4", "fp8")
 
 
 @torch.no_grad()
-def quantize_in_memory(model: CausalLM, method: str = "int4", group_size: Optional[int] = None) -> CausalLM:
-    """Replace every dense linear of `model` with a quantized one, in place; returns the model."""
+def quantize_in_memory(model: CausalLM, method: str = "int4", group_size: Optional[int] = None,
+                       lm_head: bool = False) -> CausalLM:
+    """Replace every dense linear of `model` with a quantized one, in place; returns the model.
+    lm_head: the lm_head too (a tied one becomes a quantized copy of the embedding table)."""
     if method not in ON_THE_FLY_METHODS:
         raise QuantError(f"on-the-fly quantization {method!r} is not supported ({', '.join(ON_THE_FLY_METHODS)})")
-    dense = {name: m for name, m in model.fused_linears().items() if isinstance(m, DenseLinear)}
-    size, _ = choose_group_size([m.in_features for m in dense.values()], group_size)
+    dense = {name: (m.prefix, m.in_features, m.out_sizes, m.weight, m.bias)
+             for name, m in model.fused_linears().items() if isinstance(m, DenseLinear)}
+    if lm_head and not isinstance(model.lm_head, QuantLinear):
+        weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        dense["lm_head"] = ("lm_head", weight.shape[1], [weight.shape[0]], weight, None)
+    size, _ = choose_group_size([k for _, k, _, _, _ in dense.values()], group_size)
     scheme = QuantScheme("rtn", bits=4, group_size=size, sym=False)
-    for name, layer in dense.items():
-        quantized = QuantLinear(layer.prefix, layer.in_features, layer.out_sizes, layer.has_bias,
-                                reader=None, dtype=model.dtype, device=model.device)
-        weight = layer.weight
+    for name, (prefix, in_features, out_sizes, weight, bias) in dense.items():
+        quantized = QuantLinear(prefix, in_features, out_sizes, bias is not None, reader=None, dtype=model.dtype,
+                                device=model.device)
         part = fp8_quantize(weight) if method == "fp8" else to_kernel(rtn_quantize(weight, scheme), model.dtype)
         quantized.set_parts([part])
-        if layer.bias is not None:
-            quantized.bias.copy_(layer.bias)
+        if bias is not None:
+            quantized.bias.copy_(bias)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, quantized)
     return model

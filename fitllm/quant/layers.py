@@ -32,7 +32,7 @@ for _hf, (_fused, _i) in FUSED_SHARDS.items():
 
 def shard_names(prefix: str, n: int) -> list[str]:
     """HF names of the matrices a fused module holds: `...qkv_proj` -> [...q_proj, ...k_proj, ...v_proj]."""
-    head, last = prefix.rsplit(".", 1)
+    head, _, last = prefix.rpartition(".")
     if last in SHARD_NAMES:
         return [f"{head}.{SHARD_NAMES[last][i]}" for i in range(n)]
     return [prefix]
@@ -195,6 +195,8 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
         if any(s and s in prefix for s in skip):
             return dense(prefix, in_features, out_sizes, bias)
         return QuantLinear(prefix, in_features, out_sizes, bias, reader, dtype, device)
+    # GPTQ's `lm_head: true` (GPTQModel, vLLM): the lm_head is quantized too, and CausalLM asks us for it
+    make.quantizes_lm_head = method == "gptq" and bool(qc.get("lm_head", False))
     return make
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from fitllm.models.config import ModelConfig
-from fitllm.models.decoder import DecoderLayer, rope_inv_freq
+from fitllm.models.decoder import DecoderLayer, RMSNorm, rope_inv_freq
 from fitllm.models.linear import FusedLinear, dense_factory
 from fitllm.models.loader import route, safetensors_files
 from fitllm.quant.awq import awq_layer
@@ -24,7 +24,7 @@ from fitllm.quant.fp8 import fp8_quantize
 from fitllm.quant.gptq import HessianAccumulator, gptq_quantize
 from fitllm.quant.output import ShardWriter, atomic_output, copy_side_files
 from fitllm.quant.rtn import rtn_quantize
-from fitllm.quant.scheme import QuantError, QuantScheme, choose_group_size
+from fitllm.quant.scheme import QuantError, QuantizedWeight, QuantScheme, choose_group_size
 
 QUANT_SUFFIXES = ("qweight", "weight_packed", "weight_scale", "qzeros", "SCB", "absmax", "quant_state")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,6 +40,7 @@ class ConvertResult:
     layer_errors: list[float] = field(default_factory=list)
     size_bytes: int = 0
     calib_tokens: int = 0
+    lm_head_error: Optional[float] = None  # relative logits error, when the lm_head was quantized
 
 
 class CalibContext:
@@ -168,6 +169,34 @@ def step_awq(layer, x, cos, sin, scheme, batch, search_tokens: int = 2048):
 STEPS = {"rtn": step_rtn, "fp8": step_fp8, "gptq": step_gptq, "awq": step_awq}
 
 
+@torch.no_grad()
+def quantize_lm_head(x: torch.Tensor, src: TensorSource, config: ModelConfig, scheme: QuantScheme,
+                     rows: int = 16384) -> tuple[QuantizedWeight, float]:
+    """The lm_head (or the tied embedding table) quantized on the final norm of the calibration
+    hidden states x [S, L, H]: GPTQ with their Hessian for --method gptq, else RTN (AWQ's scales
+    would need a layer before it to fold into). GPTQ runs on `rows` output rows at a time (its
+    error feedback stays within a row), so a 128k vocabulary never needs a float64 copy of the
+    whole matrix. Returns the weight and the relative error of the logits on calibration tokens."""
+    norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(x.device)
+    norm.weight.data.copy_(src.get("model.norm.weight"))
+    h = norm(x.reshape(-1, x.shape[-1]))[0]
+    name = "lm_head.weight" if "lm_head.weight" in src.where else "model.embed_tokens.weight"
+    w = src.get(name).to(x.device, torch.float32)
+    if scheme.method == "gptq":
+        hessian = HessianAccumulator(w.shape[1], x.device)
+        for lo in range(0, h.shape[0], 4096):
+            hessian.add(h[lo:lo + 4096])
+        parts = [gptq_quantize(w[lo:lo + rows], hessian.h, scheme) for lo in range(0, w.shape[0], rows)]
+        qw = QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                             torch.cat([p.zero for p in parts]), scheme.bits, scheme.group_size, scheme.sym,
+                             parts[0].g_idx)  # one Hessian, so one column order for every chunk
+    else:
+        qw = rtn_quantize(w, scheme)
+    sample = h[::max(h.shape[0] // 512, 1)]
+    ref = sample @ w.t()
+    return qw, float((sample @ qw.dequantize().t() - ref).norm() / ref.norm().clamp(min=1e-12))
+
+
 def split_rows(lin: FusedLinear, hf_names: list[str], qw) -> dict:
     return {name: qw.rows(lin.shard_slice(i)) for i, name in enumerate(hf_names)}
 
@@ -210,7 +239,7 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
                    sym: Optional[bool] = None, fmt: str = "compressed-tensors", calib: Optional[str] = None,
                    calib_samples: int = 32, calib_len: int = 512, act_order: Optional[bool] = None,
                    static_groups: bool = False, fp8_static: bool = False, force: bool = False,
-                   device: str = "cpu", batch: int = 4, progress: bool = True,
+                   device: str = "cpu", batch: int = 4, progress: bool = True, lm_head: bool = False,
                    log: Callable[[str], None] = print) -> ConvertResult:
     start = time.time()
     folder = Path(folder)
@@ -223,6 +252,11 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
         act_order = method == "gptq"  # GPTQ: outlier-heavy inputs (q/k/v) gain most from it (RESULTS.md)
     scheme, note = make_scheme(config, method, bits, group_size, sym, fmt, act_order, static_groups, fp8_static)
     format_mod = get_format(fmt)
+    if lm_head and fmt != "gptq":
+        raise QuantError(f"--quantize-lm-head: --format {fmt} keeps the lm_head dense; only --format gptq records "
+                         "a quantized one (quantize_config `lm_head: true`, as GPTQModel writes and vLLM reads)")
+    if lm_head:
+        note += "; lm_head quantized too (" + ("GPTQ" if method == "gptq" else "RTN") + ")"
     log(f"{method.upper()} -> {fmt}: {note}")
     if out.exists() and not force:
         raise QuantError(f"{out}: already exists (pass --force to replace it)")
@@ -242,7 +276,7 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
     freqs = torch.arange(length, device=device).float()[:, None] * rope_inv_freq(config).to(device)[None, :]
     cos, sin = freqs.cos(), freqs.sin()
     errors: list[float] = []
-    with atomic_output(out, force) as tmp, _progress(progress, config.num_layers, method) as advance:
+    with atomic_output(out, force) as tmp, _progress(progress, config.num_layers + lm_head, method) as advance:
         writer = ShardWriter(tmp)
         for i in range(config.num_layers):
             layer = build_layer(config, i, src, device)
@@ -267,15 +301,25 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
             x = y
             del layer, quantized, y_float
             advance(i, errors[-1])
+        head_error = None
+        if lm_head:
+            qw, head_error = quantize_lm_head(x, src, config, scheme)
+            for suffix, t in format_mod.write(qw).items():
+                writer.add(f"lm_head.{suffix}", t)
+            advance(config.num_layers, head_error)
         for name in src.names():
-            if not name.startswith("model.layers.") and "rotary_emb" not in name:
+            if not name.startswith("model.layers.") and "rotary_emb" not in name and not (lm_head and name == "lm_head.weight"):
                 writer.add(name, src.get(name))
         size = writer.close()
         raw = json.loads((folder / "config.json").read_text())
         raw["quantization_config"] = format_mod.quantization_config(scheme)
+        if lm_head:  # a quantized head next to the dense embedding table: no longer tied
+            raw["quantization_config"]["lm_head"] = True
+            raw["tie_word_embeddings"] = False
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         copy_side_files(folder, tmp)
-    return ConvertResult(out, scheme, note, time.time() - start, peak_memory(device), errors, size, seqs * length)
+    return ConvertResult(out, scheme, note, time.time() - start, peak_memory(device), errors, size, seqs * length,
+                         head_error)
 
 
 class _progress:
