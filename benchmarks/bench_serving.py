@@ -32,11 +32,13 @@ RESULTS: dict = {}
 
 
 def build(scheme: str, shape: str = "llama3-8b"):
-    """A random model in `scheme`: bf16, int4 or fp8; '+head' (e.g. int4+head) quantizes the lm_head too."""
+    """A random model in `scheme`: bf16, int4 or fp8; int4+head / int4+head8 quantize the lm_head too
+    (RTN, 4 / 8 bits)."""
     model = random_model(shape, "cuda", torch.bfloat16)
     base, _, head = scheme.partition("+")
     if base != "bf16":
-        quantize_in_memory(model, base, group_size=128, lm_head=head == "head")
+        quantize_in_memory(model, base, group_size=128,
+                           lm_head_bits={"": None, "head": 4, "head8": 8}[head])
     gc.collect()
     torch.cuda.empty_cache()
     return model
@@ -297,7 +299,7 @@ def main() -> int:
     ap.add_argument("--offline-schemes", default="fp8,int4,bf16")
     ap.add_argument("--offline-max-seqs", type=int, default=256, help="offline: the engine's max_num_seqs")
     ap.add_argument("--offline-batched-tokens", type=int, default=8192, help="offline: tokens per step")
-    ap.add_argument("--decode-schemes", default="bf16,int4,fp8", help="weights: bf16, int4, fp8; +head (int4+head) quantizes the lm_head too")
+    ap.add_argument("--decode-schemes", default="bf16,int4,fp8", help="weights: bf16, int4, fp8; int4+head / int4+head8 quantize the lm_head too (4 / 8 bits)")
     ap.add_argument("--online-schemes", default="bf16,int4")
     ap.add_argument("--decode-kv", default="auto,fp8")
     ap.add_argument("--no-hf-peer", dest="hf_peer", action="store_false")

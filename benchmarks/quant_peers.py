@@ -36,7 +36,8 @@ CONFIGS = {  # name -> quantize_model kwargs
     "gptq-sym": dict(method="gptq", sym=True),  # compressed-tensors), MSE-clipped grids, damp 0.3
     "fp8": dict(method="fp8"),
     "gptq-asym-gptqfmt": dict(method="gptq", sym=False, fmt="gptq"),  # the GPTQ v1 format (zero >= 1)
-    "gptq-asym-gptqfmt+head": dict(method="gptq", sym=False, fmt="gptq", lm_head=True),  # --quantize-lm-head
+    "gptq-asym-gptqfmt+head": dict(method="gptq", sym=False, fmt="gptq", lm_head_bits=4),  # --quantize-lm-head
+    "gptq-asym-gptqfmt+head8": dict(method="gptq", sym=False, fmt="gptq", lm_head_bits=8),  # + --lm-head-bits 8
 }
 
 

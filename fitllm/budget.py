@@ -74,7 +74,7 @@ def default_group_size(config: ModelConfig) -> int:
     return next((g for g in (128, 64, 32) if all(k % g == 0 for k in widths)), 32)
 
 
-def linear_bytes(k: int, n: int, scheme: str, group_size: int = 128) -> int:
+def linear_bytes(k: int, n: int, scheme: str, group_size: int = 128, bits: int = 4) -> int:
     """Bytes of one k->n linear as fitllm holds it on the GPU after loading. Every int4 layout
     (AWQ, GPTQ, compressed-tensors) is repacked into one runtime layout,
     fitllm.quant.formats.packing.KernelWeight: int4 packed in int32, and per group of
@@ -84,6 +84,8 @@ def linear_bytes(k: int, n: int, scheme: str, group_size: int = 128) -> int:
         return 2 * k * n
     if scheme in ("awq", "gptq"):
         groups = math.ceil(k / group_size) if group_size > 0 else 1  # -1: one group per channel
+        if bits == 8:  # GPTQ int8 (a quantized lm_head): the standard layout, no tiling
+            return k * n + 2 * groups * n * 2
         k_words = -(-k // 128) * 128  # the tiled layout's padding (act-order g_idx weights are not tiled)
         return k_words * n // 2 + 2 * groups * n * 2  # int4 + bf16 scales and zeros
     if scheme == "fp8":
@@ -122,18 +124,25 @@ def weight_bytes(config: ModelConfig, scheme: str = "bf16", group_size: Optional
         norms += 2 * 2 * config.head_dim * config.num_layers
     if config.qkv_bias:
         norms += 2 * (config.q_size + 2 * config.kv_size) * config.num_layers
-    if lm_head_quantized(config) and scheme in ("awq", "gptq"):
-        head = linear_bytes(config.hidden_size, config.vocab_size, scheme, group_size)
+    head_bits = lm_head_bits(config)
+    if head_bits and scheme in ("awq", "gptq"):
+        head = linear_bytes(config.hidden_size, config.vocab_size, scheme, group_size, head_bits)
         head += 4 * config.hidden_size if scheme == "gptq" else 0  # its g_idx
     else:
         head = 0 if config.tie_word_embeddings else table
     return Weights(per_layer * config.num_layers, table, head, norms)
 
 
-def lm_head_quantized(config: ModelConfig) -> bool:
-    """Whether the checkpoint holds its lm_head quantized (GPTQ `lm_head: true`); else it is bf16."""
+def lm_head_bits(config: ModelConfig) -> Optional[int]:
+    """The bits of a quantized lm_head (GPTQ `lm_head: true`, and its `dynamic` rule if any);
+    None when it is bf16."""
     q = config.quantization_config or {}
-    return str(q.get("quant_method", "")).lower() == "gptq" and bool(q.get("lm_head", False))
+    if str(q.get("quant_method", "")).lower() != "gptq" or not q.get("lm_head", False):
+        return None
+    from fitllm.quant.formats.gptq import module_config
+
+    head = module_config(q, "lm_head")
+    return None if head is None else int(head.get("bits", 4))
 
 
 def detect_scheme(config: ModelConfig) -> str:

@@ -115,6 +115,10 @@ def test_a_quantized_lm_head_counts_as_int4():
         assert w.lm_head == head and w.embeddings == 2 * EMBED
         assert w.read_per_step == w.linears + head + w.norms_biases
     assert bm.weight_bytes(replace(LLAMA3, quantization_config={**gptq, "lm_head": False}), "gptq").lm_head == 2 * EMBED
+    # an 8-bit head through a GPTQModel `dynamic` rule: a byte per weight, standard layout
+    head8 = {**gptq, "dynamic": {"+:lm_head": {"bits": 8}}}
+    assert bm.weight_bytes(replace(LLAMA3, quantization_config=head8), "gptq").lm_head == \
+        4096 * 128256 + 32 * 128256 * 2 * 2 + 4 * 4096
 
 
 def test_detect_scheme_from_checkpoint_config():

@@ -59,6 +59,19 @@ def test_gptq_zero_point_offset_and_g_idx():
     assert torch.equal(gptq.read(v2, {"bits": 4, "group_size": 8, "checkpoint_format": "gptq_v2"}, torch.float32).zeros, kw.zeros)
 
 
+def test_gptq_dynamic_rules_as_vllm_applies_them():
+    """GPTQModel's `dynamic`: the first pattern matching the start of the name wins; `-:` leaves the
+    module dense (None), `+:` or a bare pattern overrides bits / group_size / desc_act / sym only."""
+    qc = {"bits": 4, "group_size": 128, "desc_act": True,
+          "dynamic": {"-:model\\.layers\\.0\\.mlp": {}, "+:lm_head": {"bits": 8, "checkpoint_format": "x"},
+                      r".*\.down_proj": {"group_size": 32}}}
+    assert gptq.module_config(qc, "model.layers.0.mlp.up_proj") is None
+    assert gptq.module_config(qc, "lm_head") == {**qc, "bits": 8}  # checkpoint_format is not overridable
+    assert gptq.module_config(qc, "model.layers.1.mlp.down_proj")["group_size"] == 32
+    assert gptq.module_config(qc, "model.layers.1.self_attn.q_proj") is qc
+    assert gptq.module_config({"bits": 4}, "lm_head") == {"bits": 4}
+
+
 def test_autoawq_write_read_bit_identical():
     torch.manual_seed(0)
     scheme = QuantScheme("awq", group_size=32, scale_dtype=torch.float16)
@@ -106,3 +119,19 @@ def test_kernel_layout_matches_kernels_module():
     x = torch.randn(3, 64)
     ref = x @ qw.dequantize().t()
     assert torch.allclose(w4a16.w4a16_gemm(x, kw.qweight, kw.scales, kw.zeros, kw.group_size), ref, atol=1e-5)
+
+
+def test_gptq_dynamic_exclusions_build_dense_layers():
+    from fitllm.models.errors import ModelLoadError
+    from fitllm.models.linear import DenseLinear
+    from fitllm.quant.layers import QuantLinear, quant_factory
+
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True,
+          "dynamic": {r"-:model\.layers\.1\.mlp": {}, r"-:model\.layers\.2\.self_attn\.q_proj": {}}}
+    make = quant_factory(qc, torch.float32, "cpu")
+    assert make.quantizes_lm_head
+    assert isinstance(make("model.layers.1.mlp.gate_up_proj", 64, [128, 128], False), DenseLinear)
+    assert isinstance(make("model.layers.0.mlp.gate_up_proj", 64, [128, 128], False), QuantLinear)
+    assert isinstance(make("lm_head", 64, [1000], False), QuantLinear)
+    with pytest.raises(ModelLoadError, match="fuses quantized and unquantized"):
+        make("model.layers.2.self_attn.qkv_proj", 64, [64, 32, 32], False)

@@ -130,10 +130,12 @@ def test_cli_errors_are_one_line(tiny):
     assert "unknown method" in res.output and "Traceback" not in res.output
 
 
-def test_quantized_lm_head_round_trip(tiny, monkeypatch):
+@pytest.mark.parametrize("head_bits", [4, 8])
+def test_quantized_lm_head_round_trip(tiny, monkeypatch, head_bits):
     """--quantize-lm-head (GPTQ format): the tied table becomes a GPTQ-quantized lm_head next to the
-    dense embeddings, recorded as `lm_head: true`; loading serves exactly the weight the pipeline
-    measured, and the logits stay close to the dense model's."""
+    dense embeddings, recorded as `lm_head: true` (8 bits under 4-bit layers: a `dynamic` rule);
+    loading serves exactly the weight the pipeline measured, and the logits stay close to the
+    dense model's."""
     from safetensors import safe_open
 
     from fitllm.quant.formats import gptq as gptq_format
@@ -142,18 +144,20 @@ def test_quantized_lm_head_round_trip(tiny, monkeypatch):
     written = []
     real_write = gptq_format.write
     monkeypatch.setattr(gptq_format, "write", lambda qw: written.append(qw) or real_write(qw))
-    r = convert(tiny, "gptq-head", "gptq", fmt="gptq", group_size=32, lm_head=True)
+    r = convert(tiny, f"gptq-head{head_bits}", "gptq", fmt="gptq", group_size=32, lm_head_bits=head_bits)
     raw = json.loads((r.output / "config.json").read_text())
     assert raw["quantization_config"]["lm_head"] is True and raw["tie_word_embeddings"] is False
+    assert raw["quantization_config"].get("dynamic") == ({"+:lm_head": {"bits": 8}} if head_bits == 8 else None)
     with safe_open(str(r.output / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     assert {"lm_head.qweight", "lm_head.scales", "lm_head.qzeros", "model.embed_tokens.weight"} <= names
     assert "lm_head.weight" not in names
     loaded = load_quantized_model(r.output)
-    assert isinstance(loaded.lm_head, QuantLinear)
+    assert isinstance(loaded.lm_head, QuantLinear) and loaded.lm_head.parts[0].bits == head_bits
+    assert all(p.bits == 4 for p in loaded.model.layers[0].mlp.gate_up_proj.parts)
     assert torch.equal(loaded.lm_head.dequantized_weight(), written[-1].dequantize())  # the last matrix written
-    assert 0 < r.lm_head_error < 0.2
-    dense_head = convert(tiny, "gptq-dense-head", "gptq", fmt="gptq", group_size=32)
+    assert 0 < r.lm_head_error < (0.2 if head_bits == 4 else 0.02)
+    dense_head = convert(tiny, f"gptq-dense-head{head_bits}", "gptq", fmt="gptq", group_size=32)
     assert json.loads((dense_head.output / "config.json").read_text())["quantization_config"]["lm_head"] is False
     ref = tiny[2]
     assert rel_err(prompt_logits(loaded, IDS), ref) < rel_err(prompt_logits(load_quantized_model(dense_head.output), IDS), ref) + 0.2
@@ -162,19 +166,21 @@ def test_quantized_lm_head_round_trip(tiny, monkeypatch):
 def test_quantized_lm_head_needs_the_gptq_format(tiny):
     for fmt in ("compressed-tensors", "autoawq"):
         with pytest.raises(QuantError, match="--quantize-lm-head"):
-            convert(tiny, f"head-{fmt}", "rtn", fmt=fmt, lm_head=True)
+            convert(tiny, f"head-{fmt}", "rtn", fmt=fmt, lm_head_bits=4)
 
 
 def test_on_the_fly_int4_can_take_the_lm_head(tiny):
-    """quantize_in_memory(lm_head=True) (the GPU benchmarks' int4+head): a tied model gets a quantized
+    """quantize_in_memory(lm_head_bits=...) (the GPU benchmarks' int4+head[8]): a tied model gets a quantized
     copy of its table as lm_head, the table itself stays as it was (it still embeds the input)."""
     from fitllm.quant.inplace import quantize_in_memory
     from fitllm.quant.layers import QuantLinear
 
-    model = load_model(tiny[1])
-    table = model.model.embed_tokens.weight.clone()
-    quantize_in_memory(model, "int4", lm_head=True)
-    assert isinstance(model.lm_head, QuantLinear) and torch.equal(model.model.embed_tokens.weight, table)
-    w = model.lm_head.dequantized_weight()
-    assert w.shape == table.shape and 0 < rel_err(w, table) < 0.2
-    assert rel_err(prompt_logits(model, IDS), tiny[2]) < 0.5
+    for bits, tol in ((4, 0.2), (8, 0.02)):
+        model = load_model(tiny[1])
+        table = model.model.embed_tokens.weight.clone()
+        quantize_in_memory(model, "int4", lm_head_bits=bits)
+        assert isinstance(model.lm_head, QuantLinear) and torch.equal(model.model.embed_tokens.weight, table)
+        assert model.lm_head.parts[0].bits == bits and model.model.layers[0].mlp.gate_up_proj.parts[0].bits == 4
+        w = model.lm_head.dequantized_weight()
+        assert w.shape == table.shape and 0 < rel_err(w, table) < tol
+        assert rel_err(prompt_logits(model, IDS), tiny[2]) < 0.5

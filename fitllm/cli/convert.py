@@ -30,9 +30,13 @@ def convert(
     calib_samples: int = typer.Option(32, "--calib-samples", help="Calibration sequences."),
     calib_len: int = typer.Option(512, "--calib-len", help="Tokens per calibration sequence."),
     lm_head: bool = typer.Option(False, "--quantize-lm-head",
-                                 help="Quantize the lm_head too (--format gptq only; GPTQ on --method gptq, else RTN): "
-                                      "it is the largest matrix a decode step reads (Llama-3-8B: 1 GB of bf16) and "
-                                      "the most sensitive one; the summary shows its logits error."),
+                                 help="Quantize the lm_head too, to --lm-head-bits (--format gptq only; GPTQ on "
+                                      "--method gptq, else RTN): it is the largest matrix a decode step reads "
+                                      "(Llama-3-8B: 1 GB of bf16) and the most sensitive one; the summary shows its "
+                                      "logits error."),
+    lm_head_bits: Optional[int] = typer.Option(None, "--lm-head-bits",
+                                               help="With --quantize-lm-head: 8 (default) or 4. On the embedded "
+                                                    "model 8 bits cost +0.14% perplexity, 4 bits +15.7%."),
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda[:N] (default: cuda when present)."),
 ) -> None:
@@ -44,12 +48,14 @@ def convert(
     from fitllm.quant.pipeline import quantize_model
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if lm_head_bits is not None and not lm_head:
+        fail("--lm-head-bits needs --quantize-lm-head")
     try:
         folder = resolve_model(model)
         result = quantize_model(folder, output, method, bits=bits, group_size=group_size, sym=sym, fmt=format,
                                 calib=calib, calib_samples=calib_samples, calib_len=calib_len, act_order=act_order,
                                 static_groups=static_groups, fp8_static=fp8_static, force=force, device=device,
-                                lm_head=lm_head,
+                                lm_head_bits=(lm_head_bits or 8) if lm_head else None,
                                 log=lambda s: console.print(s, highlight=False))
     except FitLLMError as exc:
         fail(str(exc))

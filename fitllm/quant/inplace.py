@@ -6,6 +6,7 @@ everything but the linear layers with its target.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -23,14 +24,17 @@ ON_THE_FLY_METHODS = ("int4", "fp8")
 
 @torch.no_grad()
 def quantize_in_memory(model: CausalLM, method: str = "int4", group_size: Optional[int] = None,
-                       lm_head: bool = False) -> CausalLM:
+                       lm_head_bits: Optional[int] = None) -> CausalLM:
     """Replace every dense linear of `model` with a quantized one, in place; returns the model.
-    lm_head: the lm_head too (a tied one becomes a quantized copy of the embedding table)."""
+    lm_head_bits (4 or 8, int4 method only): the lm_head too, RTN at those bits (a tied one becomes a
+    quantized copy of the embedding table)."""
     if method not in ON_THE_FLY_METHODS:
         raise QuantError(f"on-the-fly quantization {method!r} is not supported ({', '.join(ON_THE_FLY_METHODS)})")
     dense = {name: (m.prefix, m.in_features, m.out_sizes, m.weight, m.bias)
              for name, m in model.fused_linears().items() if isinstance(m, DenseLinear)}
-    if lm_head and not isinstance(model.lm_head, QuantLinear):
+    if lm_head_bits is not None and method != "int4":
+        raise QuantError("a quantized lm_head goes with int4 layers only")
+    if lm_head_bits is not None and not isinstance(model.lm_head, QuantLinear):
         weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         dense["lm_head"] = ("lm_head", weight.shape[1], [weight.shape[0]], weight, None)
     size, _ = choose_group_size([k for _, k, _, _, _ in dense.values()], group_size)
@@ -38,7 +42,8 @@ def quantize_in_memory(model: CausalLM, method: str = "int4", group_size: Option
     for name, (prefix, in_features, out_sizes, weight, bias) in dense.items():
         quantized = QuantLinear(prefix, in_features, out_sizes, bias is not None, reader=None, dtype=model.dtype,
                                 device=model.device)
-        part = fp8_quantize(weight) if method == "fp8" else to_kernel(rtn_quantize(weight, scheme), model.dtype)
+        layer_scheme = replace(scheme, bits=lm_head_bits) if name == "lm_head" else scheme
+        part = fp8_quantize(weight) if method == "fp8" else to_kernel(rtn_quantize(weight, layer_scheme), model.dtype)
         quantized.set_parts([part])
         if bias is not None:
             quantized.bias.copy_(bias)

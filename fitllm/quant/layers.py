@@ -185,7 +185,8 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
     elif method == "gptq":
         if qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
             raise ModelLoadError(f"{source}: quantization_config.checkpoint_format {qc.get('checkpoint_format')!r} is not supported")
-        reader = lambda t, name: get_format("gptq").read(t, qc, dtype)
+        gptq = get_format("gptq")
+        reader = lambda t, name: gptq.read(t, gptq.module_config(qc, name), dtype)
     else:
         raise ModelLoadError(f"{source}: quantization_config.quant_method {method!r} is not supported "
                              "(compressed-tensors, awq, gptq)")
@@ -194,6 +195,13 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
     def make(prefix, in_features, out_sizes, bias):
         if any(s and s in prefix for s in skip):
             return dense(prefix, in_features, out_sizes, bias)
+        if method == "gptq":  # `dynamic` rules may leave modules dense
+            names = shard_names(prefix, len(out_sizes))
+            kept = [get_format("gptq").module_config(qc, n) is not None for n in names]
+            if not any(kept):
+                return dense(prefix, in_features, out_sizes, bias)
+            if not all(kept):
+                raise ModelLoadError(f"{source}: {prefix} fuses quantized and unquantized matrices ({names})")
         return QuantLinear(prefix, in_features, out_sizes, bias, reader, dtype, device)
     # GPTQ's `lm_head: true` (GPTQModel, vLLM): the lm_head is quantized too, and CausalLM asks us for it
     make.quantizes_lm_head = method == "gptq" and bool(qc.get("lm_head", False))

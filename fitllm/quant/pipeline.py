@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -239,8 +239,9 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
                    sym: Optional[bool] = None, fmt: str = "compressed-tensors", calib: Optional[str] = None,
                    calib_samples: int = 32, calib_len: int = 512, act_order: Optional[bool] = None,
                    static_groups: bool = False, fp8_static: bool = False, force: bool = False,
-                   device: str = "cpu", batch: int = 4, progress: bool = True, lm_head: bool = False,
-                   log: Callable[[str], None] = print) -> ConvertResult:
+                   device: str = "cpu", batch: int = 4, progress: bool = True,
+                   lm_head_bits: Optional[int] = None, log: Callable[[str], None] = print) -> ConvertResult:
+    """lm_head_bits: quantize the lm_head too, to 4 or 8 bits (GPTQ format only); None keeps it dense."""
     start = time.time()
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
@@ -252,11 +253,14 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
         act_order = method == "gptq"  # GPTQ: outlier-heavy inputs (q/k/v) gain most from it (RESULTS.md)
     scheme, note = make_scheme(config, method, bits, group_size, sym, fmt, act_order, static_groups, fp8_static)
     format_mod = get_format(fmt)
+    lm_head = lm_head_bits is not None
     if lm_head and fmt != "gptq":
         raise QuantError(f"--quantize-lm-head: --format {fmt} keeps the lm_head dense; only --format gptq records "
                          "a quantized one (quantize_config `lm_head: true`, as GPTQModel writes and vLLM reads)")
+    if lm_head and lm_head_bits not in (4, 8):
+        raise QuantError(f"--lm-head-bits: {lm_head_bits} is not supported (4 or 8)")
     if lm_head:
-        note += "; lm_head quantized too (" + ("GPTQ" if method == "gptq" else "RTN") + ")"
+        note += f"; lm_head quantized too ({lm_head_bits}-bit " + ("GPTQ" if method == "gptq" else "RTN") + ")"
     log(f"{method.upper()} -> {fmt}: {note}")
     if out.exists() and not force:
         raise QuantError(f"{out}: already exists (pass --force to replace it)")
@@ -303,7 +307,7 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
             advance(i, errors[-1])
         head_error = None
         if lm_head:
-            qw, head_error = quantize_lm_head(x, src, config, scheme)
+            qw, head_error = quantize_lm_head(x, src, config, replace(scheme, bits=lm_head_bits))
             for suffix, t in format_mod.write(qw).items():
                 writer.add(f"lm_head.{suffix}", t)
             advance(config.num_layers, head_error)
@@ -312,10 +316,11 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
                 writer.add(name, src.get(name))
         size = writer.close()
         raw = json.loads((folder / "config.json").read_text())
-        raw["quantization_config"] = format_mod.quantization_config(scheme)
         if lm_head:  # a quantized head next to the dense embedding table: no longer tied
-            raw["quantization_config"]["lm_head"] = True
+            raw["quantization_config"] = format_mod.quantization_config(scheme, lm_head_bits)
             raw["tie_word_embeddings"] = False
+        else:
+            raw["quantization_config"] = format_mod.quantization_config(scheme)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         copy_side_files(folder, tmp)
     return ConvertResult(out, scheme, note, time.time() - start, peak_memory(device), errors, size, seqs * length,
