@@ -291,7 +291,7 @@ class Settings:
 
 TERM_HELP = {
     "cuda_context": "CUDA context, kernel images; outside torch",
-    "weights": "linears in the scheme; embeddings, lm_head, norms bf16",
+    "weights": "linears in the scheme; embeddings and norms bf16, lm_head too unless quantized",
     "workspace": "cuBLAS/cuBLASLt workspaces",
     "activations": "peak of one step: MLP/qkv temporaries, logits of sampled rows",
     "cuda_graphs": "memory pool of the captured decode graphs",

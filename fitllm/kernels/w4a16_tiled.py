@@ -483,7 +483,7 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
 
         if w4a16_mma.mma_supported(x, group_size, K):
             return w4a16_mma.w4a16_mma(x, qtile, scales, zeros, group_size, K, bias, y, cfg)
-        cfg = _gemv(128, 4, 8) if M == 1 else _tiled(16, 64, 4, 3, waves=4)
+        cfg = _gemv(128, 4, 8) if M == 1 else _tiled(16, 64, 4, 3, waves=4)  # the Triton kernels for any M
     if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K:
         return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev)
     if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word: the tensor-core path
