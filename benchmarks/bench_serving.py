@@ -299,7 +299,8 @@ def main() -> int:
     ap.add_argument("--offline-schemes", default="fp8,int4,bf16")
     ap.add_argument("--offline-max-seqs", type=int, default=256, help="offline: the engine's max_num_seqs")
     ap.add_argument("--offline-batched-tokens", type=int, default=8192, help="offline: tokens per step")
-    ap.add_argument("--decode-schemes", default="bf16,int4,fp8", help="weights: bf16, int4, fp8; int4+head / int4+head8 quantize the lm_head too (4 / 8 bits)")
+    ap.add_argument("--decode-schemes", default="bf16,int4,fp8",
+                    help="weights: bf16, int4, fp8; int4+head / int4+head8 quantize the lm_head too (4 / 8 bits)")
     ap.add_argument("--online-schemes", default="bf16,int4")
     ap.add_argument("--decode-kv", default="auto,fp8")
     ap.add_argument("--no-hf-peer", dest="hf_peer", action="store_false")

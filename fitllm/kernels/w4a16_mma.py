@@ -6,9 +6,9 @@ x past M are zero lanes. The weights come in the tiled layout of fitllm.kernels.
 so that the 16 bytes one thread loads are, once unpacked, exactly its registers of the A fragment.
 Triton (tl.dot) picks the warpgroup MMA on sm90, which needs x in shared memory and a barrier every
 K tile; here Gluon pins every layout, so a K tile is, per thread: two 16-byte loads of words per 16
-weight rows, one 4-byte load per x pair, the unpack (3 shifts, 4 LOP3, 4 packed FMAs per word), one HMMA per
-word and a scale per row. Offline SASS (sm_90): 20-24 instructions per 8-weight word in the main
-loop, against about 29 for the CUDA-core GEMV of w4a16_tiled.
+weight rows, one 4-byte load per x pair, the unpack (3 shifts, 4 LOP3, 4 packed FMAs per word), one
+HMMA per word and a scale per row. Offline SASS (sm_90): 20-24 instructions per 8-weight word in the
+main loop, against about 29 for the CUDA-core GEMV of w4a16_tiled.
 
 Measured on the H200 (benchmarks/RESULTS.md, seventh session) it does not beat the table, so no
 table row picks it; configs name it with backend "mma" (benchmarks/bench_w4_tiled.py sweeps it):
