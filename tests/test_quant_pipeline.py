@@ -184,3 +184,28 @@ def test_on_the_fly_int4_can_take_the_lm_head(tiny):
         w = model.lm_head.dequantized_weight()
         assert w.shape == table.shape and 0 < rel_err(w, table) < tol
         assert rel_err(prompt_logits(model, IDS), tiny[2]) < 0.5
+
+
+def test_gptq_checkpoint_with_a_dynamic_exclusion_loads(tiny):
+    """A GPTQModel-style checkpoint whose `dynamic` rule keeps layer 1's MLP dense (its dense
+    `weight` tensors in the file): fitllm builds dense layers there, quantized ones elsewhere."""
+    from safetensors.torch import load_file, save_file
+
+    from fitllm.models.linear import DenseLinear
+    from fitllm.quant.layers import QuantLinear
+
+    r = convert(tiny, "gptq-dynamic", "gptq", fmt="gptq", group_size=32)
+    base = load_file(str(tiny[1] / "model.safetensors"))
+    tensors = load_file(str(r.output / "model.safetensors"))
+    mlp = "model.layers.1.mlp."
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(mlp)}
+    tensors.update({k: v for k, v in base.items() if k.startswith(mlp)})
+    save_file(tensors, str(r.output / "model.safetensors"))
+    raw = json.loads((r.output / "config.json").read_text())
+    raw["quantization_config"]["dynamic"] = {r"-:model\.layers\.1\.mlp\.": {}}
+    (r.output / "config.json").write_text(json.dumps(raw))
+    model = load_quantized_model(r.output)
+    assert isinstance(model.model.layers[1].mlp.gate_up_proj, DenseLinear)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, QuantLinear)
+    assert isinstance(model.model.layers[1].self_attn.qkv_proj, QuantLinear)
+    assert rel_err(prompt_logits(model, IDS), tiny[2]) < 0.5
