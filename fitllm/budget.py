@@ -133,6 +133,17 @@ def weight_bytes(config: ModelConfig, scheme: str = "bf16", group_size: Optional
     return Weights(per_layer * config.num_layers, table, head, norms)
 
 
+def with_quantized_lm_head(config: ModelConfig, bits: int) -> ModelConfig:
+    """`config` as `quant convert --format gptq --quantize-lm-head --lm-head-bits BITS` would write
+    it (4-bit layers; a `dynamic` rule when the head has other bits): for planning before converting."""
+    if bits not in (4, 8):
+        raise FitLLMError(f"--lm-head-bits: {bits} is not supported (4 or 8)")
+    qc = {"quant_method": "gptq", "bits": 4, "lm_head": True}
+    if bits != 4:
+        qc["dynamic"] = {"+:lm_head": {"bits": bits}}
+    return replace(config, quantization_config=qc, tie_word_embeddings=False)
+
+
 def lm_head_bits(config: ModelConfig) -> Optional[int]:
     """The bits of a quantized lm_head (GPTQ `lm_head: true`, and its `dynamic` rule if any);
     None when it is bf16."""

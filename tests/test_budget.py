@@ -266,6 +266,22 @@ def test_cli_json_llama3_awq_on_4090():
     assert doc["total_bytes"] <= doc["usable_bytes"]
 
 
+def test_cli_plans_a_quantized_lm_head():
+    """--quantize-lm-head with --quant gptq: the plan counts the head at 8 (default) or 4 bits and
+    says how to convert; other schemes are refused with the fix."""
+    base = _json(["llama-3-8b", "--gpu", "RTX 4090", "--quant", "gptq"])["weights_bytes"]
+    head8 = _json(["llama-3-8b", "--gpu", "RTX 4090", "--quant", "gptq", "--quantize-lm-head"])["weights_bytes"]
+    head4 = _json(["llama-3-8b", "--gpu", "RTX 4090", "--quant", "gptq", "--quantize-lm-head", "--lm-head-bits", "4"])
+    assert base["lm_head"] == 2 * EMBED
+    assert head8["lm_head"] == EMBED + 32 * 128256 * 4 + 4 * 4096
+    assert head4["weights_bytes"]["lm_head"] == EMBED // 2 + 32 * 128256 * 4 + 4 * 4096
+    assert head8["total"] == base["total"] - 2 * EMBED + head8["lm_head"]
+    result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "rtx4090", "--quant", "gptq", "--quantize-lm-head"])
+    assert "--method gptq --format gptq --quantize-lm-head --lm-head-bits 8" in " ".join(result.output.split())
+    result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "rtx4090", "--quant", "awq", "--quantize-lm-head"])
+    assert result.exit_code == 1 and "--quant gptq" in result.output
+
+
 def test_cli_json_does_not_fit():
     doc = _json(["llama-3-8b", "--gpu", "rtx3060"])
     assert not doc["fits"] and doc["command"] is None

@@ -42,6 +42,10 @@ def memory(
     gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GPU memory in GiB (a card not in the catalog)."),
     quant: Optional[str] = typer.Option(None, "--quant", help="bf16 | awq | gptq | fp8 | nf4 "
                                         "(default: the checkpoint's own scheme)"),
+    lm_head: bool = typer.Option(False, "--quantize-lm-head",
+                                 help="With --quant gptq: plan a checkpoint whose lm_head is quantized too "
+                                      "(quant convert --format gptq --quantize-lm-head)."),
+    lm_head_bits: int = typer.Option(8, "--lm-head-bits", help="With --quantize-lm-head: 8 or 4."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto | bf16 | fp16 | fp8 | int8 | int4"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="(default: the model's limit)"),
     max_num_seqs: int = typer.Option(bm.DEFAULT_MAX_NUM_SEQS, "--max-num-seqs"),
@@ -62,6 +66,13 @@ def memory(
         group = (config.quantization_config or {}).get("group_size") if scheme == checkpoint_scheme else None
         if scheme not in bm.SCHEMES:
             raise FitLLMError(f"unknown --quant {scheme!r}; choose one of {', '.join(bm.SCHEMES)}")
+        if lm_head and bm.lm_head_bits(config) is None:
+            if scheme != "gptq":
+                raise FitLLMError("--quantize-lm-head: only GPTQ checkpoints carry a quantized lm_head; add --quant gptq")
+            if checkpoint_scheme not in ("bf16", "fp16"):
+                raise FitLLMError(f"--quantize-lm-head: {label} is already quantized with a bf16 lm_head; "
+                                  "plan its original model instead")
+            config = bm.with_quantized_lm_head(config, lm_head_bits)
         settings = bm.Settings(scheme=scheme, kv_dtype=bm.normalize_kv_dtype(kv_dtype),
                                max_model_len=max_model_len or config.max_position_embeddings,
                                max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
@@ -85,14 +96,15 @@ def memory(
             doc["cards_that_fit"] = [g.key for g in bm.cards_that_fit(config, _smallest(settings))]
         print(json.dumps(doc, indent=2))
         return
-    _print_plan(p, config, label, mem, needs_convert, model)
+    _print_plan(p, config, label, mem, needs_convert, model, lm_head)
 
 
 def _smallest(s: bm.Settings) -> bm.Settings:
     return bm.Settings(**{**asdict(s), "scheme": "awq", "kv_dtype": "int4" if s.kv_dtype != "fp8" else "fp8"})
 
 
-def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, model: Optional[str]) -> None:
+def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, model: Optional[str],
+                lm_head: bool = False) -> None:
     b, s, card = p.budget, p.budget.settings, p.gpu
     where = f"{card.name} ({card.memory_gib:g} GiB, {card.bandwidth_gbs:g} GB/s{', FP8' if card.fp8 else ''})" \
         if card else f"a {mem / bm.GiB:g} GiB card"
@@ -124,7 +136,8 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
             out.print(f"Decode (bandwidth roofline, an upper bound): ~{speed['single_seq_short_ctx']:.0f} tok/s for one "
                       f"sequence; ~{speed['batch_full_ctx']:.0f} tok/s total at {speed['batch_seqs']} x {s.max_model_len} tokens.")
         if needs_convert:
-            out.print(f"First convert: quant convert {model or ''} --method {s.scheme} -o CONVERTED_DIR")
+            head = f" --format gptq --quantize-lm-head --lm-head-bits {bm.lm_head_bits(config)}" if lm_head else ""
+            out.print(f"First convert: quant convert {model or ''} --method {s.scheme}{head} -o CONVERTED_DIR")
         out.print(f"Run: [bold]{p.command}[/]")
         return
     short = "the model's limit is " + str(b.model_max_len) if s.max_model_len > b.model_max_len else \
