@@ -19,8 +19,9 @@ because every lane with a row of x makes 16 scattered 4-byte x loads per K tile 
 Gluon has no interpreter: on CPU, w4a16_tiled's reference is the path and the oracle (a config
 naming this kernel falls back to the Triton kernels there); tests compile it for sm_90 and check
 its code (HMMA in the main loop, no shared memory, PDL order), and bench_w4_tiled.py checks its
-results on the GPU against float64. The split-K epilogue repeats w4a16._store_tile in Gluon
-(Gluon code cannot call Triton functions).
+results on the GPU against float64. Gluon calls the Triton helpers that need no layout (the PDL
+wait and release, w4a16_tiled's unpack FMA and zero pairs); the split-K epilogue repeats
+w4a16._store_tile in Gluon because that one builds a tensor (tl.zeros) without a layout.
 """
 
 from __future__ import annotations
@@ -68,38 +69,16 @@ def _word_layout(bn: int, warps: int):
 
 
 if gluon is not None:
-    from .w4a16_tiled import _SUB_BF16, _SUB_F16, _magic2
+    from ._pdl import let_next_launch, wait_for_previous
+    from .w4a16_tiled import _magic2, _minus_magic_zero, _pair16
 
     word_layout = constexpr_function(_word_layout)  # called by the kernel at compile time
     x_layout = constexpr_function(_x_layout)
 
     @gluon.jit
-    def _wait_for_previous(PDL: gl.constexpr):
-        if PDL:
-            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _let_next_launch(PDL: gl.constexpr):
-        if PDL:
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-
-    @gluon.jit
-    def _pair16(v, DT: gl.constexpr):
-        """fp32 [BN] (exact in DT) -> int32 [BN] holding it twice as a 16-bit pair."""
-        h = v.to(DT).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        return h | (h << 16)
-
-    @gluon.jit
     def _fields(qw, f: gl.constexpr, nz, MAGIC2, F16: gl.constexpr):
         """Fields f and f + 4 of every word as (q - z) in 16-bit floats: [BN, 16, 2] (last: h)."""
-        v = ((qw >> (4 * f)) & 0x000F000F) | MAGIC2
-        if F16:
-            lo, hi = gl.inline_asm_elementwise(_SUB_F16, "=h,=h,r,r", [v, nz], dtype=(gl.float16, gl.float16),
-                                               is_pure=True, pack=1)
-        else:
-            lo, hi = gl.inline_asm_elementwise(_SUB_BF16, "=h,=h,r,r", [v, nz], dtype=(gl.bfloat16, gl.bfloat16),
-                                               is_pure=True, pack=1)
+        lo, hi = _minus_magic_zero(((qw >> (4 * f)) & 0x000F000F) | MAGIC2, nz, F16)
         return gl.join(lo, hi)
 
     @gluon.jit
@@ -131,7 +110,7 @@ if gluon is not None:
         already in B_L unless X_SMEM: then the conversion goes through shared memory.)"""
         MAGICF: gl.constexpr = 1024.0 if F16 else 128.0
         DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
-        nz = gl.broadcast(_pair16(-(z + MAGICF), DT)[:, None], qw)[0]
+        nz = gl.broadcast(_pair16(-(z + MAGICF), DT), qw)[0]
         part = mma_v2(_a_operand(qw, nz, MAGIC2, A_L, F16), gl.convert_layout(xt, B_L), gl.zeros_like(acc))
         return acc + part * s[:, None]
 
@@ -198,7 +177,7 @@ if gluon is not None:
         an_mask = an < N
         acc = gl.zeros([BN, BM], gl.float32, ACC_L)
         kt_end = gl.minimum((pid_k + 1) * K_ITERS, stride_q // 16)  # the last split may be shorter
-        _wait_for_previous(PDL)  # x is the previous kernel's output
+        wait_for_previous(PDL)  # x is the previous kernel's output
         kt0 = pid_k * K_ITERS
         if PREFETCH:
             qw, z, s, xt = _tile_loads(q_ptrs, z_ptr, s_ptr, x_ptrs, kt0, wn, an, wn_mask, an_mask, x_row_ok, bk, N,
@@ -215,7 +194,7 @@ if gluon is not None:
                 qw, z, s, xt = _tile_loads(q_ptrs, z_ptr, s_ptr, x_ptrs, kt, wn, an, wn_mask, an_mask, x_row_ok, bk,
                                            N, K, NUM_GROUPS, GROUP_SIZE, True)
                 acc = _tile_mma(acc, qw, z, s, xt, MAGIC2, A_L, B_L, F16)
-        _let_next_launch(PDL)
+        let_next_launch(PDL)
         offs_m = gl.arange(0, BM, layout=gl.SliceLayout(0, ACC_L))
         _store(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, an, offs_m, an_mask, offs_m < M, N, stride_ym, pid_n,
                SPLIT, HAS_BIAS, USE_WS)

@@ -135,6 +135,18 @@ if triton is not None:
         return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
     @triton.jit
+    def _minus_magic_zero(v, nz, F16: tl.constexpr):
+        """Pairs v of 16-bit floats magic + q, plus nz = -(magic + z) twice: the two halves of (q - z),
+        exact, in one packed FMA (the tensor-core kernels here and w4a16_mma's)."""
+        if F16:
+            lo, hi = tl.inline_asm_elementwise(_SUB_F16, "=h,=h,r,r", [v, nz], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_SUB_BF16, "=h,=h,r,r", [v, nz], dtype=(tl.bfloat16, tl.bfloat16),
+                                               is_pure=True, pack=1)
+        return lo, hi
+
+    @triton.jit
     def _field_tile(qw, f: tl.constexpr, MAGIC2, nz, zf, s2, sf, F16: tl.constexpr, ASM: tl.constexpr,
                     SCALE_IN_W: tl.constexpr):
         """[BN, 32]: fields f, f + 4 of every word as q - z (SCALE_IN_W: (q - z) * s rounded once to
@@ -152,12 +164,8 @@ if triton is not None:
                 else:
                     lo, hi = tl.inline_asm_elementwise(_SUB_MUL_BF16, "=h,=h,r,r,r", [v, nzb, sb],
                                                        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-            elif F16:
-                lo, hi = tl.inline_asm_elementwise(_SUB_F16, "=h,=h,r,r", [v, nzb], dtype=(tl.float16, tl.float16),
-                                                   is_pure=True, pack=1)
             else:
-                lo, hi = tl.inline_asm_elementwise(_SUB_BF16, "=h,=h,r,r", [v, nzb], dtype=(tl.bfloat16, tl.bfloat16),
-                                                   is_pure=True, pack=1)
+                lo, hi = _minus_magic_zero(v, nzb, F16)
         else:  # fp32 twin: the same values ((q - z) * s is exact in fp32 before the one rounding)
             lo = _half(v, False, F16) - zf
             hi = _half(v, True, F16) - zf
