@@ -138,9 +138,10 @@ def with_quantized_lm_head(config: ModelConfig, bits: int) -> ModelConfig:
     it (4-bit layers; a `dynamic` rule when the head has other bits): for planning before converting."""
     if bits not in (4, 8):
         raise FitLLMError(f"--lm-head-bits: {bits} is not supported (4 or 8)")
-    qc = {"quant_method": "gptq", "bits": 4, "lm_head": True}
-    if bits != 4:
-        qc["dynamic"] = {"+:lm_head": {"bits": bits}}
+    from fitllm.quant.formats.gptq import quantization_config
+    from fitllm.quant.scheme import QuantScheme
+
+    qc = quantization_config(QuantScheme("gptq", bits=4, group_size=default_group_size(config)), bits)
     return replace(config, quantization_config=qc, tie_word_embeddings=False)
 
 
