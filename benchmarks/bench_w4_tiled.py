@@ -5,7 +5,11 @@ with a sweep of tile configs (every swept config is checked for correctness firs
 One Llama-3-8B layer's four linears (as benchmarks/bench_gemm.py: CUDA-graph replay of two weight
 copies, µs per layer). Writes $OUT/bench_w4_tiled.json; prints a table at the end.
 
-  python3 benchmarks/bench_w4_tiled.py --out $OUT [--budget-s 420] [--m 1,16,64]
+  python3 benchmarks/bench_w4_tiled.py --out $OUT [--budget-s 420] [--m 1,16,64] [--only mma|l2]
+
+--only sweeps one family: `mma` the mma.sync kernel's configs, `l2` the table's GEMV and tensor-core
+rows with weights asked of L2 before the PDL wait (l2_tiles; here a GEMV follows a GEMV, in the
+decode step a small kernel: benchmarks/pdl_ab.py --variants on,l2-2,l2-4,l2-8 times that).
 """
 
 from __future__ import annotations
@@ -39,10 +43,18 @@ def mma_candidates(M):
                     for pf, xs in ((True, False), (False, True), (True, True))]
 
 
-def candidates(M):
+def l2_candidates(M):
+    """The table's row for M with 1..16 K tiles per weight row asked of L2 before the PDL wait."""
+    row = pick_config(TILED_CONFIGS, "sm90", M)
+    return [] if row["backend"] == "dequant" else [dict(row, l2_tiles=n) for n in (0, 1, 2, 4, 8, 16)]
+
+
+def candidates(M, only=None):
     t = _tiled
-    if M <= 16 and os.environ.get("BENCH_MMA_ONLY"):
-        return mma_candidates(M)
+    if only == "mma":
+        return mma_candidates(M) if M <= 16 else []
+    if only == "l2":
+        return l2_candidates(M)
     if M <= 2:  # around the table's GEMV row (BN 128 / unroll 4 / 8 warps for M=1) and the tc row for M=2
         return mma_candidates(M) + [_gemv(128, 4, 8, w) for w in (2, 4)] + [_gemv(128, 2, 8, 2), _gemv(128, 1, 4, 4), _gemv(256, 2, 8, 2)] + \
                [t(16, 64, 4, 3, w) for w in (2, 3, 4, 6, 8)] + [t(16, 64, 4, 4, 4), t(16, 128, 8, 3, 2)]
@@ -185,6 +197,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--m", default=None, help="comma-separated M values to time (default: all)")
     ap.add_argument("--no-sweep", action="store_true", help="time the table only")
+    ap.add_argument("--only", choices=("mma", "l2"), help="sweep one family of configs (see the docstring)")
     ap.add_argument("--check-only", action="store_true",
                     help="correctness only (e.g. under compute-sanitizer --tool memcheck), no timing")
     ap.add_argument("--model-check", action="store_true", help="also compare whole-model logits (SmolLM2 shape)")
@@ -242,7 +255,7 @@ def main():
                 log(f"M={M} {k} failed: {repr(e)[:300]}")
                 row[k] = None
         sweep = []
-        for cfg in [] if a.no_sweep else candidates(M):
+        for cfg in [] if a.no_sweep else candidates(M, a.only):
             if time.time() > deadline:
                 log("budget reached: sweep cut short")
                 break
@@ -274,7 +287,8 @@ def main():
         bs = f"{b['us']:.1f} ({r['bf16'] / b['us']:.2f}x)" if b else "-"
         c = b["cfg"] if b else {}
         cfg = (f"{c['backend']} BM{c.get('BM', '-')} BN{c['BN']} w{c['num_warps']} s{c.get('num_stages', 1)} "
-               f"waves{c['waves']} siw{int(c.get('SCALE_IN_W', False))} unroll{c.get('UNROLL', '-')}") if b else ""
+               f"waves{c['waves']} siw{int(c.get('SCALE_IN_W', False))} unroll{c.get('UNROLL', '-')} "
+               f"l2{c.get('l2_tiles', 0)}") if b else ""
         fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
         print(f"| {r['M']} | {fmt(r['bf16'])} | {fmt(r['tinygemm'])} | {fmt(r['standard'])} | {fmt(r.get('baseline'))} | {fmt(r['tiled'])} | {bs} | {cfg} |")
 

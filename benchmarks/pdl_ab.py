@@ -1,5 +1,7 @@
 """Programmatic dependent launch in the engine's decode step, A/B in one process (issue 10); also
-RoPE in the cache write's launch against RoPE as its own kernel (variant rope-apart).
+RoPE in the cache write's launch against RoPE as its own kernel (variant rope-apart), and the
+W4A16 kernels asking L2 for their first N weight tiles per row before the PDL wait (variants l2-N,
+FITLLM_L2_PREFETCH=N; `on` is N = 0, the table).
 
 Each variant sets FITLLM_PDL before its engine is built (the CUDA graphs are captured then, and
 the kernels compile per PDL setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -9,6 +11,7 @@ deterministic and must match). Variants run in rounds, interleaved, so drift in 
 clocks hits all of them alike.
 
     python benchmarks/pdl_ab.py --schemes int4,bf16 --variants off,on --rounds 3 [--batch 64] [--out DIR]
+    python benchmarks/pdl_ab.py --schemes int4 --variants on,l2-2,l2-4,l2-8 --rounds 3
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from gpu_engine_check import decode_speed, free, throughput  # noqa: E402
 from fitllm.models.kv_cache import PagedKVCache  # noqa: E402
 from fitllm.serve.sampling import SamplingParams  # noqa: E402
 
-VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"}}
+VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"},
+            **{f"l2-{n}": {"FITLLM_PDL": "1", "FITLLM_L2_PREFETCH": str(n)} for n in (1, 2, 4, 8, 16)}}
 
 
 def greedy_tokens(engine, n: int = 48) -> list[int]:
@@ -53,6 +57,7 @@ def main() -> int:
         reference = None
         for r in range(args.rounds):
             for name in args.variants.split(","):
+                os.environ.pop("FITLLM_L2_PREFETCH", None)
                 os.environ.update(VARIANTS[name])
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
                 engine = engine_for(model, kv_dtype=args.kv, max_num_seqs=max(8, args.batch))
@@ -66,7 +71,7 @@ def main() -> int:
                 if args.batch:
                     row["batch_tok_s"] = throughput(engine, args.batch, 128, 128)[0]
                 rows.append(row)
-                print(f"{scheme:5s} {args.kv:5s} {name:5s} round {r}: {tps:7.1f} tok/s  greedy tokens equal to the "
+                print(f"{scheme:5s} {args.kv:5s} {name:10s} round {r}: {tps:7.1f} tok/s  greedy tokens equal to the "
                       f"first variant {same}/{len(reference)}" + (f"  B={args.batch}: {row['batch_tok_s']:.0f} tok/s"
                                                                   if args.batch else ""), flush=True)
                 free(engine)

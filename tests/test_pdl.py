@@ -10,11 +10,30 @@ from pathlib import Path
 
 import torch
 
-from fitllm.kernels._utils import pdl_args
+import pytest
+
+from fitllm.kernels import _utils
+from fitllm.kernels._utils import l2_prefetch_args, pdl_args
 
 
 def test_pdl_is_off_for_cpu_tensors():
     assert pdl_args(torch.zeros(2)) == {}
+
+
+def test_l2_prefetch_only_with_pdl_from_the_config_or_the_environment(monkeypatch):
+    x = torch.zeros(2)
+    monkeypatch.delenv("FITLLM_L2_PREFETCH", raising=False)
+    assert l2_prefetch_args({"l2_tiles": 4}, x) == {}  # no PDL: nothing waits, nothing to fill
+    monkeypatch.setattr(_utils, "pdl_args", lambda t: {"PDL": True, "launch_pdl": True})
+    assert l2_prefetch_args({"l2_tiles": 4}, x) == {"L2_TILES": 4}
+    assert l2_prefetch_args({}, x) == {}
+    monkeypatch.setenv("FITLLM_L2_PREFETCH", "8")
+    assert l2_prefetch_args({"l2_tiles": 4}, x) == {"L2_TILES": 8}
+    monkeypatch.setenv("FITLLM_L2_PREFETCH", "0")
+    assert l2_prefetch_args({"l2_tiles": 4}, x) == {}
+    monkeypatch.setenv("FITLLM_L2_PREFETCH", "3")  # not whole lines of a power-of-two count
+    with pytest.raises(ValueError, match="one of"):
+        l2_prefetch_args({}, x)
 
 
 def test_pdl_kernels_wait_before_touching_memory_and_release_where_intended():
@@ -30,6 +49,8 @@ def test_pdl_kernels_wait_before_touching_memory_and_release_where_intended():
         # be writing its output, or reading memory the allocator has handed to us
         assert 0 <= at["wait"] < at["load"], name
         assert at["wait"] < at["store"], name
+        # the one thing allowed before it: asking L2 for weights (which no kernel writes)
+        assert (0 <= at["prefetch"] < at["wait"]) if at["l2_tiles"] else at["prefetch"] == -1, name
         assert at["release"] > at["wait"], name
         if at["big"]:  # a kernel that fills the GPU lets the next one launch after its main loop
             assert at["release"] > at["load"], name

@@ -60,6 +60,20 @@ def pdl_args(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True}
 
 
+L2_PREFETCH_TILES = (0, 1, 2, 4, 8, 16)  # whole 128-byte lines per weight row
+
+
+def l2_prefetch_args(cfg: dict, t: torch.Tensor) -> dict:
+    """L2_TILES for a W4A16 launch with PDL (no PDL, no wait to fill: nothing): the config's
+    `l2_tiles`, or FITLLM_L2_PREFETCH where set (A/B runs, benchmarks/pdl_ab.py)."""
+    if not pdl_args(t):
+        return {}
+    tiles = int(os.environ.get("FITLLM_L2_PREFETCH", cfg.get("l2_tiles", 0)))
+    if tiles not in L2_PREFETCH_TILES:
+        raise ValueError(f"L2 prefetch of {tiles} K tiles per row: use one of {L2_PREFETCH_TILES}")
+    return {"L2_TILES": tiles} if tiles else {}
+
+
 # Split-K partial sums go to an fp32 workspace with atomics; the last program of each output tile
 # (found with a per-tile counter) reads the sum, writes the output and zeroes its slice again, so
 # the workspace is always clean between launches: no memset launch, and CUDA graphs stay valid.
