@@ -1,17 +1,18 @@
 """Programmatic dependent launch in the engine's decode step, A/B in one process (issue 10); also
 RoPE in the cache write's launch against RoPE as its own kernel (variant rope-apart), and the
 W4A16 kernels asking L2 for their first N weight tiles per row before the PDL wait (variants l2-N,
-FITLLM_L2_PREFETCH=N; `on` is N = 0, the table).
+FITLLM_L2_PREFETCH=N; `on` is N = 0, the table), and split-K summed in a fixed order (variant
+ordered, FITLLM_DETERMINISTIC=1: what it costs, and whether its greedy tokens repeat exactly).
 
-Each variant sets FITLLM_PDL before its engine is built (the CUDA graphs are captured then, and
-the kernels compile per PDL setting), decodes 256 tokens at batch 1, and counts how many of its
-greedy tokens equal those of the first variant (with random weights the logits are nearly flat,
-so split-K's atomic adds, whose order varies, flip int4 tokens from run to run; bf16 and fp8 are
-deterministic and must match). Variants run in rounds, interleaved, so drift in the card's
+Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
+and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
+greedy tokens equal those of the first variant and those of its own first round (with random
+weights the logits are nearly flat, so split-K's atomic adds, whose order varies, flip int4 tokens
+from run to run; bf16 and fp8 are deterministic and must match, and so must `ordered`). Variants run in rounds, interleaved, so drift in the card's
 clocks hits all of them alike.
 
     python benchmarks/pdl_ab.py --schemes int4,bf16 --variants off,on --rounds 3 [--batch 64] [--out DIR]
-    python benchmarks/pdl_ab.py --schemes int4 --variants on,l2-2,l2-4,l2-8 --rounds 3
+    python benchmarks/pdl_ab.py --schemes int4 --variants on,l2-2,l2-4,l2-8,ordered --rounds 3
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from fitllm.models.kv_cache import PagedKVCache  # noqa: E402
 from fitllm.serve.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"},
+            "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"},
             **{f"l2-{n}": {"FITLLM_PDL": "1", "FITLLM_L2_PREFETCH": str(n)} for n in (1, 2, 4, 8, 16)}}
 
 
@@ -54,26 +56,29 @@ def main() -> int:
     fuses_rope, apart = PagedKVCache.fuses_rope, property(lambda self: False)
     for scheme in args.schemes.split(","):
         model = build(scheme)
-        reference = None
+        reference, own = None, {}
         for r in range(args.rounds):
             for name in args.variants.split(","):
-                os.environ.pop("FITLLM_L2_PREFETCH", None)
+                for var in ("FITLLM_L2_PREFETCH", "FITLLM_DETERMINISTIC"):
+                    os.environ.pop(var, None)
                 os.environ.update(VARIANTS[name])
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
                 engine = engine_for(model, kv_dtype=args.kv, max_num_seqs=max(8, args.batch))
                 tokens = greedy_tokens(engine)
                 if reference is None:
                     reference = tokens
+                own.setdefault(name, tokens)
                 same = sum(a == b for a, b in zip(tokens, reference))
+                repeat = sum(a == b for a, b in zip(tokens, own[name]))
                 tps = decode_speed(engine, 128, 256)
                 row = {"scheme": scheme, "kv": args.kv, "variant": name, "round": r, "tok_s": tps,
-                       "tokens_equal": f"{same}/{len(reference)}"}
+                       "tokens_equal": f"{same}/{len(reference)}", "tokens_repeat": f"{repeat}/{len(tokens)}"}
                 if args.batch:
                     row["batch_tok_s"] = throughput(engine, args.batch, 128, 128)[0]
                 rows.append(row)
                 print(f"{scheme:5s} {args.kv:5s} {name:10s} round {r}: {tps:7.1f} tok/s  greedy tokens equal to the "
-                      f"first variant {same}/{len(reference)}" + (f"  B={args.batch}: {row['batch_tok_s']:.0f} tok/s"
-                                                                  if args.batch else ""), flush=True)
+                      f"first variant {same}/{len(reference)}, to its round 0 {repeat}/{len(tokens)}"
+                      + (f"  B={args.batch}: {row['batch_tok_s']:.0f} tok/s" if args.batch else ""), flush=True)
                 free(engine)
         del model
         torch.cuda.empty_cache()

@@ -10,3 +10,22 @@ def rel_err(y, ref):
     """||y - ref|| / ||ref||; fails if y holds NaN/inf (a NaN-poisoned output not fully written)."""
     assert torch.isfinite(y).all(), "output not fully written (NaN poison survived) or overflowed"
     return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def split_k_both_ways(run, monkeypatch):
+    """run() twice: split-K partials added atomically (the default), then summed in split order
+    (FITLLM_DETERMINISTIC=1). Returns both outputs after checking that each mode leaves its
+    workspace ready for the next launch (atomic slice zeroed, every counter back to 0)."""
+    from fitllm.kernels import _utils
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("FITLLM_DETERMINISTIC", raising=False)
+    atomic = run()
+    monkeypatch.setenv("FITLLM_DETERMINISTIC", "1")
+    _utils.splitk_workspace(cpu, 0, 0, ordered=True)[0].zero_()
+    ordered = run()
+    assert _utils.splitk_workspace(cpu, 0, 0, ordered=True)[0].any(), "the ordered path did not run"
+    ws, cnt = _utils.splitk_workspace(cpu, 0, 0)
+    assert not ws.any() and not cnt.any(), "atomic split-K workspace must be left zeroed"
+    assert not _utils.splitk_workspace(cpu, 0, 0, ordered=True)[1].any(), "ordered split-K counters must reset"
+    return atomic, ordered

@@ -31,7 +31,7 @@ from fitllm.kernels.w4a16 import (
 )
 from fitllm.quant.formats.packing import pack_dim0
 
-from kernel_checks import GEN, rel_err  # noqa: E402
+from kernel_checks import GEN, rel_err, split_k_both_ways  # noqa: E402
 
 
 def rand_w4(K, N, bits=4, group_size=32, gidx=False, dtype=torch.bfloat16):
@@ -239,3 +239,37 @@ def test_fp8_w8a8_vs_unquantized_activations():
     assert 1e-3 < rel_err(a, b.double()) < 0.1
     with pytest.raises(ValueError):
         fp8_gemm(x, w, ws, mode="w4")
+
+
+
+SPLIT_K_CASES = {  # every kernel family that splits K: (weights, config, M); 16 waves give ten splits
+    "w4-splitk": ("w4", w4cfg(16, 32, 64, True, 4, 2, waves=16), 3),
+    "w4-gemv": ("w4", _gemv(32, 64, 4, waves=16), 3),
+    "w4-pairs": ("w4", _pairs(32, 64, 4, waves=16), 3),
+    "w4-tc": ("w4", _tc(16, 32, 64, 4, 2, waves=16, unpack=2), 3),
+    "fp8-tc": ("fp8", f8cfg(16, 32, 64, 4, 2, waves=16), 3),
+    "fp8-gemv": ("fp8", f8cfg(1, 16, 64, 4, 1, waves=16, backend="gemv"), 1),
+}
+
+
+@pytest.mark.parametrize("name", SPLIT_K_CASES)
+def test_deterministic_split_k_sums_the_same_partials(name, monkeypatch):
+    """FITLLM_DETERMINISTIC=1 stores each split's partial and sums them in split order: under the
+    interpreter (programs in order) that is exactly the atomic adds' sum, bit for bit; on the GPU
+    it is the same bits every run, which the atomics are not."""
+    kind, cfg, M = SPLIT_K_CASES[name]
+    K, N = 640, 48
+    x = torch.randn(M, K, generator=GEN).to(torch.bfloat16)
+    bias = torch.randn(N, generator=GEN).to(torch.bfloat16)
+    if kind == "fp8":
+        w, wsc = fp8_weight(N, K)
+        xq, xs = _quantize_triton(x, None)
+        ref = (xq.double() * xs.double()) @ (w.double() * wsc.double()[:, None]).t() + bias.double()
+        run = lambda: fp8_gemm_triton(x, w, wsc, None, bias, "w8a8", config=cfg)  # noqa: E731
+    else:
+        _, w = rand_w4(K, N, 4, 64)
+        ref = x.double() @ dequantize_packed(**w, dtype=torch.float64) + bias.double()
+        run = lambda: w4a16_gemm_triton(x, **w, bias=bias, config=cfg)  # noqa: E731
+    atomic, ordered = split_k_both_ways(run, monkeypatch)
+    assert rel_err(ordered, ref) < 1e-2
+    assert torch.equal(ordered, atomic)

@@ -23,7 +23,7 @@ from fitllm.kernels.w4a16_tiled import (
 )
 from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
 
-from kernel_checks import GEN, rel_err  # noqa: E402
+from kernel_checks import GEN, rel_err, split_k_both_ways  # noqa: E402
 
 
 def rand_weight(K, N, group_size, dtype=torch.bfloat16):
@@ -138,6 +138,19 @@ def test_split_k_workspace_is_left_clean():
             assert rel_err(w4a16_tiled_triton(x, qt, s, z, 128, 512, config=cfg), x.double() @ w64) < 1e-2
     ws, cnt = _utils.splitk_workspace(torch.device("cpu"), 0, 0)
     assert (ws == 0).all() and (cnt == 0).all()
+
+
+@pytest.mark.parametrize("cfg", [_tiled(16, 64, 4, 2, waves=16), _gemv(64, 1, 4, waves=16)], ids=["tc", "gemv"])
+def test_deterministic_split_k_sums_the_same_partials(cfg, monkeypatch):
+    """FITLLM_DETERMINISTIC=1 (see tests/test_kernels_gemm.py's twin): ten splits, the ordered sum
+    equals the interpreter's in-order atomic sum bit for bit, and both are right."""
+    qt, s, z, w64, _ = rand_weight(1280, 64, 128)
+    x = torch.randn(1 if cfg["backend"] == "gemv" else 3, 1280, generator=GEN).bfloat16()
+    bias = torch.randn(64, generator=GEN).bfloat16()
+    atomic, ordered = split_k_both_ways(lambda: w4a16_tiled_triton(x, qt, s, z, 128, 1280, bias=bias, config=cfg),
+                                        monkeypatch)
+    assert rel_err(ordered, x.double() @ w64 + bias.double()) < 1e-2
+    assert torch.equal(ordered, atomic)
 
 
 def test_dequant_kernel_is_exactly_the_reference_rounding():

@@ -1,6 +1,7 @@
 """`quant serve`: the OpenAI-compatible server."""
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Optional
@@ -41,10 +42,16 @@ def serve(
                                               help="Speculative decoding drafter: ngram | self-int4 | PATH of a "
                                                    "draft model sharing the tokenizer."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (k)."),
+    deterministic: bool = typer.Option(
+        False, "--deterministic",
+        help="Sum split-K GEMM partials in a fixed order (FITLLM_DETERMINISTIC=1): the same request mix gives the "
+             "same bits, and the same greedy tokens, every run. Default: atomic adds, whose order varies on a GPU."),
     log_level: str = typer.Option("info", "--log-level", help="critical | error | warning | info | debug"),
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API."""
     _check_options(port, max_num_seqs, gpu_memory_utilization, max_waiting, request_timeout, max_request_bytes)
+    if deterministic:  # read by every split-K launch, so set before the CUDA graphs are captured
+        os.environ["FITLLM_DETERMINISTIC"] = "1"
     if speculative and not 1 <= num_speculative_tokens <= 16:
         fail(f"--num-speculative-tokens {num_speculative_tokens}: must be between 1 and 16 with --speculative")
     _check_port_free(host, port)

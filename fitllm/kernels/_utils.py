@@ -77,12 +77,30 @@ def l2_prefetch_args(cfg: dict, t: torch.Tensor) -> dict:
 # Split-K partial sums go to an fp32 workspace with atomics; the last program of each output tile
 # (found with a per-tile counter) reads the sum, writes the output and zeroes its slice again, so
 # the workspace is always clean between launches: no memset launch, and CUDA graphs stay valid.
+# With FITLLM_DETERMINISTIC each split has its own slice (a second buffer, never needing zeros).
 # Buffers are never freed (a captured graph may hold their address); one stream at a time.
 _WORKSPACES: dict = {}
 
 
-def splitk_workspace(device: torch.device, n_floats: int, n_counters: int):
-    key = (device.type, device.index)
+def deterministic() -> bool:
+    """FITLLM_DETERMINISTIC=1: split-K GEMMs sum their partials in a fixed order (see
+    w4a16._store_split_ordered), so a launch gives the same bits every run; the default adds them
+    with atomics, whose order (and so the last bit, and now and then a greedy token) varies."""
+    return os.environ.get("FITLLM_DETERMINISTIC", "0") not in ("", "0")
+
+
+def splitk_buffers(device: torch.device, n_out: int, n_tiles: int, split: int):
+    """(workspace, counters, launch kwargs) of a split-K launch over n_out outputs and n_tiles
+    output tiles: one shared slice with atomics, or with FITLLM_DETERMINISTIC a slice per split
+    (their own buffer: the atomic one must stay zero between launches)."""
+    if deterministic():
+        ws, cnt = splitk_workspace(device, split * n_out, n_tiles, ordered=True)
+        return ws, cnt, {"ORDERED": True}
+    return (*splitk_workspace(device, n_out, n_tiles), {})
+
+
+def splitk_workspace(device: torch.device, n_floats: int, n_counters: int, ordered: bool = False):
+    key = (device.type, device.index, ordered)
     ws, cnt = _WORKSPACES.get(key, (None, None))
     if ws is None or ws.numel() < n_floats or cnt.numel() < n_counters:
         old = _WORKSPACES.get(key)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._utils import (backend_for, device_index, gpu_arch, interpreting, num_sms, pdl_args, pick_config, split_k_for,
-                     splitk_workspace)
+                     splitk_buffers)
 
 try:
     import triton
@@ -108,6 +108,7 @@ if triton is not None:
         W8A8: tl.constexpr, XS_PER_ROW: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
         SWAP: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
+        ORDERED: tl.constexpr = False,
     ):
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -152,14 +153,14 @@ if triton is not None:
             else:
                 acc = acc * tl.load(xs_ptr)
         _store_output(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                      pid_mn, HAS_BIAS, SPLIT_K, BM, BN)
+                      pid_mn, HAS_BIAS, SPLIT_K, BM, BN, ORDERED, pid_k, M * N)
 
 
     @triton.jit
     def _fp8_gemv_kernel(
         x_ptr, xs_ptr, w_ptr, wsc_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, K_ITERS, SPLIT,
         W8A8: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
+        BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
     ):
         """Batch-1 GEMV on CUDA cores: program (n, k) owns BN weight rows and K_ITERS tiles of BK.
         Products of e4m3 values (and of an e4m3 and a bf16) are exact in fp32, so this computes the
@@ -188,7 +189,7 @@ if triton is not None:
             out = out * tl.load(xs_ptr)
         offs_m = tl.arange(0, 1)
         _store_tile(out[None, :], bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < 1, n_mask, N, N,
-                    pid_n, SPLIT, HAS_BIAS, USE_WS)
+                    pid_n, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, N)
 
 
 def quantize_fp8_per_token(x: torch.Tensor):
@@ -280,13 +281,13 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     k_tiles = triton.cdiv(K, BK)
     split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
-    ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if split > 1 else (y, y)
+    ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if split > 1 else (y, y, {})
     _fp8_kernel[(tiles_mn, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt,
         M, N, K, xq.stride(0), weight_fp8.stride(0), y.stride(0), k_iters,
         W8A8=mode == "w8a8", XS_PER_ROW=xs.numel() > 1, WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None,
         SWAP=cfg.get("SWAP", False), SPLIT_K=split, UPCAST=interpreting(), BM=BM, BN=BN, BK=BK,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x), **order,
     )
     return y
 
@@ -296,11 +297,11 @@ def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev):
     BN, BK = cfg["BN"], cfg["BK"]
     n_blocks, k_tiles = triton.cdiv(N, BN), triton.cdiv(K, BK)
     split, k_iters = split_k_for(n_blocks, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
-    ws, cnt = splitk_workspace(y.device, N, n_blocks) if split > 1 else (y, y)
+    ws, cnt, order = splitk_buffers(y.device, N, n_blocks, split) if split > 1 else (y, y, {})
     _fp8_gemv_kernel[(n_blocks, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt, N, K, weight_fp8.stride(0), k_iters, split,
         W8A8=mode == "w8a8", WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None, USE_WS=split > 1,
-        BN=BN, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y))
+        BN=BN, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y), **order)
     return y
 
 

@@ -27,7 +27,7 @@ import torch
 
 from fitllm.quant.formats.packing import unpack_dim0
 
-from ._utils import backend_for, device_index, interpreting, gpu_arch, num_sms, pick_config, split_k_for, splitk_workspace
+from ._utils import backend_for, device_index, interpreting, gpu_arch, num_sms, pick_config, split_k_for, splitk_buffers
 
 try:
     import triton
@@ -89,7 +89,7 @@ if triton is not None:
         BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
         SCALE_MODE: tl.constexpr,  # 0 per element, 1 per K tile, 2 once at the end
         SPLIT_J: tl.constexpr, SPLIT_K: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, ORDERED: tl.constexpr = False,
     ):
         PACK: tl.constexpr = 32 // BITS
         QMASK: tl.constexpr = (1 << BITS) - 1
@@ -168,17 +168,21 @@ if triton is not None:
             acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
 
         _store_output(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                      pid_mn, HAS_BIAS, SPLIT_K, BM, BN)
+                      pid_mn, HAS_BIAS, SPLIT_K, BM, BN, ORDERED, pid_k, M * N)
 
     @triton.jit
     def _store_output(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                      tile_id, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                      tile_id, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      ORDERED: tl.constexpr = False, split_id=0, slot=0):
         mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if SPLIT_K == 1:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        elif ORDERED:
+            _store_split_ordered(acc, bias_ptr, y_ptrs, ws_ptr, cnt_ptr, offs_m, offs_n, mask, n_mask, N, tile_id,
+                                 SPLIT_K, split_id, slot, HAS_BIAS)
         else:
             # Serial split-K reduction: add into the fp32 workspace, then the program that arrives
             # last (per-tile counter) reads the total, zeroes the slice and counter for next time.
@@ -194,6 +198,31 @@ if triton is not None:
                 if HAS_BIAS:
                     total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _store_split_ordered(acc, bias_ptr, y_ptrs, ws_ptr, cnt_ptr, offs_m, offs_n, mask, n_mask, N, tile_id,
+                             split, split_id, slot, HAS_BIAS: tl.constexpr):
+        """Deterministic split-K (FITLLM_DETERMINISTIC=1): each split stores its partial in its own
+        slice of the workspace (split_id * slot floats in), and the program that arrives last
+        sums the slices in split order, so the fp32 rounding is the same whichever program came
+        last (the atomic adds' order is not: greedy outputs then vary from run to run). Four
+        slices are read per step; reads bypass L1 (other programs wrote them in this launch)."""
+        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs + split_id * slot, acc, mask=mask)
+        tl.debug_barrier()  # all threads' stores are issued before the release below
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if arrived == split - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in range(0, split, 4):
+                p0 = tl.load(ws_ptrs + s * slot, mask=mask, other=0.0, cache_modifier=".cg")
+                p1 = tl.load(ws_ptrs + (s + 1) * slot, mask=mask & (s + 1 < split), other=0.0, cache_modifier=".cg")
+                p2 = tl.load(ws_ptrs + (s + 2) * slot, mask=mask & (s + 2 < split), other=0.0, cache_modifier=".cg")
+                p3 = tl.load(ws_ptrs + (s + 3) * slot, mask=mask & (s + 3 < split), other=0.0, cache_modifier=".cg")
+                total = (((total + p0) + p1) + p2) + p3  # missing slices add an exact 0
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _dequant_kernel(q_ptr, s_ptr, z_ptr, gidx_ptr, w_ptr, N, K,
@@ -249,7 +278,8 @@ if triton is not None:
 
     @triton.jit
     def _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    tile_id, split, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr):
+                    tile_id, split, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, ORDERED: tl.constexpr = False,
+                    split_id=0, slot=0):
         """_store_output with a runtime split count (one compiled kernel for every split)."""
         mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -257,6 +287,9 @@ if triton is not None:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        elif ORDERED:
+            _store_split_ordered(acc, bias_ptr, y_ptrs, ws_ptr, cnt_ptr, offs_m, offs_n, mask, n_mask, N, tile_id,
+                                 split, split_id, slot, HAS_BIAS)
         else:
             ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
             tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
@@ -320,6 +353,7 @@ if triton is not None:
         M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC,
         BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_WS: tl.constexpr, SHIFT16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        ORDERED: tl.constexpr = False,
     ):
         """CUDA-core GEMV for M <= 4 (BM in 1, 2, 4; more rows: grid axis 2): program (n, k) owns BN
         columns and K_ITERS K tiles; each weight word is loaded once and its `pack` fields are
@@ -367,7 +401,7 @@ if triton is not None:
                 acc3 += t3 * s[None, :]
         out, offs_m, m_mask = _rows_out(acc0, acc1, acc2, acc3, m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
+                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, M * N)
 
     # Small-M GEMV with packed 16-bit math. One word holds fields 0..7 (4 bits each); `(w >> 4i) &
     # 0x000F000F | magic` turns fields i and i + 4 into two 16-bit floats magic + q in one LOP3
@@ -498,6 +532,7 @@ if triton is not None:
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xw, stride_ym, K_ITERS, SPLIT,
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
+        ORDERED: tl.constexpr = False,
     ):
         """y = x w for up to 4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), 4-bit weights,
         bf16/fp16. x_ptr is x viewed as int32 (pairs of 16-bit values), stride_xw its row stride in
@@ -530,7 +565,7 @@ if triton is not None:
                                      BN) * s[None, :]
         out, offs_m, m_mask = _rows_out(acc0, acc1, acc2, acc3, m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
+                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, M * N)
 
     @triton.jit
     def _unpack_pairs16(qw, MAGIC2, BITS: tl.constexpr, DT: tl.constexpr, INTERLEAVE: tl.constexpr):
@@ -559,7 +594,7 @@ if triton is not None:
         M, N, K, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC, MAGIC2, MAGICF,
         BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_WS: tl.constexpr, UNPACK: tl.constexpr, SWAP: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, ORDERED: tl.constexpr = False,
     ):
         """Tensor-core tile for small/medium M: the whole [BK, BN] weight tile is unpacked in
         registers, one dot per K tile, the group scale applied to the [BM, BN] result. UNPACK:
@@ -629,7 +664,7 @@ if triton is not None:
         if SWAP:
             acc = tl.trans(acc)
         _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    pid_mn, SPLIT, HAS_BIAS, USE_WS)
+                    pid_mn, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, M * N)
 
 # --------------------------------------------------------------------------- configs and dispatch
 
@@ -754,11 +789,11 @@ def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bia
     k_tiles = triton.cdiv(K, bk)
     split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
     use_ws = split > 1
-    ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if use_ws else (y, y)
+    ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if use_ws else (y, y, {})
     args = (x, qweight, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
             M, N, K, x.stride(0), y.stride(0), k_iters, split, _MAGIC)
     common = dict(BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None,
-                  USE_WS=use_ws, BM=BM, BN=BN, BK=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  USE_WS=use_ws, BM=BM, BN=BN, BK=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **order)
     if kind == "pairs":
         if x.stride(0) % 2 or x.storage_offset() % 2:  # viewed as int32 pairs below
             x = x.clone(memory_format=torch.contiguous_format)
@@ -766,7 +801,7 @@ def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bia
             x.view(torch.int32), qweight, scales, zeros, args[4], y, ws, cnt, M, N, K, x.stride(0) // 2, y.stride(0),
             k_iters, split, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, USE_WS=use_ws,
             BM=BM, BN=BN, BK=bk, F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **order)
     elif kind == "gemv":
         _w4a16_gemv_kernel[(n_blocks, split, m_blocks)](*args, SHIFT16=cfg.get("SHIFT16", True), **common)
     else:
@@ -822,7 +857,7 @@ def w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bits=4, g_idx=None,
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     k_tiles = triton.cdiv(K, BK)
     split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
-    ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if split > 1 else (y, y)
+    ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if split > 1 else (y, y, {})
     # Per-element scales put `pack` extra [BK/pack, BN] scale and zero tiles in every pipeline
     # stage; two stages keep that inside shared memory (3 stages of BK=256 needed 272 KB on sm90).
     stages = min(cfg["num_stages"], 2) if scale_mode == 0 else cfg["num_stages"]
@@ -832,7 +867,7 @@ def w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bits=4, g_idx=None,
         M, N, K, x.stride(0), y.stride(0), k_iters,
         BITS=bits, GROUP_SIZE=group_size, HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None,
         SCALE_MODE=scale_mode, SPLIT_J=split_j, SPLIT_K=split, BM=BM, BN=BN, BK=BK, UPCAST=interpreting(),
-        num_warps=cfg["num_warps"], num_stages=stages,
+        num_warps=cfg["num_warps"], num_stages=stages, **order,
     )
     return y
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (backend_for, device_index, gpu_arch, interpreting, l2_prefetch_args, num_sms, pdl_args,
-                     pick_config, split_k_for, splitk_workspace)
+from ._utils import (backend_for, deterministic, device_index, gpu_arch, interpreting, l2_prefetch_args, num_sms,
+                     pdl_args, pick_config, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -243,6 +243,7 @@ if triton is not None:
         GROUP_SIZE: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, ROW_WARPS: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
         SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False, L2_TILES: tl.constexpr = 0,
+        ORDERED: tl.constexpr = False,
     ):
         """y = x W^T for the tiled layout: program (tile of BM rows x BN columns, K split) walks
         K_ITERS tiles of 128; per tile one dot per group chunk (CHUNK = 128, 64 or 32 columns),
@@ -301,7 +302,7 @@ if triton is not None:
                                      SCALE_IN_W)
         let_next_launch(PDL)
         _store_tile(tl.trans(acc), bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    pid_mn, SPLIT, HAS_BIAS, USE_WS)
+                    pid_mn, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, M * N)
 
     @triton.jit
     def _tiled_dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, NUM_GROUPS, stride_q, MAGIC2,
@@ -368,7 +369,7 @@ if triton is not None:
         M, N, K, NUM_GROUPS, stride_q, stride_xw, stride_ym, K_ITERS, SPLIT,
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-        EVEN_K: tl.constexpr, PDL: tl.constexpr = False, L2_TILES: tl.constexpr = 0,
+        EVEN_K: tl.constexpr, PDL: tl.constexpr = False, L2_TILES: tl.constexpr = 0, ORDERED: tl.constexpr = False,
     ):
         """y = x W^T for 1..4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), CUDA cores, packed
         16-bit math (w4a16's _unpack_q_minus_z / _dot_pairs / _one_row_dot). Program (n, k, m) owns
@@ -400,7 +401,7 @@ if triton is not None:
         let_next_launch(PDL)
         out, offs_m, m_mask = _rows_out(tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3), m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS)
+                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, M * N)
 
 
 # --------------------------------------------------------------------------- configs and dispatch
@@ -506,7 +507,7 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     if cfg["backend"] == "mma":
         from . import w4a16_mma  # (it imports this module)
 
-        if w4a16_mma.mma_supported(x, group_size, K):
+        if w4a16_mma.mma_supported(x, group_size, K) and not deterministic():  # it adds split-K atomically
             return w4a16_mma.w4a16_mma(x, qtile, scales, zeros, group_size, K, bias, y, cfg)
         cfg = _gemv(128, 4, 8) if M == 1 else _tiled(16, 64, 4, 3, waves=4)  # the Triton kernels for any M
     if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K:
@@ -520,14 +521,14 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     split, k_iters = split_k_for(tiles_mn, qtile.shape[1] // 16, num_sms(dev), cfg.get("waves", 0.0))
     use_ws = split > 1
-    ws, cnt = splitk_workspace(x.device, M * N, tiles_mn) if use_ws else (y, y)
+    ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if use_ws else (y, y, {})
     _w4a16_tiled_kernel[(tiles_mn, split)](
         x, qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0), y.stride(0), k_iters, split, _magic2(x.dtype),
         GROUP_SIZE=min(group_size, K), CHUNK=_chunk_for(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws,
         BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
         SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), num_warps=warps, num_stages=cfg["num_stages"],
-        **pdl_args(x), **l2_prefetch_args(cfg, x))
+        **pdl_args(x), **l2_prefetch_args(cfg, x), **order)
     return y
 
 
@@ -544,14 +545,14 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
     split, k_iters = split_k_for(m_blocks * n_blocks, qtile.shape[1] // 16, num_sms(dev), cfg.get("waves", 0.0))
     use_ws = split > 1
-    ws, cnt = splitk_workspace(x.device, M * N, m_blocks * n_blocks) if use_ws else (y, y)
+    ws, cnt, order = splitk_buffers(x.device, M * N, m_blocks * n_blocks, split) if use_ws else (y, y, {})
     _tiled_gemv_kernel[(n_blocks, split, m_blocks)](
         x.view(torch.int32), qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split,
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
-        **pdl_args(x), **l2_prefetch_args(cfg, x))
+        **pdl_args(x), **l2_prefetch_args(cfg, x), **order)
     return y
 
 
