@@ -43,7 +43,9 @@ def test_pdl_kernels_wait_before_touching_memory_and_release_where_intended():
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert found.pop("_unlisted") == [], "kernels taking PDL that pdl_ptx.py does not check"
-    assert len(found) >= 15
+    absent = found.pop("_absent")
+    assert absent in ([], ["w4a16_mma"]), "only the Gluon kernel may be missing (a triton without Gluon)"
+    assert len(found) + len(absent) >= 15
     for name, at in found.items():
         # no global load or store (atomics included) before the wait: the previous kernel may still
         # be writing its output, or reading memory the allocator has handed to us
