@@ -8,8 +8,8 @@ copies, µs per layer). Writes $OUT/bench_w4_tiled.json; prints a table at the e
   python3 benchmarks/bench_w4_tiled.py --out $OUT [--budget-s 420] [--m 1,16,64] [--only mma|l2]
 
 --only sweeps one family: `mma` the mma.sync kernel's configs, `l2` the table's GEMV and tensor-core
-rows with weights asked of L2 before the PDL wait (l2_tiles; here a GEMV follows a GEMV, in the
-decode step a small kernel: benchmarks/pdl_ab.py --variants on,l2-2,l2-4,l2-8 times that).
+rows with weights asked of L2 before the PDL wait (l2_lines; here a GEMV follows a GEMV, in the
+decode step a small kernel: benchmarks/pdl_ab.py --variants on,l2-1,l2-2,l2-4 times that).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ def mma_candidates(M):
 
 
 def l2_candidates(M):
-    """The table's row for M with 1..16 K tiles per weight row asked of L2 before the PDL wait."""
+    """The table's row for M with 1..8 lines (2..16 K tiles) per weight row asked of L2 before the PDL wait."""
     row = pick_config(TILED_CONFIGS, "sm90", M)
-    return [] if row["backend"] == "dequant" else [dict(row, l2_tiles=n) for n in (0, 1, 2, 4, 8, 16)]
+    return [] if row["backend"] == "dequant" else [dict(row, l2_lines=n) for n in (0, 1, 2, 4, 8)]
 
 
 def candidates(M, only=None):
@@ -288,7 +288,7 @@ def main():
         c = b["cfg"] if b else {}
         cfg = (f"{c['backend']} BM{c.get('BM', '-')} BN{c['BN']} w{c['num_warps']} s{c.get('num_stages', 1)} "
                f"waves{c['waves']} siw{int(c.get('SCALE_IN_W', False))} unroll{c.get('UNROLL', '-')} "
-               f"l2{c.get('l2_tiles', 0)}") if b else ""
+               f"l2{c.get('l2_lines', 0)}") if b else ""
         fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
         print(f"| {r['M']} | {fmt(r['bf16'])} | {fmt(r['tinygemm'])} | {fmt(r['standard'])} | {fmt(r.get('baseline'))} | {fmt(r['tiled'])} | {bs} | {cfg} |")
 

@@ -1,7 +1,7 @@
 """Programmatic dependent launch in the engine's decode step, A/B in one process (issue 10); also
 RoPE in the cache write's launch against RoPE as its own kernel (variant rope-apart), and the
-W4A16 kernels asking L2 for their first N weight tiles per row before the PDL wait (variants l2-N,
-FITLLM_L2_PREFETCH=N; `on` is N = 0, the table), and split-K summed in a fixed order (variant
+GEMVs asking L2 for the first N 128-byte lines of each weight row before the PDL wait (variants
+l2-N, FITLLM_L2_PREFETCH=N; `on` is N = 0, the table), and split-K summed in a fixed order (variant
 ordered, FITLLM_DETERMINISTIC=1: what it costs, and whether its greedy tokens repeat exactly).
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
@@ -12,7 +12,7 @@ from run to run; bf16 and fp8 are deterministic and must match, and so must `ord
 clocks hits all of them alike.
 
     python benchmarks/pdl_ab.py --schemes int4,bf16 --variants off,on --rounds 3 [--batch 64] [--out DIR]
-    python benchmarks/pdl_ab.py --schemes int4 --variants on,l2-2,l2-4,l2-8,ordered --rounds 3
+    python benchmarks/pdl_ab.py --schemes int4 --variants on,l2-1,l2-2,l2-4,ordered --rounds 3
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from fitllm.serve.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"},
             "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"},
-            **{f"l2-{n}": {"FITLLM_PDL": "1", "FITLLM_L2_PREFETCH": str(n)} for n in (1, 2, 4, 8, 16)}}
+            **{f"l2-{n}": {"FITLLM_PDL": "1", "FITLLM_L2_PREFETCH": str(n)} for n in (1, 2, 4, 8)}}
 
 
 def greedy_tokens(engine, n: int = 48) -> list[int]:

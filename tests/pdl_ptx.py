@@ -23,14 +23,15 @@ KV = dict(KIND=0, KGROUP=128, VGROUP=128, VT=False, H=8, D=128, DC=128, PAGE=16)
 KERNELS = {
     "tiled_gemv": ("fitllm.kernels.w4a16_tiled:_tiled_gemv_kernel", {**BF16_GEMM, "x_ptr": "*i32"},
                    dict(GROUP_SIZE=128, HAS_BIAS=False, USE_WS=True, BM=1, BN=128, UNROLL=4, F16=False, ASM=True,
-                        EVEN_K=True, L2_TILES=4), 8, 1, True),
+                        EVEN_K=True, L2_LINES=2), 8, 1, True),
     "tiled_tc": ("fitllm.kernels.w4a16_tiled:_w4a16_tiled_kernel", BF16_GEMM,
                  dict(GROUP_SIZE=128, CHUNK=128, HAS_BIAS=False, USE_WS=True, BM=16, BN=64, ROW_WARPS=4, F16=False,
-                      ASM=True, SCALE_IN_W=False, UPCAST=False, L2_TILES=4), 4, 3, True),
+                      ASM=True, SCALE_IN_W=False, UPCAST=False, L2_LINES=2), 4, 3, True),
     "w4a16_mma": ("fitllm.kernels.w4a16_mma:_w4a16_mma_kernel", BF16_GEMM,
                   dict(GROUP_SIZE=128, HAS_BIAS=False, USE_WS=True, BN=128, BM=8, F16=False), 8, 1, True),
     "fp8_gemv": ("fitllm.kernels.fp8:_fp8_gemv_kernel", FP8_GEMM,
-                 dict(W8A8=True, WS_PER_CHANNEL=True, HAS_BIAS=False, USE_WS=True, BN=16, BK=512), 8, 1, True),
+                 dict(W8A8=True, WS_PER_CHANNEL=True, HAS_BIAS=False, USE_WS=True, BN=16, BK=512, L2_LINES=4), 8, 1,
+                 True),
     "fp8_tc": ("fitllm.kernels.fp8:_fp8_kernel", FP8_GEMM,
                dict(W8A8=True, XS_PER_ROW=True, WS_PER_CHANNEL=True, HAS_BIAS=False, SWAP=True, SPLIT_K=2,
                     UPCAST=False, BM=16, BN=64, BK=256), 4, 4, True),
@@ -99,7 +100,7 @@ def main() -> None:
                      "release": first(ptx, r"griddepcontrol\.launch_dependents"),
                      "load": first(ptx, r"\b(ld|cp\.async)\.(global|ca|cg)"),
                      "store": first(ptx, r"\b(st|atom|red)\.global"),
-                     "prefetch": first(ptx, r"\bprefetch\.global\.L2"), "l2_tiles": consts.get("L2_TILES", 0)}
+                     "prefetch": first(ptx, r"\bprefetch\.global\.L2"), "l2_lines": consts.get("L2_LINES", 0)}
     print(json.dumps(out))
 
 

@@ -23,14 +23,14 @@ def test_pdl_is_off_for_cpu_tensors():
 def test_l2_prefetch_only_with_pdl_from_the_config_or_the_environment(monkeypatch):
     x = torch.zeros(2)
     monkeypatch.delenv("FITLLM_L2_PREFETCH", raising=False)
-    assert l2_prefetch_args({"l2_tiles": 4}, x) == {}  # no PDL: nothing waits, nothing to fill
+    assert l2_prefetch_args({"l2_lines": 4}, x) == {}  # no PDL: nothing waits, nothing to fill
     monkeypatch.setattr(_utils, "pdl_args", lambda t: {"PDL": True, "launch_pdl": True})
-    assert l2_prefetch_args({"l2_tiles": 4}, x) == {"L2_TILES": 4}
+    assert l2_prefetch_args({"l2_lines": 4}, x) == {"L2_LINES": 4}
     assert l2_prefetch_args({}, x) == {}
     monkeypatch.setenv("FITLLM_L2_PREFETCH", "8")
-    assert l2_prefetch_args({"l2_tiles": 4}, x) == {"L2_TILES": 8}
+    assert l2_prefetch_args({"l2_lines": 4}, x) == {"L2_LINES": 8}
     monkeypatch.setenv("FITLLM_L2_PREFETCH", "0")
-    assert l2_prefetch_args({"l2_tiles": 4}, x) == {}
+    assert l2_prefetch_args({"l2_lines": 4}, x) == {}
     monkeypatch.setenv("FITLLM_L2_PREFETCH", "3")  # not whole lines of a power-of-two count
     with pytest.raises(ValueError, match="one of"):
         l2_prefetch_args({}, x)
@@ -52,7 +52,7 @@ def test_pdl_kernels_wait_before_touching_memory_and_release_where_intended():
         assert 0 <= at["wait"] < at["load"], name
         assert at["wait"] < at["store"], name
         # the one thing allowed before it: asking L2 for weights (which no kernel writes)
-        assert (0 <= at["prefetch"] < at["wait"]) if at["l2_tiles"] else at["prefetch"] == -1, name
+        assert (0 <= at["prefetch"] < at["wait"]) if at["l2_lines"] else at["prefetch"] == -1, name
         assert at["release"] > at["wait"], name
         if at["big"]:  # a kernel that fills the GPU lets the next one launch after its main loop
             assert at["release"] > at["load"], name

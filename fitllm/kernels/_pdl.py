@@ -15,10 +15,10 @@ Launched without PDL (older GPUs, FITLLM_PDL=0) both are no-ops. The host side i
 _utils.pdl_args; under TRITON_INTERPRET=1 the kernels get PDL=False and never emit them.
 
 The one thing a waiting kernel may touch is memory nobody writes during a step: its weights. The
-W4A16 kernels ask L2 for the first tiles of their weight rows before they wait (`prefetch_to_l2`,
-no registers, no data), so the wait behind a small kernel (RMSNorm, attention, SiLU-mul: a few
-microseconds on a few SMs, the memory system idle) fills L2 instead of idling, and the GEMV's
-first loads hit. A GEMV's ramp is what four separate launches a layer cost over streaming its
+W4A16 kernels and the fp8 GEMV can ask L2 for the first lines of their weight rows before they
+wait (config `l2_lines`, FITLLM_L2_PREFETCH; `prefetch_to_l2`: no registers, no data), so the
+wait behind a small kernel (RMSNorm, attention, SiLU-mul: a few microseconds on a few SMs, the
+memory system idle) fills L2 instead of idling, and the GEMV's first loads hit. A GEMV's ramp is what four separate launches a layer cost over streaming its
 bytes (H200: 42.6 µs read floor against a 27.5 µs roofline; RESULTS.md, fifth session).
 """
 

@@ -60,18 +60,18 @@ def pdl_args(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True}
 
 
-L2_PREFETCH_TILES = (0, 1, 2, 4, 8, 16)  # whole 128-byte lines per weight row
+L2_PREFETCH_LINES = (0, 1, 2, 4, 8, 16)  # 128-byte lines per weight row (a power of two: tl.arange)
 
 
 def l2_prefetch_args(cfg: dict, t: torch.Tensor) -> dict:
-    """L2_TILES for a W4A16 launch with PDL (no PDL, no wait to fill: nothing): the config's
-    `l2_tiles`, or FITLLM_L2_PREFETCH where set (A/B runs, benchmarks/pdl_ab.py)."""
+    """L2_LINES for a GEMV / GEMM launch with PDL (no PDL, no wait to fill: nothing): the config's
+    `l2_lines`, or FITLLM_L2_PREFETCH where set (A/B runs, benchmarks/pdl_ab.py)."""
     if not pdl_args(t):
         return {}
-    tiles = int(os.environ.get("FITLLM_L2_PREFETCH", cfg.get("l2_tiles", 0)))
-    if tiles not in L2_PREFETCH_TILES:
-        raise ValueError(f"L2 prefetch of {tiles} K tiles per row: use one of {L2_PREFETCH_TILES}")
-    return {"L2_TILES": tiles} if tiles else {}
+    lines = int(os.environ.get("FITLLM_L2_PREFETCH", cfg.get("l2_lines", 0)))
+    if lines not in L2_PREFETCH_LINES:
+        raise ValueError(f"L2 prefetch of {lines} lines per weight row: use one of {L2_PREFETCH_LINES}")
+    return {"L2_LINES": lines} if lines else {}
 
 
 # Split-K partial sums go to an fp32 workspace with atomics; the last program of each output tile

@@ -125,13 +125,12 @@ if triton is not None:
         return tl.reshape(tl.permute(qw, (3, 1, 2, 0, 4)), (BN, 16))
 
     @triton.jit
-    def _prefetch_words(q_ptr, n0, N, stride_q, kt0, kt_end, BN: tl.constexpr, L2_TILES: tl.constexpr, ok):
-        """Before the PDL wait (see _pdl.py): ask L2 for the words of the first L2_TILES K tiles
-        (from kt0, below kt_end) of rows n0 .. n0 + BN - 1, what the program reads first. A tile
-        of a row is 64 bytes, half a line."""
-        LINES: tl.constexpr = (L2_TILES + 1) // 2
+    def _prefetch_words(q_ptr, n0, N, stride_q, kt0, kt_end, BN: tl.constexpr, L2_LINES: tl.constexpr, ok):
+        """Before the PDL wait (see _pdl.py): ask L2 for the first L2_LINES 128-byte lines (two K
+        tiles each) of the words of rows n0 .. n0 + BN - 1 from tile kt0 (below kt_end): what the
+        program reads first."""
         n = n0 + tl.arange(0, BN)[:, None]
-        word = kt0 * 16 + 32 * tl.arange(0, LINES)[None, :]
+        word = kt0 * 16 + 32 * tl.arange(0, L2_LINES)[None, :]
         prefetch_to_l2(q_ptr + n * stride_q + word, (n < N) & (word < kt_end * 16) & ok)
 
     @triton.jit
@@ -242,7 +241,7 @@ if triton is not None:
         M, N, K, NUM_GROUPS, stride_q, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC2,
         GROUP_SIZE: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, ROW_WARPS: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-        SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False, L2_TILES: tl.constexpr = 0,
+        SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False, L2_LINES: tl.constexpr = 0,
         ORDERED: tl.constexpr = False,
     ):
         """y = x W^T for the tiled layout: program (tile of BM rows x BN columns, K split) walks
@@ -257,9 +256,9 @@ if triton is not None:
         num_pid_m = tl.cdiv(M, BM)
         pid_m = pid_mn % num_pid_m  # M fastest: programs sharing a weight tile run together
         pid_n = pid_mn // num_pid_m
-        if PDL and L2_TILES > 0:  # one program per weight tile asks
+        if PDL and L2_LINES > 0:  # one program per weight tile asks
             _prefetch_words(q_ptr, pid_n * BN, N, stride_q, pid_k * K_ITERS,
-                            tl.minimum((pid_k + 1) * K_ITERS, stride_q // 16), BN, L2_TILES, pid_m == 0)
+                            tl.minimum((pid_k + 1) * K_ITERS, stride_q // 16), BN, L2_LINES, pid_m == 0)
         wait_for_previous(PDL)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -369,7 +368,7 @@ if triton is not None:
         M, N, K, NUM_GROUPS, stride_q, stride_xw, stride_ym, K_ITERS, SPLIT,
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-        EVEN_K: tl.constexpr, PDL: tl.constexpr = False, L2_TILES: tl.constexpr = 0, ORDERED: tl.constexpr = False,
+        EVEN_K: tl.constexpr, PDL: tl.constexpr = False, L2_LINES: tl.constexpr = 0, ORDERED: tl.constexpr = False,
     ):
         """y = x W^T for 1..4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), CUDA cores, packed
         16-bit math (w4a16's _unpack_q_minus_z / _dot_pairs / _one_row_dot). Program (n, k, m) owns
@@ -389,8 +388,8 @@ if triton is not None:
         acc2 = tl.zeros((BN, 16), dtype=tl.float32)
         acc3 = tl.zeros((BN, 16), dtype=tl.float32)
         kt_end = tl.minimum((pid_k + 1) * K_ITERS, stride_q // 16)  # the last split may be shorter
-        if PDL and L2_TILES > 0:
-            _prefetch_words(q_ptr, pid_n * BN, N, stride_q, pid_k * K_ITERS, kt_end, BN, L2_TILES, m0 == 0)
+        if PDL and L2_LINES > 0:
+            _prefetch_words(q_ptr, pid_n * BN, N, stride_q, pid_k * K_ITERS, kt_end, BN, L2_LINES, m0 == 0)
         wait_for_previous(PDL)  # x is the previous kernel's output
         for kt in range(pid_k * K_ITERS, kt_end, UNROLL):
             for u in tl.static_range(UNROLL):
@@ -406,11 +405,11 @@ if triton is not None:
 
 # --------------------------------------------------------------------------- configs and dispatch
 
-def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled", l2_tiles=0):
-    """The tensor-core kernel. l2_tiles: K tiles per weight row asked of L2 before the PDL wait
-    (_pdl.py; not yet timed on a GPU, so 0 in the table)."""
+def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled", l2_lines=0):
+    """The tensor-core kernel. l2_lines: 128-byte lines per weight row asked of L2 before the PDL
+    wait (_pdl.py; not yet timed on a GPU, so 0 in the table)."""
     return dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages, waves=waves, SCALE_IN_W=scale_in_w,
-                backend=backend, l2_tiles=l2_tiles)
+                backend=backend, l2_lines=l2_lines)
 
 
 def _mma(bn, warps, waves=4.0, prefetch=False, x_smem=False):
@@ -419,11 +418,11 @@ def _mma(bn, warps, waves=4.0, prefetch=False, x_smem=False):
     return dict(BN=bn, num_warps=warps, waves=waves, prefetch=prefetch, x_smem=x_smem, backend="mma")
 
 
-def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None, l2_tiles=0):
+def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None, l2_lines=0):
     """The CUDA-core GEMV (M <= 4; groups of 128*j or per-channel, else the tensor-core path).
-    maxnreg caps registers per thread (more programs per SM); l2_tiles as in _tiled."""
+    maxnreg caps registers per thread (more programs per SM); l2_lines as in _tiled."""
     return dict(BM=4, BN=bn, UNROLL=unroll, num_warps=warps, num_stages=stages, waves=waves, backend="gemv",
-                maxnreg=maxnreg, l2_tiles=l2_tiles)
+                maxnreg=maxnreg, l2_lines=l2_lines)
 
 
 # rows (max M, config), first match wins; 'waves' sets split-K (programs ~= SMs * waves).
