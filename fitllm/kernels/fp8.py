@@ -63,7 +63,7 @@ def fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode=
 
 if triton is not None:
     from ._pdl import let_next_launch, pdl_start, prefetch_to_l2, wait_for_previous
-    from .w4a16 import _store_output, _store_tile
+    from .w4a16 import _store_tile
 
     @triton.jit
     def _round_to_e4m3_grid(v):
@@ -152,8 +152,8 @@ if triton is not None:
                 acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
             else:
                 acc = acc * tl.load(xs_ptr)
-        _store_output(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                      pid_mn, HAS_BIAS, SPLIT_K, BM, BN, ORDERED, pid_k, M * N)
+        _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                    pid_mn, SPLIT_K, HAS_BIAS, SPLIT_K > 1, ORDERED, pid_k, M * N)
 
 
     @triton.jit

@@ -167,37 +167,8 @@ if triton is not None:
         if SCALE_MODE == 2:
             acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
 
-        _store_output(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                      pid_mn, HAS_BIAS, SPLIT_K, BM, BN, ORDERED, pid_k, M * N)
-
-    @triton.jit
-    def _store_output(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                      tile_id, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      ORDERED: tl.constexpr = False, split_id=0, slot=0):
-        mask = m_mask[:, None] & n_mask[None, :]
-        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        elif ORDERED:
-            _store_split_ordered(acc, bias_ptr, y_ptrs, ws_ptr, cnt_ptr, offs_m, offs_n, mask, n_mask, N, tile_id,
-                                 SPLIT_K, split_id, slot, HAS_BIAS)
-        else:
-            # Serial split-K reduction: add into the fp32 workspace, then the program that arrives
-            # last (per-tile counter) reads the total, zeroes the slice and counter for next time.
-            ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-            tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
-            tl.debug_barrier()  # all threads' adds are issued before the release below
-            arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                zero = tl.zeros((BM, BN), dtype=tl.float32)
-                total = tl.atomic_add(ws_ptrs, zero, mask=mask)  # read at L2, never a stale L1 line
-                tl.store(ws_ptrs, zero, mask=mask)
-                tl.atomic_xchg(cnt_ptr + tile_id, 0)
-                if HAS_BIAS:
-                    total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+        _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                    pid_mn, SPLIT_K, HAS_BIAS, SPLIT_K > 1, ORDERED, pid_k, M * N)
 
     @triton.jit
     def _store_split_ordered(acc, bias_ptr, y_ptrs, ws_ptr, cnt_ptr, offs_m, offs_n, mask, n_mask, N, tile_id,
@@ -280,7 +251,11 @@ if triton is not None:
     def _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     tile_id, split, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, ORDERED: tl.constexpr = False,
                     split_id=0, slot=0):
-        """_store_output with a runtime split count (one compiled kernel for every split)."""
+        """y = acc (+ bias) for one output tile, or, split over K (USE_WS), this split's share: by
+        default added into the fp32 workspace, and the program that arrives last (per-tile counter)
+        reads the total, writes y and zeroes its slice and counter for the next launch; in split
+        order with ORDERED (_store_split_ordered). `split` may be a runtime value (one compiled
+        kernel for every split count)."""
         mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if not USE_WS:
@@ -293,11 +268,11 @@ if triton is not None:
         else:
             ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
             tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
-            tl.debug_barrier()
+            tl.debug_barrier()  # all threads' adds are issued before the release below
             arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
             if arrived == split - 1:
                 zero = tl.zeros(acc.shape, dtype=tl.float32)
-                total = tl.atomic_add(ws_ptrs, zero, mask=mask)
+                total = tl.atomic_add(ws_ptrs, zero, mask=mask)  # read at L2, never a stale L1 line
                 tl.store(ws_ptrs, zero, mask=mask)
                 tl.atomic_xchg(cnt_ptr + tile_id, 0)
                 if HAS_BIAS:
