@@ -64,6 +64,9 @@ NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize: one fp32 absmax per 64 weights (
 def linear_shapes(config: ModelConfig) -> list[tuple[str, int, int]]:
     """One decoder layer's checkpoint matrices as (name, in_features, out_features)."""
     h, i = config.hidden_size, config.intermediate_size
+    if config.fused_checkpoint:  # Phi-3
+        return [("qkv_proj", h, config.q_size + 2 * config.kv_size), ("o_proj", config.q_size, h),
+                ("gate_up_proj", h, 2 * i), ("down_proj", i, h)]
     return [("q_proj", h, config.q_size), ("k_proj", h, config.kv_size), ("v_proj", h, config.kv_size),
             ("o_proj", config.q_size, h), ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
 
@@ -633,6 +636,10 @@ KNOWN_MODELS = {
     "qwen3-4b": ("Qwen3ForCausalLM", 151936, 2560, 9728, 36, 32, 8, 128, True, 40960),
     "qwen3-8b": ("Qwen3ForCausalLM", 151936, 4096, 12288, 36, 32, 8, 128, False, 40960),
     "qwen3-32b": ("Qwen3ForCausalLM", 151936, 5120, 25600, 64, 64, 8, 128, False, 40960),
+    "phi-3-mini-4k": ("Phi3ForCausalLM", 32064, 3072, 8192, 32, 32, 32, 96, False, 4096),
+    "phi-3.5-mini": ("Phi3ForCausalLM", 32064, 3072, 8192, 32, 32, 32, 96, False, 131072),
+    "phi-3-medium-4k": ("Phi3ForCausalLM", 32064, 5120, 17920, 40, 40, 10, 128, False, 4096),
+    "phi-4": ("Phi3ForCausalLM", 100352, 5120, 17920, 40, 40, 10, 128, False, 16384),
 }
 
 

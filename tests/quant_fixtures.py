@@ -1,4 +1,5 @@
-"""A tiny random Llama in HF layout (the embedded model's tokenizer) for the quant tests."""
+"""Tiny random models in HF layout (the embedded model's tokenizer) for the quant tests: a Llama,
+and a Phi-3 (whose checkpoints hold q|k|v and gate|up fused), written by transformers."""
 from __future__ import annotations
 
 import json
@@ -35,6 +36,25 @@ def make_tiny_model(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
               "tie_word_embeddings": True, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
     (folder / "config.json").write_text(json.dumps(config))
+    src = resolve_model(None)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, folder / f)
+    return folder
+
+
+def make_tiny_phi3(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(vocab_size=vocab, hidden_size=TINY["hidden"], intermediate_size=TINY["inter"],
+                        num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"],
+                        num_key_value_heads=TINY["kv_heads"], max_position_embeddings=2048, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = Phi3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.save_pretrained(folder, safe_serialization=True)
     src = resolve_model(None)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, folder / f)

@@ -28,11 +28,14 @@ def test_tiny_family_matches_transformers(family, tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits[0]
     assert _max_logprob_diff(prompt_logits(ours, ids[0].tolist()), ref) < 1e-3
-    # Greedy decoding, token for token, against transformers' generate.
-    prompt = ids[0, :12]
-    expected = hf.generate(prompt[None], max_new_tokens=64, do_sample=False, min_new_tokens=64,
+    # Greedy decoding, token for token, against transformers' generate. LongRoPE: only up to its
+    # original context (64): a sequence growing past it makes transformers recompute its whole cache
+    # with the long factors (Phi3ForCausalLM.prepare_inputs_for_generation); fitllm keeps the keys
+    # it cached, as vLLM does (rope_long_context).
+    prompt, new = ids[0, :12], 40 if family == "phi3-longrope" else 64
+    expected = hf.generate(prompt[None], max_new_tokens=new, do_sample=False, min_new_tokens=new,
                            pad_token_id=0)[0, 12:].tolist()
-    assert generate(ours, [prompt.tolist()], 64) == [expected]
+    assert generate(ours, [prompt.tolist()], new) == [expected]
 
 
 def test_llama31_rope_scaling_is_applied(tmp_path):
@@ -74,6 +77,33 @@ def test_batched_generation_equals_single(embedded_model):
 def test_unsupported_architecture_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ModelLoadError, match=r"config\.json: unsupported architecture 'GPT2LMHeadModel'"):
+        ModelConfig.from_file(tmp_path)
+
+
+PHI3 = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 8192,
+        "original_max_position_embeddings": 4096}
+
+
+def test_phi3_config_variants(tmp_path):
+    """Older Phi-3 configs call LongRoPE "su" and keep the original context at the top level;
+    partial RoPE (Phi-4-mini) is refused with a message naming the field."""
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    cfg = ModelConfig.from_hf_dict({**PHI3, "rope_scaling": {"type": "su", **factors}})
+    assert cfg.fused_checkpoint and cfg.rope_scaling["rope_type"] == "longrope"
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 4096
+    (tmp_path / "config.json").write_text(json.dumps({**PHI3, "partial_rotary_factor": 0.75}))
+    with pytest.raises(ModelLoadError, match=r"config\.json: partial_rotary_factor 0\.75"):
+        ModelConfig.from_file(tmp_path)
+
+
+def test_generation_config_adds_end_of_turn_tokens(tmp_path):
+    """HF `generate` stops at generation_config.json's eos ids; so must the server."""
+    (tmp_path / "config.json").write_text(json.dumps({**PHI3, "eos_token_id": 32000}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [32000, 32001, 32007]}))
+    assert ModelConfig.from_file(tmp_path).eos_token_ids == [32000, 32001, 32007]
+    (tmp_path / "generation_config.json").write_text("{oops")
+    with pytest.raises(ModelLoadError, match=r"generation_config\.json: not valid JSON"):
         ModelConfig.from_file(tmp_path)
 
 

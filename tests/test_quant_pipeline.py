@@ -12,7 +12,7 @@ from fitllm.quant.layers import load_quantized_model
 from fitllm.quant.pipeline import quantize_model
 from fitllm.quant.scheme import QuantError
 
-from quant_fixtures import CALIB_TEXT, make_tiny_model
+from quant_fixtures import CALIB_TEXT, make_tiny_model, make_tiny_phi3
 
 IDS = list(range(200, 232))
 
@@ -209,3 +209,37 @@ def test_gptq_checkpoint_with_a_dynamic_exclusion_loads(tiny):
     assert isinstance(model.model.layers[0].mlp.gate_up_proj, QuantLinear)
     assert isinstance(model.model.layers[1].self_attn.qkv_proj, QuantLinear)
     assert rel_err(prompt_logits(model, IDS), tiny[2]) < 0.5
+
+
+@pytest.mark.parametrize("method,fmt", [("rtn", "compressed-tensors"), ("gptq", "gptq"), ("awq", "autoawq"),
+                                        ("fp8", "compressed-tensors")])
+def test_fused_checkpoint_phi3_keeps_its_names(tiny, method, fmt):
+    """Phi-3 stores qkv_proj and gate_up_proj whole: every method quantizes them as one matrix and
+    writes them under those names (what transformers and vLLM look for), and they load back."""
+    from safetensors import safe_open
+
+    root = tiny[0]
+    base = make_tiny_phi3(root / "phi3-base") if not (root / "phi3-base").exists() else root / "phi3-base"
+    ref = prompt_logits(load_model(base), IDS)
+    r = quantize_model(base, root / f"phi3-{method}", method, fmt=fmt, calib=str(root / "calib.txt"), calib_samples=8,
+                       calib_len=64, progress=False, log=lambda s: None)
+    with safe_open(str(r.output / "model.safetensors"), framework="pt") as f:
+        layer0 = {k.split(".")[4] for k in f.keys() if k.startswith("model.layers.0.")}
+    assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} <= layer0 and not layer0 & {"q_proj", "gate_proj"}
+    # loads back near the float model (this random model's fp8 error is ~0.1, int4's ~0.3); the exact check
+    # of the format is the transformers parity below
+    assert rel_err(prompt_logits(load_quantized_model(r.output), IDS), ref) < (0.2 if method == "fp8" else 0.5)
+
+
+def test_phi3_compressed_tensors_loads_in_transformers(tiny):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    root = tiny[0]
+    base = make_tiny_phi3(root / "phi3-hf-base")
+    r = quantize_model(base, root / "phi3-hf-ct", "rtn", group_size=32, calib=str(root / "calib.txt"), calib_samples=8,
+                       calib_len=64, progress=False, log=lambda s: None)
+    hf = AutoModelForCausalLM.from_pretrained(str(r.output), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0].float()
+    assert (prompt_logits(load_quantized_model(r.output), IDS) - ref).abs().max() < 1e-3

@@ -1,6 +1,7 @@
 """Model configuration: one dataclass read from a Hugging Face config.json (or GGUF metadata).
 
-One decoder covers Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3; the differences are flags here.
+One decoder covers Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3 and Phi-3/Phi-4; the differences are
+flags here.
 """
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Phi3ForCausalLM": (False, False),
 }
 MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# checkpoints that store q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj` matrix
+FUSED_CHECKPOINT_ARCHITECTURES = {"Phi3ForCausalLM"}
 
 
 @dataclass
@@ -44,6 +49,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: Optional[int] = None
+    fused_checkpoint: bool = False
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
     quantization_config: Optional[dict] = None
@@ -77,12 +83,13 @@ class ModelConfig:
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                rope_scaling=_rope_scaling(raw),
+                rope_scaling=_rope_scaling(raw, arch, source),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=bool(raw.get("attention_bias", qkv_bias)),
                 qk_norm=qk_norm,
                 sliding_window=window,
+                fused_checkpoint=arch in FUSED_CHECKPOINT_ARCHITECTURES,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 quantization_config=raw.get("quantization_config") or raw.get("compression_config"),
@@ -98,11 +105,14 @@ class ModelConfig:
             path = path / "config.json"
         if not path.exists():
             raise ModelLoadError(f"{path}: no such file (a model folder needs a config.json)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_hf_dict(raw, source=str(path))
+        config = cls.from_hf_dict(_read_json(path), source=str(path))
+        gen = path.with_name("generation_config.json")
+        if gen.exists():  # chat models often list their end-of-turn tokens only here (Phi-3's <|end|>)
+            eos = _read_json(gen).get("eos_token_id")
+            for t in [] if eos is None else [eos] if isinstance(eos, int) else eos:
+                if t not in config.eos_token_ids:
+                    config.eos_token_ids.append(int(t))
+        return config
 
     # Sizes the KV cache, the memory calculator and the kernels all agree on.
     @property
@@ -114,10 +124,32 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def _rope_scaling(raw: dict) -> Optional[dict]:
-    """transformers 4.x writes `rope_scaling`, 5.x writes `rope_parameters`; keep the non-default one."""
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def _rope_scaling(raw: dict, arch: str, source: str) -> Optional[dict]:
+    """transformers 4.x writes `rope_scaling`, 5.x writes `rope_parameters`; keep the non-default one.
+    Phi-3's LongRoPE (older configs say "su" or "yarn") also needs the pretraining context length,
+    which its configs keep at the top level."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = raw.get(key) or {}
+        rotary = next((float(v) for v in (params.get("partial_rotary_factor"), raw.get("partial_rotary_factor"))
+                       if v is not None), 1.0)
+        if rotary != 1.0:
+            raise ModelLoadError(f"{source}: partial_rotary_factor {rotary} (RoPE on part of each head, e.g. "
+                                 "Phi-4-mini) is not supported; fitllm rotates whole heads")
     for key in ("rope_scaling", "rope_parameters"):
         params = raw.get(key)
-        if params and (params.get("rope_type") or params.get("type", "default")) != "default":
-            return dict(params)
+        kind = params and (params.get("rope_type") or params.get("type", "default"))
+        if kind and kind != "default":
+            params = dict(params)
+            if arch == "Phi3ForCausalLM" and kind in ("su", "yarn", "longrope"):
+                params["rope_type"] = "longrope"
+                params.setdefault("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+                params.setdefault("max_position_embeddings", raw.get("max_position_embeddings"))
+            return params
     return None

@@ -1,4 +1,5 @@
-"""One decoder for Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3 (differences are config flags).
+"""One decoder for Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3 and Phi-3/Phi-4 (differences are
+config flags).
 
 It runs on a flat batch: `input_ids [T]`, `positions [T]` and a context whose `attend` reads and
 writes the KV cache. Linear layers come from a factory (dense, or quantized backends from
@@ -30,13 +31,20 @@ class RMSNorm(nn.Module):
         return fused.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2]; `long`: LongRoPE's set for sequences past the original
+    context (rope_long_context)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "longrope":  # Phi-3: one rescaling factor per frequency, a short and a long set
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope: {factors.numel()} factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
@@ -48,7 +56,45 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
+
+
+def rope_long_context(config: ModelConfig) -> tuple[Optional[int], float]:
+    """LongRoPE's switch and scale: (first position that selects the long factors, or None, and the
+    factor cos and sin are multiplied by). A forward whose positions reach the original
+    pretraining context uses the long set for all its tokens, as transformers does for one
+    sequence; keys already cached keep the rotation they were written with, as in vLLM
+    (transformers' generate instead recomputes a sequence's cache once it grows past it)."""
+    scaling = config.rope_scaling or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "longrope":
+        return None, 1.0
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or int(scaling.get("max_position_embeddings") or config.max_position_embeddings) / original
+    scale = scaling.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return original, float(scale)
+
+
+def rope_tables(config: ModelConfig, device="cpu"):
+    """(inv_freq, LongRoPE's long inv_freq or None, its switch position, the cos/sin scale): what
+    rope_cos_sin takes after the positions."""
+    long_from, scale = rope_long_context(config)
+    long_inv_freq = rope_inv_freq(config, long=True).to(device) if long_from is not None else None
+    return rope_inv_freq(config).to(device), long_inv_freq, long_from, scale
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, long_inv_freq: Optional[torch.Tensor] = None,
+                 long_from: Optional[int] = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim / 2] of each position (LongRoPE: rope_long_context). The long/short
+    choice is made on the device, so a CUDA graph replays it without a host sync."""
+    p = positions.float()[:, None]
+    freqs = p * inv_freq[None, :]
+    if long_inv_freq is not None:
+        freqs = torch.where(positions.max() >= long_from, p * long_inv_freq[None, :], freqs)
+    if scale != 1.0:
+        return freqs.cos() * scale, freqs.sin() * scale
+    return freqs.cos(), freqs.sin()
 
 
 class Attention(nn.Module):
@@ -58,8 +104,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.head_dim ** -0.5
         prefix = f"model.layers.{layer}.self_attn"
+        # a fused checkpoint (Phi-3) holds q|k|v as one matrix: one shard, split after the GEMM as usual
+        qkv = [config.q_size, config.kv_size, config.kv_size]
         self.qkv_proj = make_linear(f"{prefix}.qkv_proj", config.hidden_size,
-                                    [config.q_size, config.kv_size, config.kv_size], config.qkv_bias)
+                                    [sum(qkv)] if config.fused_checkpoint else qkv, config.qkv_bias)
         self.o_proj = make_linear(f"{prefix}.o_proj", config.q_size, [config.hidden_size], False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -88,8 +136,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, make_linear: LinearFactory):
         super().__init__()
         prefix = f"model.layers.{layer}.mlp"
+        gate_up = [config.intermediate_size] * 2
         self.gate_up_proj = make_linear(f"{prefix}.gate_up_proj", config.hidden_size,
-                                        [config.intermediate_size] * 2, False)
+                                        [sum(gate_up)] if config.fused_checkpoint else gate_up, False)
         self.down_proj = make_linear(f"{prefix}.down_proj", config.intermediate_size, [config.hidden_size], False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +205,9 @@ class CausalLM(nn.Module):
             if not isinstance(module, FusedLinear):
                 for p in module.parameters(recurse=False):
                     p.data = p.data.to(dtype)
-        self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+        inv_freq, long_inv_freq, self.rope_long_from, self.rope_scale = rope_tables(config, device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -168,12 +219,14 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = self.rope(positions)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer.forward_residual(x, residual, cos, sin, ctx)
         return self.model.norm(x, residual)[0]
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.inv_freq, self.long_inv_freq, self.rope_long_from, self.rope_scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, FusedLinear):  # a quantized lm_head

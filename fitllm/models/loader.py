@@ -26,6 +26,9 @@ FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# modules that are one checkpoint matrix (shard 0); a fused checkpoint (Phi-3) stores qkv_proj and
+# gate_up_proj whole
+UNFUSED_MODULES = ("o_proj", "down_proj", "lm_head", "qkv_proj", "gate_up_proj")
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -111,7 +114,7 @@ def route(name: str) -> tuple[str, Optional[int], str]:
         if head[-1] in FUSED_SHARDS:
             fused, shard = FUSED_SHARDS[head[-1]]
             return ".".join(head[:-1] + [fused]), shard, tail
-        if head[-1] in ("o_proj", "down_proj", "lm_head"):
+        if head[-1] in UNFUSED_MODULES:
             return ".".join(head), 0, tail
     return ".".join(parts[:-1]), None, parts[-1]
 

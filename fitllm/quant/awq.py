@@ -116,6 +116,6 @@ def awq_layer(layer, feats: dict, scheme: QuantScheme, grid: int = 20) -> dict[s
         w = lin.weight.float()
         clip = search_clip(w, feats[name][0][:512], scheme)
         if name == "qkv_proj":  # q and k feed attention scores: AWQ leaves their range unclipped
-            clip[: qkv.out_sizes[0] + qkv.out_sizes[1]] = 1.0
+            clip[: (attn.num_heads + attn.num_kv_heads) * attn.head_dim] = 1.0  # (also when q|k|v is one shard)
         out[name] = rtn_quantize(w, scheme, clip)
     return out

@@ -31,9 +31,11 @@ for _hf, (_fused, _i) in FUSED_SHARDS.items():
 
 
 def shard_names(prefix: str, n: int) -> list[str]:
-    """HF names of the matrices a fused module holds: `...qkv_proj` -> [...q_proj, ...k_proj, ...v_proj]."""
+    """HF names of the matrices a fused module of n shards holds: `...qkv_proj` -> [...q_proj,
+    ...k_proj, ...v_proj]; a module of one shard is its own checkpoint matrix (o_proj, or the
+    qkv_proj of a checkpoint that stores it fused, as Phi-3's do)."""
     head, _, last = prefix.rpartition(".")
-    if last in SHARD_NAMES:
+    if last in SHARD_NAMES and n == len(SHARD_NAMES[last]):
         return [f"{head}.{SHARD_NAMES[last][i]}" for i in range(n)]
     return [prefix]
 
@@ -185,6 +187,9 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
     elif method == "gptq":
         if qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
             raise ModelLoadError(f"{source}: quantization_config.checkpoint_format {qc.get('checkpoint_format')!r} is not supported")
+        if str(qc.get("pack_dtype") or "int32").removeprefix("torch.") != "int32":  # GPTQModel may pack in int8/16/64
+            raise ModelLoadError(f"{source}: quantization_config.pack_dtype {qc['pack_dtype']!r} is not supported "
+                                 "(GPTQ words must be int32)")
         gptq = get_format("gptq")
         reader = lambda t, name: gptq.read(t, gptq.module_config(qc, name), dtype)
     else:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from fitllm.models.config import ModelConfig
-from fitllm.models.decoder import DecoderLayer, RMSNorm, rope_inv_freq
+from fitllm.models.decoder import DecoderLayer, RMSNorm, rope_cos_sin, rope_tables
 from fitllm.models.linear import FusedLinear, dense_factory
 from fitllm.models.loader import route, safetensors_files
 from fitllm.quant.awq import awq_layer
@@ -277,8 +277,7 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
         torch.cuda.reset_peak_memory_stats(device)
 
     x = F.embedding(ids, src.get("model.embed_tokens.weight").to(device, torch.float32))
-    freqs = torch.arange(length, device=device).float()[:, None] * rope_inv_freq(config).to(device)[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = rope_cos_sin(torch.arange(length, device=device), *rope_tables(config, device))
     errors: list[float] = []
     with atomic_output(out, force) as tmp, _progress(progress, config.num_layers + lm_head, method) as advance:
         writer = ShardWriter(tmp)
