@@ -640,6 +640,7 @@ KNOWN_MODELS = {
     "phi-3.5-mini": ("Phi3ForCausalLM", 32064, 3072, 8192, 32, 32, 32, 96, False, 131072),
     "phi-3-medium-4k": ("Phi3ForCausalLM", 32064, 5120, 17920, 40, 40, 10, 128, False, 4096),
     "phi-4": ("Phi3ForCausalLM", 100352, 5120, 17920, 40, 40, 10, 128, False, 16384),
+    "phi-4-mini": ("Phi3ForCausalLM", 200064, 3072, 8192, 32, 24, 8, 128, True, 131072),
 }
 
 

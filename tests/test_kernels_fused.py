@@ -88,19 +88,22 @@ def rope_tables(T, half, theta=10000.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,HQ,HK,D", [(1, 32, 8, 128), (3, 4, 2, 64), (7, 3, 1, 96), (2, 14, 2, 64)])
-def test_rope_matches_reference_in_place_on_qkv_views(dtype, T, HQ, HK, D):
+@pytest.mark.parametrize("T,HQ,HK,D,R", [(1, 32, 8, 128, 128), (3, 4, 2, 64, 64), (7, 3, 1, 96, 96), (2, 14, 2, 64, 64),
+                                        (3, 6, 2, 128, 96), (2, 4, 4, 64, 32)])  # R < D: partial RoPE
+def test_rope_matches_reference_in_place_on_qkv_views(dtype, T, HQ, HK, D, R):
     qkv = randn(T, (HQ + 2 * HK) * D, dtype=dtype, scale=2.0)
     before = qkv.clone()
     q = qkv[:, :HQ * D].view(T, HQ, D)
     k = qkv[:, HQ * D:(HQ + HK) * D].view(T, HK, D)
-    cos, sin = rope_tables(T, D // 2)
+    cos, sin = rope_tables(T, R // 2)
     q_ref, k_ref = fused.apply_rope_ref(q.clone(), k.clone(), cos, sin)
     q_out, k_out = fused.apply_rope_triton(q, k, cos, sin)
     assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # in place
     assert_close(q, q_ref)
     assert_close(k, k_ref)
     assert torch.equal(qkv[:, (HQ + HK) * D:], before[:, (HQ + HK) * D:])  # v untouched
+    heads = qkv[:, :(HQ + HK) * D].view(T, HQ + HK, D)
+    assert torch.equal(heads[..., R:], before[:, :(HQ + HK) * D].view(T, HQ + HK, D)[..., R:])  # past R untouched
 
 
 def test_rope_reference_is_rotate_half():
@@ -114,6 +117,14 @@ def test_rope_reference_is_rotate_half():
     want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     torch.testing.assert_close(q.double(), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(q, k)
+    # partial RoPE: the first R dims rotate among themselves (pairs i, i + R/2), the rest pass
+    R = 10
+    cos, sin = rope_tables(T, R // 2)
+    q, _ = fused.apply_rope_ref(x.clone(), x.clone(), cos, sin)
+    x1, x2, rest = x.double().split([R // 2, R // 2, D - R], dim=-1)
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    torch.testing.assert_close(q.double(), torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1),
+                               rtol=1e-6, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- silu_mul

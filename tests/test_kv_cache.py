@@ -262,18 +262,19 @@ def test_graph_context_attends_through_the_cache(monkeypatch):
     assert seen == ["attend", "write", "other"]
 
 
-def rope_tables(t, seed):
+def rope_tables(t, seed, half=D // 2):
     g = torch.Generator().manual_seed(seed)
-    angle = torch.randint(0, 500, (t, 1), generator=g).float() * (1e4 ** -(torch.arange(D // 2) / (D // 2)))
+    angle = torch.randint(0, 500, (t, 1), generator=g).float() * (1e4 ** -(torch.arange(half) / half))
     return angle.cos(), angle.sin()
 
 
-@pytest.mark.parametrize("kv_dtype,dtype", [("fp32", torch.float32), ("bf16", torch.float32),
-                                            ("bf16", torch.bfloat16)])
-def test_rope_fused_into_the_cache_write_equals_rope_then_attend(kv_dtype, dtype, monkeypatch):
+@pytest.mark.parametrize("kv_dtype,dtype,half", [("fp32", torch.float32, D // 2), ("bf16", torch.float32, D // 2),
+                                                 ("bf16", torch.bfloat16, D // 2), ("bf16", torch.bfloat16, D // 4)])
+def test_rope_fused_into_the_cache_write_equals_rope_then_attend(kv_dtype, dtype, half, monkeypatch):
     """The Triton path of an unquantized cache takes RoPE into its write's launch (rope_cache_write):
     the same outputs and the same cache bytes as RoPE, then the reference write and attention.
-    q, k, v are views of one qkv buffer, padding slots (-1) are skipped, GQA groups rotate once."""
+    q, k, v are views of one qkv buffer, padding slots (-1) are skipped, GQA groups rotate once.
+    Partial RoPE (half < D / 2) takes the separate RoPE kernel, with the same result."""
     from fitllm.kernels.fused import apply_rope_ref
 
     def run(fused):
@@ -289,7 +290,7 @@ def test_rope_fused_into_the_cache_write_equals_rope_then_attend(kv_dtype, dtype
             if step == 2:
                 meta.slot_mapping[-1] = -1  # a padding token: its K/V must not land anywhere
             q, k, v = qkv_views(torch.randn(t, (H * G + 2 * H) * D, generator=g).to(dtype))
-            cos, sin = rope_tables(t, step)
+            cos, sin = rope_tables(t, step, half)
             ctx = ForwardContext(cache, meta)
             if fused:
                 outs.append(ctx.attend(0, q, k, v, 0.25, rope=(cos, sin)))

@@ -32,7 +32,7 @@ def test_tiny_family_matches_transformers(family, tmp_path):
     # original context (64): a sequence growing past it makes transformers recompute its whole cache
     # with the long factors (Phi3ForCausalLM.prepare_inputs_for_generation); fitllm keeps the keys
     # it cached, as vLLM does (rope_long_context).
-    prompt, new = ids[0, :12], 40 if family == "phi3-longrope" else 64
+    prompt, new = ids[0, :12], 40 if family in ("phi3-longrope", "phi3-partial") else 64
     expected = hf.generate(prompt[None], max_new_tokens=new, do_sample=False, min_new_tokens=new,
                            pad_token_id=0)[0, 12:].tolist()
     assert generate(ours, [prompt.tolist()], new) == [expected]
@@ -87,13 +87,15 @@ PHI3 = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 64, "hidden_size": 6
 
 def test_phi3_config_variants(tmp_path):
     """Older Phi-3 configs call LongRoPE "su" and keep the original context at the top level;
-    partial RoPE (Phi-4-mini) is refused with a message naming the field."""
+    partial RoPE (Phi-4-mini: 3/4 of each head) rotates the leading dims; a factor that leaves an odd
+    count is refused with a message naming the field."""
     factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     cfg = ModelConfig.from_hf_dict({**PHI3, "rope_scaling": {"type": "su", **factors}})
     assert cfg.fused_checkpoint and cfg.rope_scaling["rope_type"] == "longrope"
-    assert cfg.rope_scaling["original_max_position_embeddings"] == 4096
-    (tmp_path / "config.json").write_text(json.dumps({**PHI3, "partial_rotary_factor": 0.75}))
-    with pytest.raises(ModelLoadError, match=r"config\.json: partial_rotary_factor 0\.75"):
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 4096 and cfg.rotary_dim == cfg.head_dim == 16
+    assert ModelConfig.from_hf_dict({**PHI3, "partial_rotary_factor": 0.75}).rotary_dim == 12
+    (tmp_path / "config.json").write_text(json.dumps({**PHI3, "partial_rotary_factor": 0.2}))  # 3.2 -> 3 dims
+    with pytest.raises(ModelLoadError, match=r"config\.json: partial_rotary_factor 0\.2 gives 3 rotary dims"):
         ModelConfig.from_file(tmp_path)
 
 

@@ -27,6 +27,12 @@ FAMILIES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                          "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                          "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]})),
+    # Phi-4-mini's shape of RoPE: LongRoPE on the first half of each head (it rotates 3/4)
+    "phi3-partial": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=64,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.2, 1.7, 2.5], "long_factor": [1.0, 2.0, 5.0, 11.0]})),
 }
 
 

@@ -51,13 +51,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 
 def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
+    half = cos.shape[-1]  # partial RoPE: the dims past 2 * half pass through
+    x1, x2, rest = x.float().split([half, half, x.shape[-1] - 2 * half], dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1).to(x.dtype)
 
 
 def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T, Hq, D], k [T, Hk, D]; cos/sin [T, D/2] float32. Rotates q and k in place."""
+    """q [T, Hq, D], k [T, Hk, D]; cos/sin [T, R/2] float32 for the first R <= D dims of each head
+    (R < D: partial RoPE, the rest untouched). Rotates q and k in place."""
     q.copy_(_rope_ref(q, cos, sin))
     k.copy_(_rope_ref(k, cos, sin))
     return q, k
@@ -164,7 +166,7 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     T, HQ, D = q.shape
     HK = k.shape[1]
     half = cos.shape[-1]
-    if (k.shape[0] != T or k.shape[2] != D or D != 2 * half or cos.shape != (T, half) or sin.shape != (T, half)
+    if (k.shape[0] != T or k.shape[2] != D or D < 2 * half or cos.shape != (T, half) or sin.shape != (T, half)
             or k.dtype != q.dtype or cos.stride(-1) != 1 or sin.stride(-1) != 1):
         raise ValueError(f"apply_rope: q {tuple(q.shape)}, k {tuple(k.shape)} {k.dtype}, cos {tuple(cos.shape)}, "
                          f"sin {tuple(sin.shape)}")
@@ -256,7 +258,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotate-half RoPE on q [T, Hq, D] and k [T, Hk, D] (any strides, e.g. views of the qkv
-    output), cos/sin [T, D/2] float32; computed in float32. IN PLACE; returns (q, k)."""
+    output), cos/sin [T, R/2] float32 for the first R dims (R = D, or fewer: partial RoPE);
+    computed in float32. IN PLACE; returns (q, k)."""
     if backend_for(q) == "triton":
         return apply_rope_triton(q, k, cos, sin)
     return apply_rope_ref(q, k, cos, sin)

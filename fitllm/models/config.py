@@ -50,6 +50,7 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: Optional[int] = None
     fused_checkpoint: bool = False
+    rotary_dim: int = 0  # dims of each head RoPE rotates (the first ones; Phi-4-mini: 3/4); 0: all
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
     quantization_config: Optional[dict] = None
@@ -65,6 +66,7 @@ class ModelConfig:
             )
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+            head_dim = int(raw.get("head_dim") or hidden // heads)
             qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
             eos = raw.get("eos_token_id")
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -80,7 +82,7 @@ class ModelConfig:
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
                 rope_scaling=_rope_scaling(raw, arch, source),
@@ -90,6 +92,7 @@ class ModelConfig:
                 qk_norm=qk_norm,
                 sliding_window=window,
                 fused_checkpoint=arch in FUSED_CHECKPOINT_ARCHITECTURES,
+                rotary_dim=_rotary_dim(raw, head_dim, source),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 quantization_config=raw.get("quantization_config") or raw.get("compression_config"),
@@ -131,17 +134,23 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
+def _rotary_dim(raw: dict, head_dim: int, source: str) -> int:
+    """How many leading dims of a head RoPE rotates: head_dim * partial_rotary_factor (top level, or
+    in rope_parameters as transformers 5 writes it), as transformers rounds it."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = next((float(v) for v in (params.get("partial_rotary_factor"), raw.get("partial_rotary_factor"))
+                   if v is not None), 1.0)
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ModelLoadError(f"{source}: partial_rotary_factor {factor} gives {dim} rotary dims of {head_dim}; "
+                             "need an even number between 2 and head_dim")
+    return dim
+
+
 def _rope_scaling(raw: dict, arch: str, source: str) -> Optional[dict]:
     """transformers 4.x writes `rope_scaling`, 5.x writes `rope_parameters`; keep the non-default one.
     Phi-3's LongRoPE (older configs say "su" or "yarn") also needs the pretraining context length,
     which its configs keep at the top level."""
-    for key in ("rope_scaling", "rope_parameters"):
-        params = raw.get(key) or {}
-        rotary = next((float(v) for v in (params.get("partial_rotary_factor"), raw.get("partial_rotary_factor"))
-                       if v is not None), 1.0)
-        if rotary != 1.0:
-            raise ModelLoadError(f"{source}: partial_rotary_factor {rotary} (RoPE on part of each head, e.g. "
-                                 "Phi-4-mini) is not supported; fitllm rotates whole heads")
     for key in ("rope_scaling", "rope_parameters"):
         params = raw.get(key)
         kind = params and (params.get("rope_type") or params.get("type", "default"))

@@ -32,9 +32,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2]; `long`: LongRoPE's set for sequences past the original
+    """Inverse frequencies [rotary_dim / 2]; `long`: LongRoPE's set for sequences past the original
     context (rope_long_context)."""
-    dim = config.head_dim
+    dim = config.rotary_dim or config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     scaling = config.rope_scaling
     if not scaling:

@@ -415,7 +415,7 @@ class PagedKVCache:
         """write, then attention; with the three maps into cache space in one launch when it can.
         rope=(cos, sin): q and k are rotated first (fused into the write where `fuses_rope`)."""
         if rope is not None:
-            if self.fuses_rope:
+            if self.fuses_rope and 2 * rope[0].shape[-1] == q.shape[-1]:  # (partial RoPE: apart)
                 from fitllm.kernels import paged_attention as pa
 
                 pa.rope_cache_write(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
