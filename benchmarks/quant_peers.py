@@ -65,13 +65,30 @@ PEERS = {  # name -> the option naming the venv it runs in
     "llmc-awq": "peer_python",  # llm-compressor 0.14 AWQ + int4 asym (min-max)
     "llmc-fp8": "peer_python",  # llm-compressor 0.14 FP8_DYNAMIC
     "gptqmodel-gptq": "gptqmodel_python",  # GPTQModel 7.7 GPTQ int4 sym, its defaults
+    "gptqmodel-dynamic": "gptqmodel_python",  # + per-module `dynamic` rules (GPTQMODEL below)
+    "gptqmodel-head": "gptqmodel_python",  # + lm_head=True (its default head rule: 8-bit g32)
+}
+# GPTQModel rows -> QuantizeConfig kwargs on top of bits=4, --group-size, sym. The `dynamic` rules exercise
+# each kind: `-:` leaves modules dense, `+:` / a bare regex override bits, group_size, sym, desc_act; the first
+# matching rule wins (layer 1's down_proj takes 8 bits, not the later group-size rule).
+GPTQMODEL = {
+    "gptqmodel-gptq": {},
+    "gptqmodel-dynamic": {"dynamic": {
+        r"-:^model\.layers\.0\.self_attn\.": {},
+        r"+:^model\.layers\.(1|2)\.mlp\.down_proj$": {"bits": 8},
+        r"+:^model\.layers\.[13]\.mlp\.": {"group_size": 32},
+        r"^model\.layers\.4\.self_attn\.[qkv]_proj$": {"sym": False, "desc_act": True},
+        r"+:^model\.layers\.5\.mlp\.down_proj$": {"bits": 8, "group_size": 128, "sym": False},
+        r"-:^model\.layers\.29\.mlp\.": {},
+    }},
+    "gptqmodel-head": {"lm_head": True},
 }
 
 
 def run_one(name: str, args) -> dict:
     from fitllm.models.loader import load_model
     from fitllm.quant.layers import load_quantized_model
-    from fitllm.quant.pipeline import quantize_model
+    from fitllm.quant.pipeline import CalibContext, quantize_model
 
     wins = torch.load(Path(args.workdir) / "windows.pt")
     row = {"name": name}
@@ -79,7 +96,8 @@ def run_one(name: str, args) -> dict:
     if name == "base":
         model = load_model(Path(args.base), "cpu", torch.float32)
     elif name in PEERS:
-        row.update(peer_subprocess(name, args, "--peer"))
+        if not (args.reuse and (out / "config.json").exists()):
+            row.update(peer_subprocess(name, args, "--peer"))
         model = load_quantized_model(out, "cpu", torch.float32)
     else:
         t0, c0 = time.time(), time.process_time()
@@ -92,7 +110,15 @@ def run_one(name: str, args) -> dict:
         model = load_quantized_model(out, "cpu", torch.float32)
     row["ppl"] = round(perplexity(model, wins), 3)
     if name in (args.hf_check or "").split(","):
-        row["hf_ppl"] = peer_subprocess(name, args, "--hf-eval")["hf_ppl"]
+        row.update(peer_subprocess(name, args, "--hf-eval"))
+        peer_logp = Path(args.workdir) / f"{name}.logp0.pt"  # the peer's log-softmax on window 0
+        if peer_logp.exists():
+            with torch.inference_mode():
+                w = wins[0]
+                ours = F.log_softmax(model.compute_logits(model(w, torch.arange(w.numel()), CalibContext(1, w.numel()))).float(), -1)
+            row["max_dlogp"] = round((ours - torch.load(peer_logp)).abs().max().item(), 5)
+            row["max_dlogp_bf16_kernel"] = round((ours - torch.load(Path(args.workdir) / f"{name}.logp0-bf16.pt")).abs().max().item(), 4)
+            row["ppl_w0"] = round(math.exp(-ours[:-1].gather(1, w[1:, None]).mean().item()), 3)
     return row
 
 
@@ -118,8 +144,8 @@ def peer_quantize(name: str, args) -> dict:
     ids = torch.load(Path(args.workdir) / "calib_ids.pt")
     out = Path(args.workdir) / name
     t0, c0 = time.time(), time.process_time()
-    if name == "gptqmodel-gptq":
-        quantize_gptqmodel(args.base, ids, out, args.group_size)
+    if name in GPTQMODEL:
+        quantize_gptqmodel(args.base, ids, out, args.group_size, **GPTQMODEL[name])
     else:
         quantize_llmcompressor(name, args.base, ids, out, args.group_size)
     return dict(seconds=round(time.time() - t0, 1), cpu_seconds=round(time.process_time() - c0, 1),
@@ -152,27 +178,79 @@ def quantize_llmcompressor(name: str, base: str, ids: torch.Tensor, out: Path, g
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
 
 
-def quantize_gptqmodel(base: str, ids: torch.Tensor, out: Path, group: int) -> None:
+def quantize_gptqmodel(base: str, ids: torch.Tensor, out: Path, group: int, **qc) -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
     from gptqmodel import GPTQModel, QuantizeConfig
 
-    model = GPTQModel.load(base, QuantizeConfig(bits=4, group_size=group, sym=True))
+    if qc.get("lm_head") and json.loads((Path(base) / "config.json").read_text()).get("tie_word_embeddings"):
+        base = untie(base, out.parent / "base-untied")  # GPTQModel refuses to quantize a tied lm_head
+    model = GPTQModel.load(base, QuantizeConfig(bits=4, group_size=group, sym=True, **qc))
     model.quantize([{"input_ids": row, "attention_mask": [1] * len(row)} for row in ids.tolist()])
     model.save(str(out))
 
 
+def untie(base: str, folder: Path) -> str:
+    """A copy of `base` whose lm_head is its own tensor (config tie_word_embeddings false)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    return str(folder)
+
+
 @torch.inference_mode()
 def hf_perplexity(name: str, args) -> dict:
-    """The peer checkpoint evaluated by transformers (decompressed on load), same windows."""
-    from transformers import AutoModelForCausalLM
+    """The peer checkpoint evaluated by its own stack, same windows: transformers (decompressed on
+    load), or GPTQModel's own loader and CPU kernels for its checkpoints (then window 0's
+    log-softmax is saved too, for run_one to compare with fitllm's)."""
+    path = Path(args.workdir) / name
+    wins = torch.load(Path(args.workdir) / "windows.pt")
 
-    model = AutoModelForCausalLM.from_pretrained(Path(args.workdir) / name, dtype=torch.float32).eval()
-    nll, count = 0.0, 0
-    for w in torch.load(Path(args.workdir) / "windows.pt"):
-        logits = model(input_ids=w[None]).logits[0, :-1].float()
-        nll += F.cross_entropy(logits, w[1:], reduction="sum").item()
-        count += w.numel() - 1
-    return {"hf_ppl": round(math.exp(nll / count), 3)}
+    def ppl(model, save_logp=None, n=None) -> float:
+        nll, count = 0.0, 0
+        for i, w in enumerate(wins[:n]):
+            logits = model(input_ids=w[None]).logits[0].float()
+            if i == 0 and save_logp:
+                torch.save(F.log_softmax(logits, -1), save_logp)
+            nll += F.cross_entropy(logits[:-1], w[1:], reduction="sum").item()
+            count += w.numel() - 1
+        return round(math.exp(nll / count), 3)
+
+    if not name.startswith("gptqmodel"):
+        from transformers import AutoModelForCausalLM
+
+        return {"hf_ppl": ppl(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())}
+    from gptqmodel import GPTQModel
+    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+
+    # GPTQModel's torch kernel (its CPU default, torch_fused, takes 4-bit modules only) runs fp16/bf16
+    # only, and slowly on a CPU: its own forward in bf16 on window 0, then every module dequantized by
+    # GPTQModel in fp32 and an fp32 forward on all windows (window 0's log-softmax saved for run_one). Its
+    # bf16 load has rounded the fp16 scales to bf16, so this forward is close to fitllm's, not equal.
+    model = GPTQModel.load(str(path), device="cpu", dtype=torch.bfloat16, backend="torch").model.eval()
+    bf16 = Path(args.workdir) / f"{name}.logp0-bf16.pt"
+    if bf16.exists() and bf16.stat().st_mtime > (path / "model.safetensors").stat().st_mtime:  # minutes on a CPU
+        logp = torch.load(bf16)
+        out = {"gptqmodel_bf16_ppl_w0": round(math.exp(-logp[:-1].gather(1, wins[0][1:, None]).mean().item()), 3)}
+    else:
+        out = {"gptqmodel_bf16_ppl_w0": ppl(model, bf16, n=1)}
+    for mod_name, mod in list(model.named_modules()):
+        if isinstance(mod, BaseQuantLinear):
+            mod.scales = mod.scales.float()
+            w = mod.dequantize_weight().float()  # [in, out]: its forward computes x @ w
+            assert w.shape == (mod.in_features, mod.out_features), (mod_name, w.shape)
+            w = w.t()
+            dense = torch.nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            dense.weight.data.copy_(w)
+            if mod.bias is not None:
+                dense.bias.data.copy_(mod.bias.float())
+            parent, _, child = mod_name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, dense)
+    out["hf_ppl"] = ppl(model.float(), Path(args.workdir) / f"{name}.logp0.pt")
+    return out
 
 
 def make_calib_text(path: Path) -> None:
@@ -291,7 +369,8 @@ def main() -> None:
     ap.add_argument("--parallel", action="store_true", help="one process per method at once, 1 thread each")
     ap.add_argument("--peer-python", default=None, help="python of the venv with llm-compressor")
     ap.add_argument("--gptqmodel-python", default=None, help="python of the venv with GPTQModel")
-    ap.add_argument("--hf-check", default=None, help="peers whose checkpoints transformers also evaluates")
+    ap.add_argument("--hf-check", default=None, help="peers whose checkpoints their own stack also evaluates")
+    ap.add_argument("--reuse", action="store_true", help="peer rows: evaluate the checkpoint already in --workdir")
     ap.add_argument("--base", default=None, help="model folder (default: the embedded model)")
     ap.add_argument("--make-calib", default=None, metavar="FILE", help="write the license/docstring calibration text and exit")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)

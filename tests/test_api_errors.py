@@ -7,6 +7,7 @@ ones while a fuzzed request that happens to be valid costs microseconds, not a f
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -512,3 +513,24 @@ def test_streamed_text_and_usage_with_a_slow_engine(tokenizer, path, body):
     assert choices[-1]["finish_reason"] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 5 and events[-1]["choices"] == []
     assert len({e["created"] for e in events}) == 1 and len({e["id"] for e in events}) == 1
+
+
+def test_serve_deterministic_flag_sets_the_kernels_switch_before_the_engine(monkeypatch):
+    """--deterministic must be in the environment when the engine (and its CUDA graphs) is built."""
+    from typer.testing import CliRunner
+
+    from fitllm.cli import serve as serve_cli
+    from fitllm.cli.main import app
+
+    seen = []
+
+    def fake_build(*args, **kwargs):
+        seen.append(os.environ.get("FITLLM_DETERMINISTIC"))
+        raise SystemExit(3)
+
+    monkeypatch.setenv("FITLLM_DETERMINISTIC", "0")  # (restored after the test, whatever serve sets)
+    monkeypatch.setattr(serve_cli, "_build_engine", fake_build)
+    monkeypatch.setattr(serve_cli, "_check_port_free", lambda host, port: None)
+    for flag, want in (([], "0"), (["--deterministic"], "1")):
+        assert CliRunner().invoke(app, ["serve", *flag]).exit_code == 3
+        assert seen[-1] == want

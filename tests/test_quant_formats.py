@@ -59,6 +59,29 @@ def test_gptq_zero_point_offset_and_g_idx():
     assert torch.equal(gptq.read(v2, {"bits": 4, "group_size": 8, "checkpoint_format": "gptq_v2"}, torch.float32).zeros, kw.zeros)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_v1_zero_point_zero_as_gptqmodel_stores_it(bits):
+    """GPTQModel packs the zero points as they are and exports v1 by taking 1 off each slot with one
+    int32 subtraction per word, so a zero point of 0 (asymmetric) stores all ones and borrows from
+    the next slot; reading slot by slot would give 2^bits and one less for its neighbour."""
+    n, k, per = 16, 64, 32 // bits
+    zero = torch.randint(1, 1 << bits, (2, n), dtype=torch.int32)  # [G, N]
+    zero[0, 0] = zero[1, 3] = zero[1, per - 1] = 0  # the last slot of a word: its borrow falls off the word
+    ones = sum(1 << (bits * j) for j in range(per))
+    word = (pack_dim1(zero, bits).long() - ones) & 0xFFFFFFFF
+    qzeros = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+    assert int(unpack_dim1(qzeros, bits)[0, 0]) == (1 << bits) - 1  # all ones, and slot 1 lost a 1
+    assert int(unpack_dim1(qzeros, bits)[0, 1]) == (int(zero[0, 1]) - 2) % (1 << bits)
+    q = torch.randint(0, 1 << bits, (k, n), dtype=torch.int32)
+    scales = torch.rand(2, n).half() + 0.5
+    t = {"qweight": pack_dim0(q, bits), "qzeros": qzeros, "scales": scales,
+         "g_idx": torch.arange(k, dtype=torch.int32) // 32}
+    kw = gptq.read(t, {"bits": bits, "group_size": 32, "sym": False}, torch.float32)
+    assert torch.equal(kw.zeros, zero.float())
+    expect = (q.float() - zero.float().repeat_interleave(32, 0)) * scales.float().repeat_interleave(32, 0)
+    assert torch.equal(kw.dequantize(), expect.t())
+
+
 def test_gptq_dynamic_rules_as_vllm_applies_them():
     """GPTQModel's `dynamic`: the first pattern matching the start of the name wins; `-:` leaves the
     module dense (None), `+:` or a bare pattern overrides bits / group_size / desc_act / sym only."""
@@ -135,3 +158,6 @@ def test_gptq_dynamic_exclusions_build_dense_layers():
     assert isinstance(make("lm_head", 64, [1000], False), QuantLinear)
     with pytest.raises(ModelLoadError, match="fuses quantized and unquantized"):
         make("model.layers.2.self_attn.qkv_proj", 64, [64, 32, 32], False)
+    quant_factory({**qc, "pack_dtype": "int32"}, torch.float32, "cpu")  # what GPTQModel writes by default
+    with pytest.raises(ModelLoadError, match="pack_dtype 'int16' is not supported"):
+        quant_factory({**qc, "pack_dtype": "int16"}, torch.float32, "cpu")

@@ -2,11 +2,16 @@
 
 Per linear `[N out, K in]`, G groups, per = 32 / bits:
   qweight int32 [K/per, N]  packed along K, low bits first (the fitllm kernel layout)
-  qzeros  int32 [G, N/per]  packed along N, storing zero - 1 (v1's historical offset)
+  qzeros  int32 [G, N/per]  packed along N, storing zero - 1 (v1's historical offset), the 1 taken
+                            off each whole int32 word (GPTQModel: `qzeros -= 0x11111111`), so a
+                            zero point of 0 borrows from the next slot; read by the inverse word add
   scales  fp16  [G, N]
   g_idx   int32 [K]         group of each input column (act-order / desc_act)
 dequant: (q - (stored_zero + 1)) * s. Because of the offset a zero point of 0 cannot be
-stored; fitllm's quantizer keeps zero >= 1 for this format. `checkpoint_format: gptq_v2`
+stored slot by slot; fitllm's quantizer keeps zero >= 1 for this format (then the word and the
+slot arithmetic agree). Reading adds 1 slot by slot in some kernels (vLLM's, by its old comment
+here; not checked), which misreads such a slot as 16; fitllm inverts GPTQModel's word arithmetic,
+as GPTQModel's own loader does. `checkpoint_format: gptq_v2`
 (GPTQModel's internal form) stores the zero point without the offset.
 `lm_head: true` says the lm_head is quantized too; GPTQModel's `dynamic` rules give single modules
 other bits or leave them dense (module_config).
@@ -72,8 +77,13 @@ def write(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 def read(t: dict[str, torch.Tensor], qc: dict, dtype) -> KernelWeight:
     bits = int(qc.get("bits", 4))
-    offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
-    zeros = unpack_dim1(t["qzeros"], bits) + offset  # a stored 0xF (zero 0 wrapped) reads as 16, as in vLLM
+    qzeros = t["qzeros"]
+    if qc.get("checkpoint_format") != "gptq_v2":  # undo v1's offset on the whole word, as GPTQModel
+        # does: a zero point of 0 was stored as 0xF and a borrow from the next slot, which a
+        # slot-wise +1 would read as 16 and the next as one less; the carry restores both
+        ones = sum(1 << (bits * j) for j in range(32 // bits))
+        qzeros = (qzeros.long() + ones) & 0xFFFFFFFF
+    zeros = unpack_dim1(qzeros, bits)
     k = t["qweight"].shape[0] * 32 // bits
     group = int(qc.get("group_size", 128))
     group = k if group == -1 else group
