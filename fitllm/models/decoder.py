@@ -86,7 +86,7 @@ def rope_tables(config: ModelConfig, device="cpu"):
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, long_inv_freq: Optional[torch.Tensor] = None,
                  long_from: Optional[int] = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim / 2] of each position (LongRoPE: rope_long_context). The long/short
+    """cos, sin [T, rotary_dim / 2] of each position (LongRoPE: rope_long_context). The long/short
     choice is made on the device, so a CUDA graph replays it without a host sync."""
     p = positions.float()[:, None]
     freqs = p * inv_freq[None, :]
