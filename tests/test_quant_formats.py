@@ -95,6 +95,40 @@ def test_gptq_dynamic_rules_as_vllm_applies_them():
     assert gptq.module_config({"bits": 4}, "lm_head") == {"bits": 4}
 
 
+def gptqmodel_loads_v1(qc: dict) -> bool:
+    """The condition GPTQModel 7.7's loader puts on a `checkpoint_format: gptq` (v1) file, rewritten here
+    from its behaviour: sym=True always loads; sym=False only if `meta.quantizer` (a list of
+    "name:version") names gptqmodel, and the first such entry has a version >= 0.9.0. Otherwise it
+    raises "Loading of a sym=False model with format=gptq is only supported if produced by gptqmodel
+    version >= 0.9.0"."""
+    from packaging.version import Version
+
+    if qc.get("sym", True):
+        return True
+    entries = (qc.get("meta") or {}).get("quantizer") or []
+    for name, _, ver in (e.partition(":") for e in ([entries] if isinstance(entries, str) else entries)):
+        if name.lower() == "gptqmodel":
+            return Version(ver) >= Version("0.9.0")
+    return False
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq_config_is_one_gptqmodel_loads(sym):
+    """`--format gptq` configs GPTQModel's loader accepts: an asymmetric v1 file needs the producer
+    list with the GPTQModel v1 convention (fitllm's zero points >= 1 are stored as its export stores
+    them); fitllm names itself first and adds the convention only where GPTQModel asks for it."""
+    import json
+
+    from fitllm import __version__
+
+    qc = json.loads(json.dumps(gptq.quantization_config(QuantScheme("gptq", sym=sym, act_order=True), 8)))
+    assert gptqmodel_loads_v1(qc)
+    assert qc["meta"]["quantizer"][0] == f"fitllm:{__version__}"
+    assert ("gptqmodel:0.9.0" in qc["meta"]["quantizer"]) is (not sym)
+    assert qc["checkpoint_format"] == "gptq" and qc["lm_head"] is True and qc["dynamic"] == {"+:lm_head": {"bits": 8}}
+    assert not gptqmodel_loads_v1({**qc, "sym": False, "meta": {"quantizer": [f"fitllm:{__version__}"]}})
+
+
 def test_autoawq_write_read_bit_identical():
     torch.manual_seed(0)
     scheme = QuantScheme("awq", group_size=32, scale_dtype=torch.float16)

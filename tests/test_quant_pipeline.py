@@ -148,6 +148,9 @@ def test_quantized_lm_head_round_trip(tiny, monkeypatch, head_bits):
     raw = json.loads((r.output / "config.json").read_text())
     assert raw["quantization_config"]["lm_head"] is True and raw["tie_word_embeddings"] is False
     assert raw["quantization_config"].get("dynamic") == ({"+:lm_head": {"bits": 8}} if head_bits == 8 else None)
+    # asymmetric v1: GPTQModel's loader wants its v1 convention named in the producers (test_quant_formats)
+    qc = raw["quantization_config"]
+    assert qc["sym"] is False and "gptqmodel:0.9.0" in qc["meta"]["quantizer"]
     with safe_open(str(r.output / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     assert {"lm_head.qweight", "lm_head.scales", "lm_head.qzeros", "model.embed_tokens.weight"} <= names

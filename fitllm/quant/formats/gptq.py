@@ -14,7 +14,8 @@ here; not checked), which misreads such a slot as 16; fitllm inverts GPTQModel's
 as GPTQModel's own loader does. `checkpoint_format: gptq_v2`
 (GPTQModel's internal form) stores the zero point without the offset.
 `lm_head: true` says the lm_head is quantized too; GPTQModel's `dynamic` rules give single modules
-other bits or leave them dense (module_config).
+other bits or leave them dense (module_config). `meta.quantizer` lists the producer, and for sym=False
+the GPTQModel v1 convention GPTQModel's loader requires of asymmetric files (see producers()).
 """
 from __future__ import annotations
 
@@ -58,7 +59,23 @@ def quantization_config(scheme: QuantScheme, lm_head_bits: Optional[int] = None)
           "checkpoint_format": "gptq", "pack_dtype": "int32"}
     if lm_head_bits is not None and lm_head_bits != scheme.bits:
         qc["dynamic"] = {"+:lm_head": {"bits": lm_head_bits}}
+    qc["meta"] = {"quantizer": producers(scheme.sym)}
     return qc
+
+
+# GPTQModel's loader (7.7; the check came with its v2 format in 0.9) refuses an asymmetric v1 checkpoint
+# unless `meta.quantizer` names GPTQModel >= 0.9.0 ("only supported if produced by gptqmodel version >= 0.9.0"):
+# AutoGPTQ's older v1 export wrapped zero points of 0, and 0.9 is where the export became the word arithmetic
+# `read` inverts. fitllm's zero points are >= 1, so its bytes are those GPTQModel's own export writes for the
+# same zeros; the second entry names that convention (fitllm, the producer, comes first). vLLM and fitllm's
+# reader ignore `meta`.
+GPTQMODEL_V1_CONVENTION = "gptqmodel:0.9.0"
+
+
+def producers(sym: bool) -> list[str]:
+    from fitllm import __version__
+
+    return [f"fitllm:{__version__}"] + ([] if sym else [GPTQMODEL_V1_CONVENTION])
 
 
 def write(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
