@@ -13,27 +13,30 @@ import torch
 import pytest
 
 from fitllm.kernels import _utils
-from fitllm.kernels._utils import l2_prefetch_args, pdl_args
+from fitllm.kernels._utils import pdl_args, prefetching_pdl_args
 
 
 def test_pdl_is_off_for_cpu_tensors():
     assert pdl_args(torch.zeros(2)) == {}
 
 
+PDL = {"PDL": True, "launch_pdl": True}
+
+
 def test_l2_prefetch_only_with_pdl_from_the_config_or_the_environment(monkeypatch):
     x = torch.zeros(2)
     monkeypatch.delenv("FITLLM_L2_PREFETCH", raising=False)
-    assert l2_prefetch_args({"l2_lines": 4}, x) == {}  # no PDL: nothing waits, nothing to fill
-    monkeypatch.setattr(_utils, "pdl_args", lambda t: {"PDL": True, "launch_pdl": True})
-    assert l2_prefetch_args({"l2_lines": 4}, x) == {"L2_LINES": 4}
-    assert l2_prefetch_args({}, x) == {}
+    assert prefetching_pdl_args({"l2_lines": 4}, x) == {}  # no PDL: nothing waits, nothing to fill
+    monkeypatch.setattr(_utils, "pdl_args", lambda t: dict(PDL))
+    assert prefetching_pdl_args({"l2_lines": 4}, x) == {**PDL, "L2_LINES": 4}
+    assert prefetching_pdl_args({}, x) == PDL
     monkeypatch.setenv("FITLLM_L2_PREFETCH", "8")
-    assert l2_prefetch_args({"l2_lines": 4}, x) == {"L2_LINES": 8}
+    assert prefetching_pdl_args({"l2_lines": 4}, x) == {**PDL, "L2_LINES": 8}
     monkeypatch.setenv("FITLLM_L2_PREFETCH", "0")
-    assert l2_prefetch_args({"l2_lines": 4}, x) == {}
+    assert prefetching_pdl_args({"l2_lines": 4}, x) == PDL
     monkeypatch.setenv("FITLLM_L2_PREFETCH", "3")  # not whole lines of a power-of-two count
     with pytest.raises(ValueError, match="one of"):
-        l2_prefetch_args({}, x)
+        prefetching_pdl_args({}, x)
 
 
 def test_pdl_kernels_wait_before_touching_memory_and_release_where_intended():

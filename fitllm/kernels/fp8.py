@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (backend_for, device_index, gpu_arch, interpreting, l2_prefetch_args, num_sms, pdl_args,
-                     pick_config, split_k_for, splitk_buffers)
+from ._utils import (backend_for, device_index, gpu_arch, interpreting, num_sms, pdl_args, pick_config,
+                     prefetching_pdl_args, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -306,8 +306,8 @@ def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev):
     _fp8_gemv_kernel[(n_blocks, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt, N, K, weight_fp8.stride(0), k_iters, split,
         W8A8=mode == "w8a8", WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None, USE_WS=split > 1,
-        BN=BN, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y), **order,
-        **l2_prefetch_args(cfg, y))
+        BN=BN, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **prefetching_pdl_args(cfg, y),
+        **order)
     return y
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (backend_for, deterministic, device_index, gpu_arch, interpreting, l2_prefetch_args, num_sms,
-                     pdl_args, pick_config, split_k_for, splitk_buffers)
+from ._utils import (backend_for, deterministic, device_index, gpu_arch, interpreting, num_sms, pick_config,
+                     prefetching_pdl_args, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -527,7 +527,7 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
         GROUP_SIZE=min(group_size, K), CHUNK=_chunk_for(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws,
         BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
         SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), num_warps=warps, num_stages=cfg["num_stages"],
-        **pdl_args(x), **l2_prefetch_args(cfg, x), **order)
+        **prefetching_pdl_args(cfg, x), **order)
     return y
 
 
@@ -551,7 +551,7 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
-        **pdl_args(x), **l2_prefetch_args(cfg, x), **order)
+        **prefetching_pdl_args(cfg, x), **order)
     return y
 
 

@@ -202,7 +202,7 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
             return dense(prefix, in_features, out_sizes, bias)
         if method == "gptq":  # `dynamic` rules may leave modules dense
             names = shard_names(prefix, len(out_sizes))
-            kept = [get_format("gptq").module_config(qc, n) is not None for n in names]
+            kept = [gptq.module_config(qc, n) is not None for n in names]
             if not any(kept):
                 return dense(prefix, in_features, out_sizes, bias)
             if not all(kept):
