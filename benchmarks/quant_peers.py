@@ -60,6 +60,11 @@ def perplexity(model, wins: torch.Tensor) -> float:
     return math.exp(nll / count)
 
 
+def window_ppl(logp: torch.Tensor, w: torch.Tensor) -> float:
+    """Perplexity of one window from its log-softmax [L, vocab] (runs in both venvs)."""
+    return round(math.exp(-logp[:-1].gather(1, w[1:, None]).mean().item()), 3)
+
+
 PEERS = {  # name -> the option naming the venv it runs in
     "llmc-gptq": "peer_python",  # llm-compressor 0.14 GPTQ int4 sym, its default act-order (static)
     "llmc-awq": "peer_python",  # llm-compressor 0.14 AWQ + int4 asym (min-max)
@@ -118,7 +123,7 @@ def run_one(name: str, args) -> dict:
                 ours = F.log_softmax(model.compute_logits(model(w, torch.arange(w.numel()), CalibContext(1, w.numel()))).float(), -1)
             row["max_dlogp"] = round((ours - torch.load(peer_logp)).abs().max().item(), 5)
             row["max_dlogp_bf16_kernel"] = round((ours - torch.load(Path(args.workdir) / f"{name}.logp0-bf16.pt")).abs().max().item(), 4)
-            row["ppl_w0"] = round(math.exp(-ours[:-1].gather(1, w[1:, None]).mean().item()), 3)
+            row["ppl_w0"] = window_ppl(ours, w)
     return row
 
 
@@ -234,7 +239,7 @@ def hf_perplexity(name: str, args) -> dict:
     bf16 = Path(args.workdir) / f"{name}.logp0-bf16.pt"
     if bf16.exists() and bf16.stat().st_mtime > (path / "model.safetensors").stat().st_mtime:  # minutes on a CPU
         logp = torch.load(bf16)
-        out = {"gptqmodel_bf16_ppl_w0": round(math.exp(-logp[:-1].gather(1, wins[0][1:, None]).mean().item()), 3)}
+        out = {"gptqmodel_bf16_ppl_w0": window_ppl(logp, wins[0])}
     else:
         out = {"gptqmodel_bf16_ppl_w0": ppl(model, bf16, n=1)}
     for mod_name, mod in list(model.named_modules()):
