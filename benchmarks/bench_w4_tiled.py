@@ -5,11 +5,7 @@ with a sweep of tile configs (every swept config is checked for correctness firs
 One Llama-3-8B layer's four linears (as benchmarks/bench_gemm.py: CUDA-graph replay of two weight
 copies, µs per layer). Writes $OUT/bench_w4_tiled.json; prints a table at the end.
 
-  python3 benchmarks/bench_w4_tiled.py --out $OUT [--budget-s 420] [--m 1,16,64] [--only mma|l2]
-
---only sweeps one family: `mma` the mma.sync kernel's configs, `l2` the table's GEMV and tensor-core
-rows with weights asked of L2 before the PDL wait (l2_lines; here a GEMV follows a GEMV, in the
-decode step a small kernel: benchmarks/pdl_ab.py --variants on,l2-1,l2-2,l2-4 times that).
+  python3 benchmarks/bench_w4_tiled.py --out $OUT [--budget-s 420] [--m 1,16,64]
 """
 
 from __future__ import annotations
@@ -27,39 +23,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.bench_gemm import BW, GS, SHAPES, graph_time, log, make_w4, rel_err  # noqa: E402
 from fitllm.kernels._utils import pick_config  # noqa: E402
 from fitllm.kernels.w4a16 import dequantize_packed, w4a16_gemm_triton  # noqa: E402
-from fitllm.kernels.w4a16_tiled import TILED_CONFIGS, _gemv, _mma, _tiled, tile_pack, w4a16_tiled_triton  # noqa: E402
+from fitllm.kernels.w4a16_tiled import TILED_CONFIGS, _gemv, _tiled, tile_pack, w4a16_tiled_triton  # noqa: E402
 
 CHECK_M = [1, 3, 7, 16, 24, 33, 100, 128, 200, 1000, 4096]  # issue 4's M and one inside every table row
 TIME_M = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 INT4_BYTES = sum(K * N // 2 + 2 * (K // GS) * N * 2 for K, N in SHAPES.values())  # words + bf16 scales, zeros
 
 
-def mma_candidates(M):
-    """The mma.sync kernel (w4a16_mma) for M <= 16: tile rows x warps x split-K waves, then its two
-    options (prefetch, x through shared memory) around the shapes that won on the H200 (seventh session)."""
-    shapes = ((64, 4), (128, 4), (128, 8), (256, 8), (64, 2), (32, 2)) if M == 1 else ((128, 4), (128, 8), (64, 2))
-    plain = [_mma(bn, w, waves) for bn, w in shapes for waves in (2, 4, 8)]
-    return plain + [_mma(bn, w, waves, pf, xs) for bn, w in ((128, 8), (64, 4), (64, 2), (128, 4)) for waves in (4, 8)
-                    for pf, xs in ((True, False), (False, True), (True, True))]
-
-
-def l2_candidates(M):
-    """The table's row for M with 1..8 lines (2..16 K tiles) per weight row asked of L2 before the PDL wait."""
-    row = pick_config(TILED_CONFIGS, "sm90", M)
-    return [] if row["backend"] == "dequant" else [dict(row, l2_lines=n) for n in (0, 1, 2, 4, 8)]
-
-
-def candidates(M, only=None):
+def candidates(M):
     t = _tiled
-    if only == "mma":
-        return mma_candidates(M) if M <= 16 else []
-    if only == "l2":
-        return l2_candidates(M)
     if M <= 2:  # around the table's GEMV row (BN 128 / unroll 4 / 8 warps for M=1) and the tc row for M=2
-        return mma_candidates(M) + [_gemv(128, 4, 8, w) for w in (2, 4)] + [_gemv(128, 2, 8, 2), _gemv(128, 1, 4, 4), _gemv(256, 2, 8, 2)] + \
+        return [_gemv(128, 4, 8, w) for w in (2, 4)] + [_gemv(128, 2, 8, 2), _gemv(128, 1, 4, 4), _gemv(256, 2, 8, 2)] + \
                [t(16, 64, 4, 3, w) for w in (2, 3, 4, 6, 8)] + [t(16, 64, 4, 4, 4), t(16, 128, 8, 3, 2)]
     if M <= 16:
-        return mma_candidates(M) + [t(16, 64, 4, 3, w) for w in (2, 3, 4, 6, 8)] + [t(16, 64, 4, 4, 4), t(16, 128, 8, 3, 2),
+        return [t(16, 64, 4, 3, w) for w in (2, 3, 4, 6, 8)] + [t(16, 64, 4, 4, 4), t(16, 128, 8, 3, 2),
                                                               t(16, 128, 8, 3, 4), t(16, 64, 4, 3, 4, True)]
     if M <= 32:
         return [t(32, 64, 4, 3, w) for w in (2, 3, 4, 6)] + [t(32, 128, 8, 3, 2), t(32, 64, 4, 3, 3, True)]
@@ -133,34 +110,6 @@ def variants(dev):
     return out
 
 
-def mma_variants(dev):
-    """The mma.sync kernel off the Llama shapes: fp16, bias, per-channel and 256-groups, K not a
-    multiple of 128 (padded words, an odd tile count for the two-tile prefetch), N not a multiple of the
-    tile, M = 1 .. 16, each with the kernel's options off and on."""
-    out = []
-    for M in (1, 5, 9, 16):
-        for kw in (dict(), dict(dtype=torch.float16), dict(gs=4096), dict(gs=256), dict(K=576, gs=576),
-                   dict(N=1000), dict(opts=(True, False)), dict(opts=(False, True)),
-                   dict(opts=(True, True), K=576, gs=576, waves=0),  # one split: 5 tiles
-                   dict(opts=(True, True), dtype=torch.float16, N=1000), dict(opts=(True, False), K=4992, waves=0)):
-            kw = dict(kw)
-            dt, K, N = kw.pop("dtype", torch.bfloat16), kw.pop("K", 4096), kw.pop("N", 4096)
-            pf, xs = kw.pop("opts", (False, False))
-            waves = kw.pop("waves", 4)
-            w4 = make_w4(K, N, dev, dtype=dt, **kw)
-            x = torch.randn(M, K, device=dev, dtype=dt)
-            bias = torch.randn(N, device=dev, dtype=dt)
-            y = torch.full((M, N), float("nan"), device=dev, dtype=dt)
-            w4a16_tiled_triton(x, tile_pack(w4["qweight"]), w4["scales"], w4["zeros"], w4["group_size"], K, bias=bias,
-                               config=_mma(128, 4, waves, pf, xs), out=y)
-            ref = x.double() @ dequantize_packed(w4["qweight"], w4["scales"], w4["zeros"], w4["group_size"], 4,
-                                                 dtype=torch.float64) + bias.double()
-            e = rel_err(y, ref)
-            out.append(dict(M=M, K=K, N=N, gs=kw.get("gs", GS), dtype=str(dt), prefetch=pf, x_smem=xs, err=e))
-            log(f"  mma variant M={M} K={K} N={N} gs={kw.get('gs', GS)} {dt} prefetch={pf} x_smem={xs}: {e:.2e}")
-    return out
-
-
 def model_check(shape="smollm2-135m"):
     """A whole random model, int4 RTN: logits with the tiled layout vs the standard layout (same
     integers and scales; only the kernels differ) and vs the bf16 model."""
@@ -197,7 +146,6 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--m", default=None, help="comma-separated M values to time (default: all)")
     ap.add_argument("--no-sweep", action="store_true", help="time the table only")
-    ap.add_argument("--only", choices=("mma", "l2"), help="sweep one family of configs (see the docstring)")
     ap.add_argument("--check-only", action="store_true",
                     help="correctness only (e.g. under compute-sanitizer --tool memcheck), no timing")
     ap.add_argument("--model-check", action="store_true", help="also compare whole-model logits (SmolLM2 shape)")
@@ -218,7 +166,7 @@ def main():
     res["check"] = [dict(M=M, err=check_tiled(dev, W, ref_w, M)) for M in CHECK_M]
     for r in res["check"]:
         log(f"  M={r['M']:5d} worst rel err {r['err']:.2e}")
-    res["variants"] = variants(dev) + mma_variants(dev)
+    res["variants"] = variants(dev)
     worst = max([r["err"] for r in res["check"]] + [r["err"] for r in res["variants"]])
     log(f"worst rel err {worst:.2e} {'PASS' if worst < 1e-2 else 'FAIL'}")
     if a.model_check:
@@ -255,7 +203,7 @@ def main():
                 log(f"M={M} {k} failed: {repr(e)[:300]}")
                 row[k] = None
         sweep = []
-        for cfg in [] if a.no_sweep else candidates(M, a.only):
+        for cfg in [] if a.no_sweep else candidates(M):
             if time.time() > deadline:
                 log("budget reached: sweep cut short")
                 break
@@ -286,9 +234,8 @@ def main():
         b = r["best"]
         bs = f"{b['us']:.1f} ({r['bf16'] / b['us']:.2f}x)" if b else "-"
         c = b["cfg"] if b else {}
-        cfg = (f"{c['backend']} BM{c.get('BM', '-')} BN{c['BN']} w{c['num_warps']} s{c.get('num_stages', 1)} "
-               f"waves{c['waves']} siw{int(c.get('SCALE_IN_W', False))} unroll{c.get('UNROLL', '-')} "
-               f"l2{c.get('l2_lines', 0)}") if b else ""
+        cfg = (f"{c['backend']} BM{c['BM']} BN{c['BN']} w{c['num_warps']} s{c['num_stages']} waves{c['waves']} "
+               f"siw{int(c.get('SCALE_IN_W', False))} unroll{c.get('UNROLL', '-')}") if b else ""
         fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
         print(f"| {r['M']} | {fmt(r['bf16'])} | {fmt(r['tinygemm'])} | {fmt(r['standard'])} | {fmt(r.get('baseline'))} | {fmt(r['tiled'])} | {bs} | {cfg} |")
 

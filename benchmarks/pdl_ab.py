@@ -1,18 +1,17 @@
 """Programmatic dependent launch in the engine's decode step, A/B in one process (issue 10); also
-RoPE in the cache write's launch against RoPE as its own kernel (variant rope-apart), and the
-GEMVs asking L2 for the first N 128-byte lines of each weight row before the PDL wait (variants
-l2-N, FITLLM_L2_PREFETCH=N; `on` is N = 0, the table), and split-K summed in a fixed order (variant
-ordered, FITLLM_DETERMINISTIC=1: what it costs, and whether its greedy tokens repeat exactly).
+RoPE in the cache write's launch against RoPE as its own kernel (variant rope-apart), and split-K
+summed in a fixed order (variant ordered, FITLLM_DETERMINISTIC=1: what it costs, and whether its
+greedy tokens repeat exactly).
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
 greedy tokens equal those of the first variant and those of its own first round (with random
 weights the logits are nearly flat, so split-K's atomic adds, whose order varies, flip int4 tokens
-from run to run; bf16 and fp8 are deterministic and must match, and so must `ordered`). Variants run in rounds, interleaved, so drift in the card's
-clocks hits all of them alike.
+from run to run; bf16 and fp8 are deterministic and must match, and so must `ordered`). Variants
+run in rounds, interleaved, so drift in the card's clocks hits all of them alike.
 
     python benchmarks/pdl_ab.py --schemes int4,bf16 --variants off,on --rounds 3 [--batch 64] [--out DIR]
-    python benchmarks/pdl_ab.py --schemes int4 --variants on,l2-1,l2-2,l2-4,ordered --rounds 3
+    python benchmarks/pdl_ab.py --schemes int4 --variants on,ordered --rounds 3
 """
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ from fitllm.models.kv_cache import PagedKVCache  # noqa: E402
 from fitllm.serve.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"},
-            "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"},
-            **{f"l2-{n}": {"FITLLM_PDL": "1", "FITLLM_L2_PREFETCH": str(n)} for n in (1, 2, 4, 8)}}
+            "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"}}
 
 
 def greedy_tokens(engine, n: int = 48) -> list[int]:
@@ -59,8 +57,7 @@ def main() -> int:
         reference, own = None, {}
         for r in range(args.rounds):
             for name in args.variants.split(","):
-                for var in ("FITLLM_L2_PREFETCH", "FITLLM_DETERMINISTIC"):
-                    os.environ.pop(var, None)
+                os.environ.pop("FITLLM_DETERMINISTIC", None)
                 os.environ.update(VARIANTS[name])
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
                 engine = engine_for(model, kv_dtype=args.kv, max_num_seqs=max(8, args.batch))

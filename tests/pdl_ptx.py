@@ -23,15 +23,12 @@ KV = dict(KIND=0, KGROUP=128, VGROUP=128, VT=False, H=8, D=128, DC=128, PAGE=16)
 KERNELS = {
     "tiled_gemv": ("fitllm.kernels.w4a16_tiled:_tiled_gemv_kernel", {**BF16_GEMM, "x_ptr": "*i32"},
                    dict(GROUP_SIZE=128, HAS_BIAS=False, USE_WS=True, BM=1, BN=128, UNROLL=4, F16=False, ASM=True,
-                        EVEN_K=True, L2_LINES=2), 8, 1, True),
+                        EVEN_K=True), 8, 1, True),
     "tiled_tc": ("fitllm.kernels.w4a16_tiled:_w4a16_tiled_kernel", BF16_GEMM,
                  dict(GROUP_SIZE=128, CHUNK=128, HAS_BIAS=False, USE_WS=True, BM=16, BN=64, ROW_WARPS=4, F16=False,
-                      ASM=True, SCALE_IN_W=False, UPCAST=False, L2_LINES=2), 4, 3, True),
-    "w4a16_mma": ("fitllm.kernels.w4a16_mma:_w4a16_mma_kernel", BF16_GEMM,
-                  dict(GROUP_SIZE=128, HAS_BIAS=False, USE_WS=True, BN=128, BM=8, F16=False), 8, 1, True),
+                      ASM=True, SCALE_IN_W=False, UPCAST=False), 4, 3, True),
     "fp8_gemv": ("fitllm.kernels.fp8:_fp8_gemv_kernel", FP8_GEMM,
-                 dict(W8A8=True, WS_PER_CHANNEL=True, HAS_BIAS=False, USE_WS=True, BN=16, BK=512, L2_LINES=4), 8, 1,
-                 True),
+                 dict(W8A8=True, WS_PER_CHANNEL=True, HAS_BIAS=False, USE_WS=True, BN=16, BK=512), 8, 1, True),
     "fp8_tc": ("fitllm.kernels.fp8:_fp8_kernel", FP8_GEMM,
                dict(W8A8=True, XS_PER_ROW=True, WS_PER_CHANNEL=True, HAS_BIAS=False, SWAP=True, SPLIT_K=2,
                     UPCAST=False, BM=16, BN=64, BK=256), 4, 4, True),
@@ -77,7 +74,7 @@ def kernels_with_pdl() -> set[str]:
     import fitllm.kernels as pkg
 
     found = set()
-    for mod in ("w4a16_tiled", "w4a16_mma", "w4a16", "fp8", "paged_attention", "_fused_triton"):
+    for mod in ("w4a16_tiled", "w4a16", "fp8", "paged_attention", "_fused_triton"):
         m = importlib.import_module(f"{pkg.__name__}.{mod}")
         found |= {f"{m.__name__}:{k}" for k, v in vars(m).items()
                   if "PDL" in getattr(v, "arg_names", ()) and v.fn.__module__ == m.__name__ and k.endswith("_kernel")}
@@ -86,21 +83,16 @@ def kernels_with_pdl() -> set[str]:
 
 def main() -> None:
     names = sys.argv[1:] or list(KERNELS)
-    out = {"_unlisted": sorted(kernels_with_pdl() - {path for path, *_ in KERNELS.values()}), "_absent": []}
+    out = {"_unlisted": sorted(kernels_with_pdl() - {path for path, *_ in KERNELS.values()})}
     for name in names:
         path, types, consts, warps, stages, big = KERNELS[name]
         mod, fn = path.split(":")
-        kernel = getattr(importlib.import_module(mod), fn, None)
-        if kernel is None:  # the Gluon kernel, on a triton without Gluon
-            out["_absent"].append(name)
-            continue
-        ptx = compile_kernel(kernel, types, {**consts, "PDL": True},
+        ptx = compile_kernel(getattr(importlib.import_module(mod), fn), types, {**consts, "PDL": True},
                              warps=warps, stages=stages).asm["ptx"]
         out[name] = {"big": big, "wait": first(ptx, r"griddepcontrol\.wait"),
                      "release": first(ptx, r"griddepcontrol\.launch_dependents"),
                      "load": first(ptx, r"\b(ld|cp\.async)\.(global|ca|cg)"),
-                     "store": first(ptx, r"\b(st|atom|red)\.global"),
-                     "prefetch": first(ptx, r"\bprefetch\.global\.L2"), "l2_lines": consts.get("L2_LINES", 0)}
+                     "store": first(ptx, r"\b(st|atom|red)\.global")}
     print(json.dumps(out))
 
 

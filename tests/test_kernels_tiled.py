@@ -11,7 +11,6 @@ pytest.importorskip("triton")
 
 from fitllm.kernels.w4a16_tiled import (
     _gemv,
-    _mma,
     _tiled,
     dequantize_tiled,
     tile_pack,
@@ -108,9 +107,6 @@ TC_CASES = [  # (M, K, N, group, dtype, config)
     (3, 256, 64, 256, torch.float16, _gemv(64, 1, 4, waves=0)),  # four-row block, per channel
     (6, 576, 64, 576, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # two row blocks, K padded
     (1, 256, 64, 64, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # groups of 64: falls back to the tc tile
-    # the Gluon mma.sync kernel has no interpreter: its configs fall back to the GEMV / the tc tile
-    (1, 512, 64, 128, torch.bfloat16, _mma(64, 4, waves=4)),
-    (5, 256, 64, 128, torch.float16, _mma(128, 4, waves=2)),
 ]
 
 
@@ -224,27 +220,3 @@ def test_tensor_core_path_keeps_weights_out_of_shared_memory():
         assert not any(loop.get(op, 0) for op in ("STS", "STSM", "LDSM")), loop
 
 
-@pytest.mark.parametrize("bn,warps,bm,opts", [(128, 8, 8, ""), (128, 4, 8, ""), (64, 2, 16, ""),
-                                               (128, 8, 8, "PREFETCH"), (128, 4, 8, "X_SMEM"),
-                                               (64, 2, 16, "PREFETCH,X_SMEM")])
-def test_mma_kernel_is_tensor_core_code_without_shared_memory(bn, warps, bm, opts):
-    """fitllm.kernels.w4a16_mma, which no interpreter can run, compiled for sm_90: its main loop has
-    one HMMA per word a thread unpacks (two for 16 columns of x; PREFETCH walks two tiles a step),
-    at most 25 instructions per word and no spills. Without X_SMEM there is no shared-memory traffic
-    at all (words and x go from global memory straight into the MMA's registers; the kernel's
-    convert_layout(assert_trivial) already refuses to compile otherwise); with it, x alone takes
-    one 2 KB round trip per tile."""
-    pytest.importorskip("triton.experimental.gluon")
-    flags = {k: k in opts.split(",") for k in ("PREFETCH", "X_SMEM")}
-    consts = f"GROUP_SIZE=128,HAS_BIAS=False,USE_WS=True,BN={bn},BM={bm},F16=False,PDL=True," + \
-        ",".join(f"{k}={v}" for k, v in flags.items())
-    r = _sass_loop("fitllm.kernels.w4a16_mma:_w4a16_mma_kernel", consts, warps, 1)
-    tiles = 2 if flags["PREFETCH"] else 1
-    loop, words = r["loop_hist"], tiles * bn * 16 // (32 * warps)  # words a thread unpacks per loop step
-    assert loop.get("HMMA", 0) == words * (bm // 8), loop
-    if flags["X_SMEM"]:
-        assert loop.get("LDSM", 0) > 0 and r["shared"] <= 2048 + 4, (loop, r["shared"])
-    else:
-        assert not any(loop.get(op, 0) for op in ("LDS", "STS", "STSM", "LDSM", "BAR")), loop
-    assert r["loop_instr"] <= 30 * words if flags["PREFETCH"] else 25 * words, r["loop_instr"]
-    assert r["spills"] == 0

@@ -14,12 +14,9 @@ release the next one after their main loop; small ones right after their wait (p
 Launched without PDL (older GPUs, FITLLM_PDL=0) both are no-ops. The host side is
 _utils.pdl_args; under TRITON_INTERPRET=1 the kernels get PDL=False and never emit them.
 
-The one thing a waiting kernel may touch is memory nobody writes during a step: its weights. The
-W4A16 kernels and the fp8 GEMV can ask L2 for the first lines of their weight rows before they
-wait (config `l2_lines`, FITLLM_L2_PREFETCH; `prefetch_to_l2`: no registers, no data), so the
-wait behind a small kernel (RMSNorm, attention, SiLU-mul: a few microseconds on a few SMs, the
-memory system idle) fills L2 instead of idling, and the GEMV's first loads hit. A GEMV's ramp is what four separate launches a layer cost over streaming its
-bytes (H200: 42.6 µs read floor against a 27.5 µs roofline; RESULTS.md, fifth session).
+Asking L2 for the weights while a GEMV waits (`prefetch.global.L2` before the wait) was tried
+twice and lost every time on the H200 (batch-1 decode 2-7 % slower; RESULTS.md, sixth and ninth
+sessions), so nothing is issued before the wait.
 """
 
 from __future__ import annotations
@@ -51,13 +48,3 @@ def pdl_start(PDL: tl.constexpr):
     slower than without PDL; RESULTS.md, sixth session.)"""
     wait_for_previous(PDL)
     let_next_launch(PDL)
-
-
-@triton.jit
-def prefetch_to_l2(ptrs, mask):
-    """Ask L2 for the 128-byte lines holding `ptrs` where `mask` (`prefetch.global.L2`, sm80+): a
-    hint that returns nothing. Only for memory no kernel of the step writes, and only addresses
-    inside the tensor (masked lanes issue nothing)."""
-    tl.inline_asm_elementwise(
-        "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

@@ -60,22 +60,6 @@ def pdl_args(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True}
 
 
-L2_PREFETCH_LINES = (0, 1, 2, 4, 8, 16)  # 128-byte lines per weight row (a power of two: tl.arange)
-
-
-def prefetching_pdl_args(cfg: dict, t: torch.Tensor) -> dict:
-    """pdl_args(t) for a GEMV / GEMM that can ask L2 for its weights while it waits, plus its
-    L2_LINES: the config's `l2_lines`, or FITLLM_L2_PREFETCH where set (A/B runs,
-    benchmarks/pdl_ab.py). Without PDL nothing waits, so there is nothing to fill."""
-    pdl = pdl_args(t)
-    if not pdl:
-        return pdl
-    lines = int(os.environ.get("FITLLM_L2_PREFETCH", cfg.get("l2_lines", 0)))
-    if lines not in L2_PREFETCH_LINES:
-        raise ValueError(f"L2 prefetch of {lines} lines per weight row: use one of {L2_PREFETCH_LINES}")
-    return {**pdl, "L2_LINES": lines} if lines else pdl
-
-
 # Split-K partial sums go to an fp32 workspace with atomics; the last program of each output tile
 # (found with a per-tile counter) reads the sum, writes the output and zeroes its slice again, so
 # the workspace is always clean between launches: no memset launch, and CUDA graphs stay valid.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._utils import (backend_for, device_index, gpu_arch, interpreting, num_sms, pdl_args, pick_config,
-                     prefetching_pdl_args, split_k_for, splitk_buffers)
+                     split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -62,7 +62,7 @@ def fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode=
 # --------------------------------------------------------------------------- Triton kernels
 
 if triton is not None:
-    from ._pdl import let_next_launch, pdl_start, prefetch_to_l2, wait_for_previous
+    from ._pdl import let_next_launch, pdl_start, wait_for_previous
     from .w4a16 import _store_tile
 
     @triton.jit
@@ -161,7 +161,6 @@ if triton is not None:
         x_ptr, xs_ptr, w_ptr, wsc_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, K_ITERS, SPLIT,
         W8A8: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
-        L2_LINES: tl.constexpr = 0,
     ):
         """Batch-1 GEMV on CUDA cores: program (n, k) owns BN weight rows and K_ITERS tiles of BK.
         Products of e4m3 values (and of an e4m3 and a bf16) are exact in fp32, so this computes the
@@ -172,10 +171,6 @@ if triton is not None:
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         acc = tl.zeros((BN, BK), dtype=tl.float32)
-        if PDL and L2_LINES > 0:  # the first lines of this program's weight rows (see _pdl.py)
-            k_line = pid_k * K_ITERS * BK + 128 * tl.arange(0, L2_LINES)[None, :]
-            k_end = tl.minimum((pid_k + 1) * K_ITERS * BK, K)
-            prefetch_to_l2(w_ptr + offs_n[:, None] * stride_wn + k_line, n_mask[:, None] & (k_line < k_end))
         wait_for_previous(PDL)
         for it in range(0, K_ITERS):
             offs_k = (pid_k * K_ITERS + it) * BK + tl.arange(0, BK)
@@ -306,8 +301,7 @@ def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev):
     _fp8_gemv_kernel[(n_blocks, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt, N, K, weight_fp8.stride(0), k_iters, split,
         W8A8=mode == "w8a8", WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None, USE_WS=split > 1,
-        BN=BN, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **prefetching_pdl_args(cfg, y),
-        **order)
+        BN=BN, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y), **order)
     return y
 
 

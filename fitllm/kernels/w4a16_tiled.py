@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (backend_for, deterministic, device_index, gpu_arch, interpreting, num_sms, pick_config,
-                     prefetching_pdl_args, split_k_for, splitk_buffers)
+from ._utils import (backend_for, device_index, gpu_arch, interpreting, num_sms, pdl_args, pick_config, split_k_for,
+                     splitk_buffers)
 
 try:
     import triton
     import triton.language as tl
 
-    from ._pdl import let_next_launch, prefetch_to_l2, wait_for_previous
+    from ._pdl import let_next_launch, wait_for_previous
     from .w4a16 import _dot, _dot_pairs, _half, _one_row_dot, _rows_out, _store_tile, _unpack_q_minus_z
 except ImportError:  # CPU-only installs without triton still get the reference
     triton = None
@@ -125,15 +125,6 @@ if triton is not None:
         return tl.reshape(tl.permute(qw, (3, 1, 2, 0, 4)), (BN, 16))
 
     @triton.jit
-    def _prefetch_words(q_ptr, n0, N, stride_q, kt0, kt_end, BN: tl.constexpr, L2_LINES: tl.constexpr, ok):
-        """Before the PDL wait (see _pdl.py): ask L2 for the first L2_LINES 128-byte lines (two K
-        tiles each) of the words of rows n0 .. n0 + BN - 1 from tile kt0 (below kt_end): what the
-        program reads first."""
-        n = n0 + tl.arange(0, BN)[:, None]
-        word = kt0 * 16 + 32 * tl.arange(0, L2_LINES)[None, :]
-        prefetch_to_l2(q_ptr + n * stride_q + word, (n < N) & (word < kt_end * 16) & ok)
-
-    @triton.jit
     def _round_to(v, F16: tl.constexpr):
         """fp32 -> the 16-bit dtype, round to nearest even done by hand for bf16 (triton 3.6's
         interpreter truncates that cast; on the GPU both give the same bits)."""
@@ -146,7 +137,7 @@ if triton is not None:
     @triton.jit
     def _minus_magic_zero(v, nz, F16: tl.constexpr):
         """Pairs v of 16-bit floats magic + q, plus nz = -(magic + z) twice: the two halves of (q - z),
-        exact, in one packed FMA (the tensor-core kernels here and w4a16_mma's)."""
+        exact, in one packed FMA (the tensor-core kernels here)."""
         if F16:
             lo, hi = tl.inline_asm_elementwise(_SUB_F16, "=h,=h,r,r", [v, nz], dtype=(tl.float16, tl.float16),
                                                is_pure=True, pack=1)
@@ -241,7 +232,7 @@ if triton is not None:
         M, N, K, NUM_GROUPS, stride_q, stride_xm, stride_ym, K_ITERS, SPLIT, MAGIC2,
         GROUP_SIZE: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, ROW_WARPS: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-        SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False, L2_LINES: tl.constexpr = 0,
+        SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
         ORDERED: tl.constexpr = False,
     ):
         """y = x W^T for the tiled layout: program (tile of BM rows x BN columns, K split) walks
@@ -256,9 +247,6 @@ if triton is not None:
         num_pid_m = tl.cdiv(M, BM)
         pid_m = pid_mn % num_pid_m  # M fastest: programs sharing a weight tile run together
         pid_n = pid_mn // num_pid_m
-        if PDL and L2_LINES > 0:  # one program per weight tile asks
-            _prefetch_words(q_ptr, pid_n * BN, N, stride_q, pid_k * K_ITERS,
-                            tl.minimum((pid_k + 1) * K_ITERS, stride_q // 16), BN, L2_LINES, pid_m == 0)
         wait_for_previous(PDL)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -368,7 +356,7 @@ if triton is not None:
         M, N, K, NUM_GROUPS, stride_q, stride_xw, stride_ym, K_ITERS, SPLIT,
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-        EVEN_K: tl.constexpr, PDL: tl.constexpr = False, L2_LINES: tl.constexpr = 0, ORDERED: tl.constexpr = False,
+        EVEN_K: tl.constexpr, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
     ):
         """y = x W^T for 1..4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), CUDA cores, packed
         16-bit math (w4a16's _unpack_q_minus_z / _dot_pairs / _one_row_dot). Program (n, k, m) owns
@@ -388,8 +376,6 @@ if triton is not None:
         acc2 = tl.zeros((BN, 16), dtype=tl.float32)
         acc3 = tl.zeros((BN, 16), dtype=tl.float32)
         kt_end = tl.minimum((pid_k + 1) * K_ITERS, stride_q // 16)  # the last split may be shorter
-        if PDL and L2_LINES > 0:
-            _prefetch_words(q_ptr, pid_n * BN, N, stride_q, pid_k * K_ITERS, kt_end, BN, L2_LINES, m0 == 0)
         wait_for_previous(PDL)  # x is the previous kernel's output
         for kt in range(pid_k * K_ITERS, kt_end, UNROLL):
             for u in tl.static_range(UNROLL):
@@ -405,24 +391,17 @@ if triton is not None:
 
 # --------------------------------------------------------------------------- configs and dispatch
 
-def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled", l2_lines=0):
-    """The tensor-core kernel. l2_lines: 128-byte lines per weight row asked of L2 before the PDL
-    wait (_pdl.py; not yet timed on a GPU, so 0 in the table)."""
+def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled"):
+    """The tensor-core kernel."""
     return dict(BM=bm, BN=bn, num_warps=warps, num_stages=stages, waves=waves, SCALE_IN_W=scale_in_w,
-                backend=backend, l2_lines=l2_lines)
+                backend=backend)
 
 
-def _mma(bn, warps, waves=4.0, prefetch=False, x_smem=False):
-    """The mma.sync kernel of fitllm.kernels.w4a16_mma (M <= 16, sm80+; elsewhere the GEMV or the
-    tensor-core rows serve). prefetch / x_smem: its options not yet timed on a GPU."""
-    return dict(BN=bn, num_warps=warps, waves=waves, prefetch=prefetch, x_smem=x_smem, backend="mma")
-
-
-def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None, l2_lines=0):
+def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None):
     """The CUDA-core GEMV (M <= 4; groups of 128*j or per-channel, else the tensor-core path).
-    maxnreg caps registers per thread (more programs per SM); l2_lines as in _tiled."""
+    maxnreg caps registers per thread (more programs per SM)."""
     return dict(BM=4, BN=bn, UNROLL=unroll, num_warps=warps, num_stages=stages, waves=waves, backend="gemv",
-                maxnreg=maxnreg, l2_lines=l2_lines)
+                maxnreg=maxnreg)
 
 
 # rows (max M, config), first match wins; 'waves' sets split-K (programs ~= SMs * waves).
@@ -503,12 +482,6 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    if cfg["backend"] == "mma":
-        from . import w4a16_mma  # (it imports this module)
-
-        if w4a16_mma.mma_supported(x, group_size, K) and not deterministic():  # it adds split-K atomically
-            return w4a16_mma.w4a16_mma(x, qtile, scales, zeros, group_size, K, bias, y, cfg)
-        cfg = _gemv(128, 4, 8) if M == 1 else _tiled(16, 64, 4, 3, waves=4)  # the Triton kernels for any M
     if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K:
         return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev)
     if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word: the tensor-core path
@@ -527,7 +500,7 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
         GROUP_SIZE=min(group_size, K), CHUNK=_chunk_for(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws,
         BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
         SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), num_warps=warps, num_stages=cfg["num_stages"],
-        **prefetching_pdl_args(cfg, x), **order)
+        **pdl_args(x), **order)
     return y
 
 
@@ -551,7 +524,7 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
-        **prefetching_pdl_args(cfg, x), **order)
+        **pdl_args(x), **order)
     return y
 
 
