@@ -197,7 +197,8 @@ def test_decode_defaults():
     cfg = lambda kind, nbytes, b, ctx: pa.decode_config(kind, nbytes, b, 8, ctx, 132)  # noqa: E731
     assert cfg(pa.KIND_FLOAT, 2, 1, 32768) == dict(num_splits=16, block_n=128, num_stages=5)
     assert cfg(pa.KIND_FLOAT, 2, 16, 32768) == dict(num_splits=1, block_n=128, num_stages=5)
-    assert cfg(pa.KIND_FLOAT, 2, 64, 32768) == dict(num_splits=1, block_n=64, num_stages=2)
+    assert cfg(pa.KIND_FLOAT, 2, 80, 32768) == dict(num_splits=1, block_n=64, num_stages=2)  # one wave, 5 per SM
+    assert cfg(pa.KIND_FLOAT, 2, 96, 4096) == dict(num_splits=1, block_n=128, num_stages=3)  # past it
     assert cfg(pa.KIND_FLOAT, 2, 256, 32768) == dict(num_splits=1, block_n=128, num_stages=3)
     assert cfg(pa.KIND_FLOAT, 4, 1, 32768)["block_n"] == 64
     assert cfg(pa.KIND_FP8, 1, 1, 32768) == dict(num_splits=33, block_n=128, num_stages=5)

@@ -568,8 +568,10 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
     - 16-bit KV, B*H <= SMs: 128-token tiles, double-buffered (Triton does that for this loop only
       from num_stages=5). That is ~128 KB of shared memory, one program per SM, so the sequence is
       split just enough for one wave (B=1 and 16 at 32k: 15 % and 4 % faster than 64-token tiles).
-      Several waves of those lose to smaller programs (B=64: 64-token tiles, one buffer, 3-8 %
-      faster at 1k-4k), and from ~12 waves 128-token tiles with one buffer win (B=256: 5-8 %).
+      Several waves of those lose to smaller programs while those fit in one wave: 64-token tiles,
+      one buffer, 38 KB of shared memory, so 5 per SM (B=64 and 80: 3-15 % faster). Past that
+      wave 128-token tiles with one buffer (74 KB, 3 per SM) win: B=96 1.2-1.3x, B=128 to 256
+      0-8 % (RESULTS.md, ninth session).
     - quantized KV: rows are short, so 128-token tiles; about two waves of programs. fp8 double-
       buffers when the sequence is split (few programs each, latency exposed), not otherwise.
     - fp32 KV (tests, parity runs): 64-token tiles, one buffer (a double-buffered 128 x 128 fp32
@@ -587,7 +589,7 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
     if kind == KIND_FLOAT and code_bytes == 2:
         if per_wave <= sms:
             return dict(num_splits=split(sms), block_n=128, num_stages=5)
-        if per_wave >= 12 * sms:
+        if per_wave > 5 * sms:
             return dict(num_splits=1, block_n=128, num_stages=3)
     if kind == KIND_FLOAT:
         return dict(num_splits=two_waves, block_n=64, num_stages=2)
