@@ -38,6 +38,17 @@ def test_tiny_family_matches_transformers(family, tmp_path):
     assert generate(ours, [prompt.tolist()], new) == [expected]
 
 
+@pytest.mark.parametrize("family", ["phi3-longrope", "phi3-partial"])
+def test_longrope_is_chosen_per_sequence(family, tmp_path):
+    """A short request batched with one past LongRoPE's original context (64 tokens) decodes as it
+    does alone: the long factors are the long sequence's alone (vLLM switches the whole batch)."""
+    write_tiny_model(family, tmp_path)
+    ours = load_model(tmp_path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 30, 100)]
+    assert generate(ours, prompts, 40) == [generate(ours, [p], 40)[0] for p in prompts]
+
+
 def test_llama31_rope_scaling_is_applied(tmp_path):
     """Positions beyond the original context must use the scaled frequencies (else logits differ)."""
     write_tiny_model("llama3.1", tmp_path)

@@ -61,10 +61,12 @@ def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
 
 def rope_long_context(config: ModelConfig) -> tuple[Optional[int], float]:
     """LongRoPE's switch and scale: (first position that selects the long factors, or None, and the
-    factor cos and sin are multiplied by). A forward whose positions reach the original
-    pretraining context uses the long set for all its tokens, as transformers does for one
-    sequence; keys already cached keep the rotation they were written with, as in vLLM
-    (transformers' generate instead recomputes a sequence's cache once it grows past it)."""
+    factor cos and sin are multiplied by). A sequence whose last position in a forward reaches the
+    original pretraining context takes the long set for all its tokens there, as transformers does
+    for one sequence; keys already cached keep the rotation they were written with, as in vLLM
+    (transformers' generate instead recomputes a sequence's cache once it grows past it). The
+    choice is per sequence, so a request's tokens do not depend on what it is batched with (vLLM
+    and transformers' batched generate decide it for the whole batch)."""
     scaling = config.rope_scaling or {}
     if (scaling.get("rope_type") or scaling.get("type")) != "longrope":
         return None, 1.0
@@ -85,13 +87,16 @@ def rope_tables(config: ModelConfig, device="cpu"):
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, long_inv_freq: Optional[torch.Tensor] = None,
-                 long_from: Optional[int] = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, rotary_dim / 2] of each position (LongRoPE: rope_long_context). The long/short
-    choice is made on the device, so a CUDA graph replays it without a host sync."""
+                 long_from: Optional[int] = None, scale: float = 1.0,
+                 last_positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rotary_dim / 2] of each position (LongRoPE: rope_long_context, by each token's
+    sequence's last position in `last_positions`; without it the positions are one sequence). The
+    long/short choice is made on the device, so a CUDA graph replays it without a host sync."""
     p = positions.float()[:, None]
     freqs = p * inv_freq[None, :]
     if long_inv_freq is not None:
-        freqs = torch.where(positions.max() >= long_from, p * long_inv_freq[None, :], freqs)
+        last = positions.max() if last_positions is None else last_positions[:, None]
+        freqs = torch.where(last >= long_from, p * long_inv_freq[None, :], freqs)
     if scale != 1.0:
         return freqs.cos() * scale, freqs.sin() * scale
     return freqs.cos(), freqs.sin()
@@ -219,14 +224,18 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, ctx)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer.forward_residual(x, residual, cos, sin, ctx)
         return self.model.norm(x, residual)[0]
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.inv_freq, self.long_inv_freq, self.rope_long_from, self.rope_scale)
+    def rope(self, positions: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the positions; LongRoPE asks the context where each token's sequence ends (a
+        context that cannot say holds one sequence)."""
+        ask = getattr(ctx, "last_positions", None) if self.long_inv_freq is not None else None
+        last = ask(positions) if ask is not None else None
+        return rope_cos_sin(positions, self.inv_freq, self.long_inv_freq, self.rope_long_from, self.rope_scale, last)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, FusedLinear):  # a quantized lm_head

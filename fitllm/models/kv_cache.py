@@ -44,6 +44,13 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         return self.max_query_len == 1
 
+    def last_positions(self, num_tokens: int) -> torch.Tensor:
+        """[num_tokens] int64: the last position (seq_len - 1) of each new token's sequence, found on
+        the device (a CUDA graph replays it); tokens past the last sequence (padding) take its."""
+        tokens = torch.arange(num_tokens, dtype=torch.int32, device=self.query_start.device)
+        seq = torch.searchsorted(self.query_start[1:], tokens, right=True).clamp_(max=self.seq_lens.shape[0] - 1)
+        return self.seq_lens.long()[seq] - 1
+
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str) -> "AttentionMetadata":
@@ -132,6 +139,7 @@ class _Stats:
 
     def __init__(self, inner: "NoCacheContext", store: dict):
         self.inner, self.store = inner, store
+        self.last_positions = inner.last_positions
 
     def attend(self, layer, q, k, v, scale):
         s = self.store.setdefault(layer, {"n": 0})
@@ -523,6 +531,9 @@ class ForwardContext:
                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         return self.cache.attend(layer, q, k, v, self.meta, scale, rope)
 
+    def last_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.meta.last_positions(positions.shape[0])
+
 
 class NoCacheContext:
     """Attention without a cache: each sequence of a flat batch attends causally to itself.
@@ -533,6 +544,11 @@ class NoCacheContext:
         for n in seq_lens:
             self.starts.append(self.starts[-1] + n)
         self.sliding_window = sliding_window
+
+    def last_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's sequence's last position (the sequences are whole here)."""
+        lens = torch.tensor([hi - lo for lo, hi in zip(self.starts[:-1], self.starts[1:])])
+        return torch.repeat_interleave(lens - 1, lens).to(positions.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
