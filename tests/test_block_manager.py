@@ -171,6 +171,25 @@ def test_prefix_hit_shares_blocks_and_copy_on_write_after_fork():
     assert bm.num_free_blocks == 16
 
 
+def test_salted_chains_share_only_among_themselves():
+    """A salt roots a sequence's chain (LongRoPE: long prompts' keys are rotated otherwise): the
+    same tokens under another salt find nothing, under the same salt everything; forks keep it."""
+    bm = BlockManager(16, BS)
+    a = list(range(9))  # 2 full blocks
+    assert bm.allocate("long", 0, len(a), salt=1)
+    bm.cache_full_blocks("long", a, len(a))
+    assert bm.match_prefix("short", a, 8) == []
+    assert bm.match_prefix("long2", a, 8, salt=1) == bm.table("long")[:2]
+    assert bm.allocate("short", 0, len(a))  # its own blocks, cached under no salt beside the salted ones
+    bm.cache_full_blocks("short", a, len(a))
+    assert bm.match_prefix("short2", a, 8) == bm.table("short")[:2] != bm.table("long")[:2]
+    bm.fork("long", "child")
+    assert bm.seqs["child"].salt == 1
+    for seq in ("long", "long2", "short", "short2", "child"):
+        bm.free(seq)
+    check_invariants(bm)
+
+
 def test_allocation_fails_cleanly_when_short():
     bm = BlockManager(3, BS)
     assert bm.allocate("a", 0, 8)

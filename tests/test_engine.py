@@ -274,3 +274,29 @@ def test_abort_while_a_look_ahead_step_is_queued(embedded_model, embedded_tokeni
     assert finals == {"r0": "abort", "r12": "length"}
     assert tokens["r0"] == reference[0][:len(tokens["r0"])] and tokens["r12"][:5] == reference[12]
     assert len(tokens["r12"]) == 10 and eng.stats()["kv_blocks_used"] == 0
+
+
+def test_longrope_prompt_keeps_its_factors_through_chunks_and_the_prefix_cache(tmp_path):
+    """A prompt past LongRoPE's original context (64 here) takes the long factors for all its tokens
+    however the scheduler cuts it into chunks (24 tokens a step here), and does not reuse the
+    blocks a short prompt with the same first tokens left in the prefix cache (those keys carry the
+    short factors): tokens and their logprobs equal transformers' with the whole prompt at once.
+    (On this tiny random model short-rotated keys move a logprob by ~5e-4, no token.)"""
+    from fitllm.models.loader import load_model
+    from tiny_models import write_tiny_model
+
+    hf = write_tiny_model("phi3-longrope", tmp_path)
+    ours = load_model(tmp_path, dtype=torch.float32)
+    prompt = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(4)).tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                       pad_token_id=0)[0, 100:].tolist()
+    with torch.no_grad():  # each token's logprob from transformers' forward over everything before it
+        logits = hf(torch.tensor([prompt + want])).logits[0, 99:-1].log_softmax(-1)
+    want_lp = logits[torch.arange(8), want].tolist()
+    engine = LLMEngine(EngineConfig(max_num_batched_tokens=24, block_size=8, num_kv_blocks=64, max_model_len=256),
+                       model=ours, tokenizer=None)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    engine.generate([prompt[:40]], params)  # its blocks (short factors) stay in the prefix cache
+    out = engine.generate([prompt], params)[0]
+    assert out.new_token_ids == want and engine.block_manager.hit_tokens == 0
+    assert max(abs(lp.logprob - w) for lp, w in zip(out.logprobs, want_lp)) < 1e-4

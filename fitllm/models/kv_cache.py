@@ -35,6 +35,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
+    # [T] int64, where a step says it: the last position by which LongRoPE chooses each token's
+    # factors (a prompt's chunks take the whole prompt's; see CausalLM.rope)
+    rope_last_positions: Optional[torch.Tensor] = None
 
     @property
     def num_seqs(self) -> int:
@@ -46,7 +49,10 @@ class AttentionMetadata:
 
     def last_positions(self, num_tokens: int) -> torch.Tensor:
         """[num_tokens] int64: the last position (seq_len - 1) of each new token's sequence, found on
-        the device (a CUDA graph replays it); tokens past the last sequence (padding) take its."""
+        the device (a CUDA graph replays it); tokens past the last sequence (padding) take its.
+        rope_last_positions, where the step gives them, instead."""
+        if self.rope_last_positions is not None:
+            return self.rope_last_positions
         tokens = torch.arange(num_tokens, dtype=torch.int32, device=self.query_start.device)
         seq = torch.searchsorted(self.query_start[1:], tokens, right=True).clamp_(max=self.seq_lens.shape[0] - 1)
         return self.seq_lens.long()[seq] - 1

@@ -5,7 +5,9 @@ chained hash (hash of the previous block's hash and this block's tokens), so a n
 starts with the same tokens finds the same blocks. When a sequence lets go of a block whose
 content is cached, the block is not wiped: it joins an LRU list of evictable blocks and is only
 reused (and forgotten) when no never-cached block is free. Cost when nothing is shared: one hash
-per 16 tokens.
+per 16 tokens. A sequence may give its chain a root (`salt`): blocks are then shared only among
+sequences with the same one (LongRoPE: a long prompt's keys are rotated otherwise than a short
+one's, the same tokens or not).
 
 A block is in exactly one place: `_free` (ref 0, no content worth keeping), `_evictable`
 (ref 0, cached content, LRU order) or referenced by at least one sequence (ref > 0).
@@ -41,6 +43,7 @@ class SeqBlocks:
     table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained hashes of its first full blocks
     num_registered: int = 0  # leading blocks already offered to the prefix cache
+    salt: Optional[int] = None  # the chain's root (see the module docstring)
 
 
 def chain_hash(parent: Optional[int], tokens: tuple[int, ...]) -> int:
@@ -74,16 +77,16 @@ class BlockManager:
     def table(self, seq_id: Hashable) -> list[int]:
         return self.seqs[seq_id].table
 
-    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int], max_tokens: int,
+                     salt: Optional[int] = None) -> list[int]:
         """Cached blocks holding the longest prefix of `token_ids` (whole blocks, at most
-        `max_tokens` tokens). Takes nothing: pass the result to `allocate`."""
-        seq = self.seqs.setdefault(seq_id, SeqBlocks())
+        `max_tokens` tokens) under this `salt`. Takes nothing: pass the result to `allocate`."""
+        seq = self._seq(seq_id, salt)
         self._extend_hashes(seq, token_ids, max_tokens // self.block_size)
         hits: list[int] = []
         for i, h in enumerate(seq.hashes[: max_tokens // self.block_size]):
             block_id = self._cached.get(h)
-            if block_id is None or not self._same_content(block_id, seq.hashes[i - 1] if i else None,
-                                                          token_ids, i):
+            if block_id is None or not self._same_content(block_id, self._parent(seq, i), token_ids, i):
                 break
             hits.append(block_id)
         return hits
@@ -96,17 +99,19 @@ class BlockManager:
         needed = self._blocks_needed(seq_id, num_computed, num_new, prefix)
         return needed <= self.num_free_blocks - self._evictable_in(prefix)
 
-    def allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = ()) -> bool:
+    def allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = (),
+                 salt: Optional[int] = None) -> bool:
         """Make the sequence's table cover `num_computed + num_new` tokens, where the K/V of the
         `num_new` tokens from position `num_computed` on are about to be written. `prefix` (from
         `match_prefix`, for a sequence holding no blocks yet; then `num_computed` counts its
-        tokens) is shared rather than allocated. False, changing nothing, when the pool is short."""
+        tokens) is shared rather than allocated. `salt`: the chain root of a new sequence (as in
+        match_prefix). False, changing nothing, when the pool is short."""
         seq = self.seqs.get(seq_id)
         if seq is not None and not prefix and self._writes_in_place(seq, num_computed, num_new):
             return True  # the common decode step: nothing to take, copy or forget
         if not self.can_allocate(seq_id, num_computed, num_new, prefix):
             return False
-        seq = self.seqs.setdefault(seq_id, SeqBlocks())
+        seq = self._seq(seq_id, salt)
         if prefix:
             assert not seq.table and num_computed == len(prefix) * self.block_size
             seq.table.extend(self._take(b) for b in prefix)
@@ -131,7 +136,7 @@ class BlockManager:
             if block.hash is None and seq.hashes[i] not in self._cached:
                 # (Same content already cached under another block: keep ours private; it
                 # returns to the free list when released.)
-                block.hash, block.parent = seq.hashes[i], seq.hashes[i - 1] if i else None
+                block.hash, block.parent = seq.hashes[i], self._parent(seq, i)
                 block.tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
                 self._cached[block.hash] = block.id
         seq.num_registered = max(seq.num_registered, num_full)
@@ -150,7 +155,7 @@ class BlockManager:
         assert child_id not in self.seqs or not self.seqs[child_id].table
         for block_id in parent.table:
             self.blocks[block_id].ref += 1
-        self.seqs[child_id] = SeqBlocks(list(parent.table), list(parent.hashes), parent.num_registered)
+        self.seqs[child_id] = SeqBlocks(list(parent.table), list(parent.hashes), parent.num_registered, salt=parent.salt)
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens (rejected draft tokens are rolled back)."""
@@ -210,12 +215,24 @@ class BlockManager:
         self._release(src)
         seq.table = seq.table[:i] + [dst] + seq.table[i + 1:]  # a new list: see the module docstring
 
+    def _seq(self, seq_id: Hashable, salt: Optional[int]) -> SeqBlocks:
+        """The sequence's record; a new one takes `salt` as its chain root."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            seq = self.seqs[seq_id] = SeqBlocks(salt=salt)
+        return seq
+
+    @staticmethod
+    def _parent(seq: SeqBlocks, i: int) -> Optional[int]:
+        """The hash block i is chained on: the previous block's, or the chain's root."""
+        return seq.hashes[i - 1] if i else seq.salt
+
     def _extend_hashes(self, seq: SeqBlocks, token_ids: Sequence[int], num_full: int) -> None:
         num_full = min(num_full, len(token_ids) // self.block_size)
         bs = self.block_size
         while len(seq.hashes) < num_full:
             i = len(seq.hashes)
-            seq.hashes.append(chain_hash(seq.hashes[-1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs])))
+            seq.hashes.append(chain_hash(self._parent(seq, i), tuple(token_ids[i * bs:(i + 1) * bs])))
 
     def _same_content(self, block_id: int, parent: Optional[int], token_ids: Sequence[int], i: int) -> bool:
         block = self.blocks[block_id]

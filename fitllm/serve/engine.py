@@ -225,7 +225,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(request_id, prompt_token_ids, params)
-        req = Request(request_id, list(prompt_token_ids), params)
+        # LongRoPE rotates a prompt past the original context with the long factors throughout: its
+        # blocks must not serve a short prompt's prefix, nor the other way round
+        long_from = self.model.rope_long_from
+        req = Request(request_id, list(prompt_token_ids), params,
+                      cache_salt=1 if long_from is not None and len(prompt_token_ids) > long_from else None)
         generator = make_generator(params.seed, self.device)
         req.state.update(
             generator=generator,
@@ -372,7 +376,8 @@ class LLMEngine:
             num_logits = n  # every position: each predicts the next prompt token (or the first output)
         else:
             num_logits = 1 if start + n == len(req.token_ids) else 0
-        return StepSeq(req.token_ids[start:start + n], start, self.block_manager.table(req.request_id), num_logits)
+        return StepSeq(req.token_ids[start:start + n], start, self.block_manager.table(req.request_id), num_logits,
+                       len(req.prompt_ids))
 
     def _queue_outputs(self, sched: SchedulerOutput, seqs: list[StepSeq], logits: torch.Tensor) -> "_Pending":
         """Queue on the GPU what the step's outputs need: sampled tokens (for greedy verification,

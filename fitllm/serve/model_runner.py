@@ -56,6 +56,7 @@ class StepSeq:
     start: int  # position of the first of them (= tokens already in the cache)
     block_table: list[int]
     num_logits: int = 1  # logits for the last `num_logits` new tokens (0: none)
+    prompt_len: int = 0  # the request's prompt length: LongRoPE chooses a prompt's factors by all of it
 
 
 class ModelRunner:
@@ -170,7 +171,7 @@ class ModelRunner:
         sequences' own token_ids, which are then placeholders."""
         if input_ids is not None and not all(len(s.token_ids) == 1 for s in seqs):
             raise ValueError("input_ids on the device are for decode steps (one token per sequence)")
-        if self.graphs is not None and self.graphs.fits(seqs):
+        if self.graphs is not None and self.graphs.fits(seqs) and not self._inside_long_prompt(seqs):
             hidden, rows = self.graphs.run(seqs, input_ids) if input_ids is not None else self.graphs.run(seqs)
         else:
             hidden, rows = self._run_eager(seqs, input_ids)
@@ -193,11 +194,15 @@ class ModelRunner:
         slots = tables[owner, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
         seq_lens, query_start = starts + n, np.concatenate([[0], np.cumsum(n)])
         dev = self.device
+        rope_last = None
+        if self.model.long_inv_freq is not None:  # LongRoPE: a prompt's chunks take its whole length's factors
+            prompt_lens = np.fromiter((s.prompt_len for s in seqs), np.int64, b)
+            rope_last = to_device(np.repeat(np.maximum(seq_lens, prompt_lens) - 1, n), torch.long, dev)
         meta = AttentionMetadata(
             slot_mapping=to_device(slots, torch.long, dev), query_start=to_device(query_start, torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev), block_tables=to_device(tables, torch.int32, dev),
             query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(),
-            max_query_len=int(n.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)))
+            max_query_len=int(n.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)), rope_last_positions=rope_last)
         ids = input_ids if input_ids is not None else to_device(
             np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64), torch.long, dev)
         hidden = self.model(ids, to_device(pos, torch.long, dev), ForwardContext(self.cache, meta))
@@ -205,6 +210,11 @@ class ModelRunner:
         if len(rows) == 0 or rows[-1] == len(rows) - 1:  # decode-like: every row, in order (no index to copy)
             return hidden, slice(0, len(rows))
         return hidden, to_device(rows, torch.long, dev)
+
+    def _inside_long_prompt(self, seqs: list[StepSeq]) -> bool:
+        """A LongRoPE step with a chunk that ends before its prompt does: its factors come from the
+        prompt's length, which only the eager path passes (the graphs read each sequence's end)."""
+        return self.model.long_inv_freq is not None and any(s.start + len(s.token_ids) < s.prompt_len for s in seqs)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

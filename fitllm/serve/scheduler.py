@@ -39,6 +39,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_draft: int = 0  # speculative draft tokens at the end of token_ids, not yet verified
+    cache_salt: Optional[int] = None  # prefix-cache chain root: blocks are shared only under the same one
     arrival: int = field(default_factory=lambda: next(_arrival))
     state: dict[str, Any] = field(default_factory=dict)  # the engine's per-request extras
 
@@ -136,7 +137,7 @@ class Scheduler:
             prefix = self._cached_prefix(req)
             computed = len(prefix) * self.bm.block_size
             n = min(req.num_tokens - computed, budget)
-            if not self.bm.allocate(req.request_id, computed, n, prefix):
+            if not self.bm.allocate(req.request_id, computed, n, prefix, req.cache_salt):
                 break  # wait for blocks to come back; keep arrival order
             self.waiting.popleft()
             self.bm.record_prefix_query(req.num_tokens, computed)
@@ -151,7 +152,7 @@ class Scheduler:
         if not self.prefix_caching or req.state.get("needs_prompt_logits"):
             return []  # (prompt logprobs need the logits of every prompt position)
         # At least one token must run through the model to produce the next token's logits.
-        return self.bm.match_prefix(req.request_id, req.token_ids, req.num_tokens - 1)
+        return self.bm.match_prefix(req.request_id, req.token_ids, req.num_tokens - 1, req.cache_salt)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """The forward pass wrote K/V for the scheduled tokens: count them and cache full blocks."""
