@@ -76,8 +76,8 @@ def check_family(family: str, args) -> bool:
     lossy = args.kv_dtype != "auto"
     for graphs in ((False, True) if args.device == "cuda" else (False,)):
         engine = LLMEngine(EngineConfig(device=args.device, max_model_len=256, max_num_seqs=8, cuda_graphs=graphs,
-                                        gpu_memory_utilization=args.gpu_memory_utilization,
-                                        kv_dtype=args.kv_dtype), model=ours, tokenizer=None)
+                                        gpu_memory_utilization=args.gpu_memory_utilization, kv_dtype=args.kv_dtype,
+                                        max_num_batched_tokens=args.max_num_batched_tokens), model=ours, tokenizer=None)
         tag = "engine, CUDA graphs" if graphs else "engine, eager"
         if graphs and not engine.cuda_graphs:
             ok &= report(family, tag, False, "no CUDA graphs were captured (the engine runs eager)")
@@ -100,6 +100,8 @@ def main() -> int:
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
     ap.add_argument("--kv-dtype", default="auto", help="the engine's KV cache dtype (EngineConfig.kv_dtype)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="the engine's step budget; below 100 the batch's prompts are cut into chunks")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
