@@ -300,3 +300,25 @@ def test_longrope_prompt_keeps_its_factors_through_chunks_and_the_prefix_cache(t
     out = engine.generate([prompt], params)[0]
     assert out.new_token_ids == want and engine.block_manager.hit_tokens == 0
     assert max(abs(lp.logprob - w) for lp, w in zip(out.logprobs, want_lp)) < 1e-4
+
+
+def test_longrope_factors_go_by_the_prompt_then_by_each_token(tmp_path):
+    """The positions an engine step gives LongRoPE (original context 64): a prompt chunk's tokens
+    go by their prompt's last position (a 100-token prompt: long from its first chunk on), later
+    tokens by their own (a verification window across position 64 switches inside it, as decoding
+    one token at a time does)."""
+    from fitllm.models.loader import load_model
+    from fitllm.serve.model_runner import ModelRunner, StepSeq
+    from tiny_models import write_tiny_model
+
+    write_tiny_model("phi3-longrope", tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    runner = ModelRunner(model, block_size=8)
+    runner.allocate_cache(32)
+    seen = []
+    rope = model.rope
+    model.rope = lambda positions, ctx=None: (seen.append(ctx.last_positions(positions).tolist()), rope(positions, ctx))[1]
+    table = list(range(16))
+    runner.execute([StepSeq(list(range(24)), 0, table, 1, prompt_len=100),  # the first chunk of a long prompt
+                    StepSeq([5] * 5, 61, table, 5, prompt_len=30)])  # a draft window over positions 61..65
+    assert seen == [[99] * 24 + [61, 62, 63, 64, 65]]

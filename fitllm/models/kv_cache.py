@@ -35,8 +35,11 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
-    # [T] int64, where a step says it: the last position by which LongRoPE chooses each token's
-    # factors (a prompt's chunks take the whole prompt's; see CausalLM.rope)
+    # [T] int64, where the step gives it: the position by which LongRoPE chooses each token's
+    # factors. The engine's: max(the token's position, its prompt's last), so a prompt's tokens go
+    # by the whole prompt however it is chunked, and later tokens by their own position however
+    # they are batched, verified (speculation) or recomputed (preemption). Without it: each
+    # sequence's last position in the step (last_positions).
     rope_last_positions: Optional[torch.Tensor] = None
 
     @property

@@ -195,9 +195,9 @@ class ModelRunner:
         seq_lens, query_start = starts + n, np.concatenate([[0], np.cumsum(n)])
         dev = self.device
         rope_last = None
-        if self.model.long_inv_freq is not None:  # LongRoPE: a prompt's chunks take its whole length's factors
+        if self.model.long_inv_freq is not None:  # LongRoPE: see rope_last_positions
             prompt_lens = np.fromiter((s.prompt_len for s in seqs), np.int64, b)
-            rope_last = to_device(np.repeat(np.maximum(seq_lens, prompt_lens) - 1, n), torch.long, dev)
+            rope_last = to_device(np.maximum(pos, prompt_lens[owner] - 1), torch.long, dev)
         meta = AttentionMetadata(
             slot_mapping=to_device(slots, torch.long, dev), query_start=to_device(query_start, torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev), block_tables=to_device(tables, torch.int32, dev),
@@ -213,7 +213,7 @@ class ModelRunner:
 
     def _inside_long_prompt(self, seqs: list[StepSeq]) -> bool:
         """A LongRoPE step with a chunk that ends before its prompt does: its factors come from the
-        prompt's length, which only the eager path passes (the graphs read each sequence's end)."""
+        prompt's length, which only the eager path passes (the graphs go by each token's position)."""
         return self.model.long_inv_freq is not None and any(s.start + len(s.token_ids) < s.prompt_len for s in seqs)
 
     @torch.inference_mode()
@@ -330,12 +330,15 @@ class StepGraphs:
                 ints[b: b * (1 + self.width)].view(b, self.width))
 
     def _meta(self, q: int, b: int) -> AttentionMetadata:
-        _, _, slots, seq_lens, tables = self._views(q, b)
+        _, pos, slots, seq_lens, tables = self._views(q, b)
         # Host-side fields are fixed at capture: the worst case (kernels may size grids from them).
+        # Graph steps hold no prompt tokens of a LongRoPE model (ModelRunner._inside_long_prompt), so
+        # each token's own position is the one its factors go by.
         return AttentionMetadata(
             slot_mapping=slots, query_start=self.query_starts[q][: b + 1], seq_lens=seq_lens, block_tables=tables,
             query_start_list=list(range(0, q * (b + 1), q)), seq_lens_list=[self.max_model_len] * b,
-            max_query_len=q, max_seq_len=self.max_model_len)
+            max_query_len=q, max_seq_len=self.max_model_len,
+            rope_last_positions=pos if self.model.long_inv_freq is not None else None)
 
     @torch.inference_mode()
     def _capture(self, attend: Callable) -> None:
