@@ -212,9 +212,9 @@ class ModelRunner:
         return hidden, to_device(rows, torch.long, dev)
 
     def _inside_long_prompt(self, seqs: list[StepSeq]) -> bool:
-        """A LongRoPE step with a chunk that ends before its prompt does: its factors come from the
-        prompt's length, which only the eager path passes (the graphs go by each token's position)."""
-        return self.model.long_inv_freq is not None and any(s.start + len(s.token_ids) < s.prompt_len for s in seqs)
+        """A LongRoPE step with prompt tokens before their prompt's last: their factors go by that
+        last position, which only the eager path passes (the graphs go by each token's own)."""
+        return self.model.long_inv_freq is not None and any(s.start < s.prompt_len - 1 for s in seqs)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -332,8 +332,8 @@ class StepGraphs:
     def _meta(self, q: int, b: int) -> AttentionMetadata:
         _, pos, slots, seq_lens, tables = self._views(q, b)
         # Host-side fields are fixed at capture: the worst case (kernels may size grids from them).
-        # Graph steps hold no prompt tokens of a LongRoPE model (ModelRunner._inside_long_prompt), so
-        # each token's own position is the one its factors go by.
+        # A LongRoPE model's graph steps hold no prompt token but a prompt's last
+        # (ModelRunner._inside_long_prompt), so each token's own position is the one its factors go by.
         return AttentionMetadata(
             slot_mapping=slots, query_start=self.query_starts[q][: b + 1], seq_lens=seq_lens, block_tables=tables,
             query_start_list=list(range(0, q * (b + 1), q)), seq_lens_list=[self.max_model_len] * b,
