@@ -68,8 +68,7 @@ class ModelConfig:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             head_dim = int(raw.get("head_dim") or hidden // heads)
             qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-            eos = raw.get("eos_token_id")
-            eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            eos_ids = _token_ids(raw.get("eos_token_id"))
             # Mistral/Qwen configs may carry a window that is disabled by a separate flag.
             window = raw.get("sliding_window")
             if raw.get("use_sliding_window") is False:
@@ -111,8 +110,7 @@ class ModelConfig:
         config = cls.from_hf_dict(_read_json(path), source=str(path))
         gen = path.with_name("generation_config.json")
         if gen.exists():  # chat models often list their end-of-turn tokens only here (Phi-3's <|end|>)
-            eos = _read_json(gen).get("eos_token_id")
-            for t in [] if eos is None else [eos] if isinstance(eos, int) else eos:
+            for t in _token_ids(_read_json(gen).get("eos_token_id")):
                 if t not in config.eos_token_ids:
                     config.eos_token_ids.append(int(t))
         return config
@@ -125,6 +123,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def _token_ids(value) -> list[int]:
+    """An `eos_token_id` field (absent, one id, or a list) as a list of ids."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def _read_json(path: Path) -> dict:
