@@ -61,12 +61,15 @@ def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
 
 def rope_long_context(config: ModelConfig) -> tuple[Optional[int], float]:
     """LongRoPE's switch and scale: (first position that selects the long factors, or None, and the
-    factor cos and sin are multiplied by). A sequence whose last position in a forward reaches the
-    original pretraining context takes the long set for all its tokens there, as transformers does
-    for one sequence; keys already cached keep the rotation they were written with, as in vLLM
-    (transformers' generate instead recomputes a sequence's cache once it grows past it). The
-    choice is per sequence, so a request's tokens do not depend on what it is batched with (vLLM
-    and transformers' batched generate decide it for the whole batch)."""
+    factor cos and sin are multiplied by). Each token takes the long set when the position the
+    forward's context gives for it reaches the original pretraining context (CausalLM.rope): its
+    sequence's last position in the forward, or in the engine max(its own position, its prompt's
+    last). So a prompt goes by its whole length, as transformers does for one sequence, however it
+    is chunked; later tokens go by their own position however they are batched, verified or
+    recomputed; and a request's tokens never depend on what it is batched with (vLLM and
+    transformers' batched generate decide for the whole batch). Keys already cached keep the
+    rotation they were written with, as in vLLM (transformers' generate instead recomputes a
+    sequence's cache once it grows past the original context)."""
     scaling = config.rope_scaling or {}
     if (scaling.get("rope_type") or scaling.get("type")) != "longrope":
         return None, 1.0
@@ -89,9 +92,9 @@ def rope_tables(config: ModelConfig, device="cpu"):
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, long_inv_freq: Optional[torch.Tensor] = None,
                  long_from: Optional[int] = None, scale: float = 1.0,
                  last_positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, rotary_dim / 2] of each position (LongRoPE: rope_long_context, by each token's
-    sequence's last position in `last_positions`; without it the positions are one sequence). The
-    long/short choice is made on the device, so a CUDA graph replays it without a host sync."""
+    """cos, sin [T, rotary_dim / 2] of each position (LongRoPE: rope_long_context, each token by its
+    entry in `last_positions`; without it the positions are one sequence). The long/short choice is
+    made on the device, so a CUDA graph replays it without a host sync."""
     p = positions.float()[:, None]
     freqs = p * inv_freq[None, :]
     if long_inv_freq is not None:
@@ -231,8 +234,8 @@ class CausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def rope(self, positions: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of the positions; LongRoPE asks the context where each token's sequence ends (a
-        context that cannot say holds one sequence)."""
+        """cos, sin of the positions; LongRoPE asks the context which position each token's factors
+        go by (rope_long_context; a context that cannot say holds one sequence)."""
         ask = getattr(ctx, "last_positions", None) if self.long_inv_freq is not None else None
         last = ask(positions) if ask is not None else None
         return rope_cos_sin(positions, self.inv_freq, self.long_inv_freq, self.rope_long_from, self.rope_scale, last)

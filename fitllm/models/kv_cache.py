@@ -35,11 +35,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
-    # [T] int64, where the step gives it: the position by which LongRoPE chooses each token's
-    # factors. The engine's: max(the token's position, its prompt's last), so a prompt's tokens go
-    # by the whole prompt however it is chunked, and later tokens by their own position however
-    # they are batched, verified (speculation) or recomputed (preemption). Without it: each
-    # sequence's last position in the step (last_positions).
+    # [T] int64, where the step gives it (the engine: max(the token's position, its prompt's last)):
+    # the position each token's LongRoPE factors go by (decoder.rope_long_context); without it,
+    # its sequence's last position in the step (last_positions)
     rope_last_positions: Optional[torch.Tensor] = None
 
     @property
