@@ -64,3 +64,13 @@ def make_tiny_phi3(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
 CALIB_TEXT = " ".join(
     f"Line {k}: the quick brown fox {k % 7} jumps over {k * 3} lazy dogs while numbers {k ** 2} grow."
     for k in range(400))
+
+
+def gptqmodel_v1_qzeros(zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Zero points [G, N] as GPTQModel's v1 export stores them: packed as they are, then 1 taken off
+    each slot by one int32 subtraction per word (so a zero point of 0 borrows from the next slot)."""
+    from fitllm.quant.formats.packing import pack_dim1
+
+    ones = sum(1 << (bits * j) for j in range(32 // bits))
+    word = (pack_dim1(zero, bits).long() - ones) & 0xFFFFFFFF
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)

@@ -7,6 +7,8 @@ from fitllm.quant.formats.packing import AWQ_ORDER, pack_dim0, pack_dim1, to_ker
 from fitllm.quant.rtn import rtn_quantize
 from fitllm.quant.scheme import QuantizedWeight, QuantScheme
 
+from quant_fixtures import gptqmodel_v1_qzeros
+
 
 def as_u32(x: torch.Tensor) -> int:
     return int(x) & 0xFFFFFFFF
@@ -67,9 +69,7 @@ def test_gptq_v1_zero_point_zero_as_gptqmodel_stores_it(bits):
     n, k, per = 16, 64, 32 // bits
     zero = torch.randint(1, 1 << bits, (2, n), dtype=torch.int32)  # [G, N]
     zero[0, 0] = zero[1, 3] = zero[1, per - 1] = 0  # the last slot of a word: its borrow falls off the word
-    ones = sum(1 << (bits * j) for j in range(per))
-    word = (pack_dim1(zero, bits).long() - ones) & 0xFFFFFFFF
-    qzeros = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+    qzeros = gptqmodel_v1_qzeros(zero, bits)
     assert int(unpack_dim1(qzeros, bits)[0, 0]) == (1 << bits) - 1  # all ones, and slot 1 lost a 1
     assert int(unpack_dim1(qzeros, bits)[0, 1]) == (int(zero[0, 1]) - 2) % (1 << bits)
     q = torch.randint(0, 1 << bits, (k, n), dtype=torch.int32)

@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 
 from fitllm.models.linear import DenseLinear
 from fitllm.quant.formats import gptq
-from fitllm.quant.formats.packing import pack_dim0, pack_dim1
+from fitllm.quant.formats.packing import pack_dim0
 from fitllm.quant.layers import QuantLinear, load_quantized_model, shard_names
 
-from quant_fixtures import make_tiny_model
+from quant_fixtures import gptqmodel_v1_qzeros, make_tiny_model
 
 # as GPTQModel writes it (quantize_config.json / config.json), negative rules first
 QC = {"bits": 4, "group_size": 64, "desc_act": False, "sym": True, "lm_head": True, "method": "gptq",
@@ -27,8 +27,7 @@ QC = {"bits": 4, "group_size": 64, "desc_act": False, "sym": True, "lm_head": Tr
 
 
 def gptqmodel_v1_tensors(n, k, cfg, gen):
-    """Random codes in GPTQModel's v1 export: zero points packed as they are, then 1 taken off
-    each slot by one int32 subtraction per word (a zero point of 0 borrows from the next slot)."""
+    """Random codes in GPTQModel's v1 export (gptqmodel_v1_qzeros)."""
     bits, group = int(cfg["bits"]), int(cfg["group_size"])
     g = k // group
     q = torch.randint(0, 1 << bits, (k, n), generator=gen, dtype=torch.int32)
@@ -39,9 +38,7 @@ def gptqmodel_v1_tensors(n, k, cfg, gen):
         zero[:, :: 3] = 0
     g_idx = (torch.randperm(k, generator=gen) if cfg["desc_act"] else torch.arange(k)) // group
     scales = (torch.rand(g, n, generator=gen) * 0.01 + 0.001).half()
-    ones = sum(1 << (bits * j) for j in range(32 // bits))
-    word = (pack_dim1(zero, bits).long() - ones) & 0xFFFFFFFF
-    qzeros = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+    qzeros = gptqmodel_v1_qzeros(zero, bits)
     expect = ((q - zero[g_idx]).float() * scales.float()[g_idx]).t()  # [N, K]
     return {"qweight": pack_dim0(q, bits), "qzeros": qzeros, "scales": scales,
             "g_idx": g_idx.to(torch.int32)}, expect
