@@ -1,7 +1,9 @@
 """Programmatic dependent launch in the engine's decode step, A/B in one process (issue 10); also
 RoPE in the cache write's launch against RoPE as its own kernel (variant rope-apart), and split-K
 summed in a fixed order (variant ordered, FITLLM_DETERMINISTIC=1: what it costs, and whether its
-greedy tokens repeat exactly).
+greedy tokens repeat exactly), and an earlier paged_attention.py (variant attn-prev: the module
+`_pa_baseline` next to this script, e.g. `git show REV:fitllm/kernels/paged_attention.py >
+benchmarks/_pa_baseline.py`, not committed) in place of the current one.
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -16,6 +18,7 @@ run in rounds, interleaved, so drift in the card's clocks hits all of them alike
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -31,7 +34,15 @@ from fitllm.models.kv_cache import PagedKVCache  # noqa: E402
 from fitllm.serve.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"},
-            "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"}}
+            "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"}, "attn-prev": {"FITLLM_PDL": "1"}}
+
+
+def use_attention_module(mod) -> None:
+    """The engine imports fitllm.kernels.paged_attention at each call: point that name at `mod`."""
+    import fitllm.kernels
+
+    sys.modules["fitllm.kernels.paged_attention"] = mod
+    fitllm.kernels.paged_attention = mod
 
 
 def greedy_tokens(engine, n: int = 48) -> list[int]:
@@ -48,10 +59,12 @@ def main() -> int:
     ap.add_argument("--kv", default="auto")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=0, help="also offline throughput of this many 128/128 requests")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="the engine's; it sizes the decode graphs' splits")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = []
     fuses_rope, apart = PagedKVCache.fuses_rope, property(lambda self: False)
+    import fitllm.kernels.paged_attention as current_attention
     for scheme in args.schemes.split(","):
         model = build(scheme)
         reference, own = None, {}
@@ -60,7 +73,10 @@ def main() -> int:
                 os.environ.pop("FITLLM_DETERMINISTIC", None)
                 os.environ.update(VARIANTS[name])
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
-                engine = engine_for(model, kv_dtype=args.kv, max_num_seqs=max(8, args.batch))
+                use_attention_module(importlib.import_module("_pa_baseline") if name == "attn-prev"
+                                     else current_attention)
+                engine = engine_for(model, kv_dtype=args.kv, max_num_seqs=max(8, args.batch),
+                                    max_model_len=args.max_model_len)
                 tokens = greedy_tokens(engine)
                 if reference is None:
                     reference = tokens
@@ -68,7 +84,8 @@ def main() -> int:
                 same = sum(a == b for a, b in zip(tokens, reference))
                 repeat = sum(a == b for a, b in zip(tokens, own[name]))
                 tps = decode_speed(engine, 128, 256)
-                row = {"scheme": scheme, "kv": args.kv, "variant": name, "round": r, "tok_s": tps,
+                row = {"scheme": scheme, "kv": args.kv, "max_model_len": args.max_model_len, "variant": name,
+                       "round": r, "tok_s": tps,
                        "tokens_equal": f"{same}/{len(reference)}", "tokens_repeat": f"{repeat}/{len(tokens)}"}
                 if args.batch:
                     row["batch_tok_s"] = throughput(engine, args.batch, 128, 128)[0]

@@ -150,16 +150,39 @@ def test_decode_and_mixed_batches_match_reference(name, window, monkeypatch):
     pool.write_all(pa.cache_write_ref)
     qdt = torch.bfloat16 if name == "bf16" else torch.float32
     # splits: one (direct), three combined by the last split to finish or by the reduce kernel, and
-    # more splits than tiles (empty ones) both ways
+    # more splits than tiles both ways: the idle ones write nothing (their partials stay NaN), so
+    # a combine that read past a sequence's `used` splits would show
     decode = [1, 1, 1, 1]
     for q_lens, splits, knobs in ((decode, 1, {}), (decode, 3, {}), (decode, 3, dict(fused_reduce=False)),
-                                  (decode, 7, {}), (decode, 12, {}), ([1, 4, 23, 2], None, {})):
+                                  (decode, 7, {}), (decode, 12, {}), (decode, 12, dict(fused_reduce=False)),
+                                  (decode, 40, dict(fused_reduce=True)), ([1, 4, 23, 2], None, {})):
         q = torch.randn(sum(q_lens), H * G, D).to(qdt)
         out, ref = run_both(pool, q, q_lens, window, splits, **knobs)
         assert torch.isfinite(out).all() and torch.isfinite(ref).all()
         assert rel(out, ref) < 1e-5, (splits, knobs)
     # the fused combine's arrival counters are left at zero for the next launch (and graph replay)
     assert not splitk_workspace(torch.device("cpu"), 0, 0)[1].any()
+
+
+@pytest.mark.parametrize("splits,fused", [(1, None), (12, True), (12, False)])
+def test_an_empty_sequence_decodes_to_zeros(splits, fused, monkeypatch):
+    """Graph padding: a sequence of length 0 gets an all-zero output (split 0 writes it), the
+    others are unaffected."""
+    real_empty = torch.empty
+    monkeypatch.setattr(pa.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+                        if (k.get("dtype") or torch.get_default_dtype()).is_floating_point else real_empty(*a, **k))
+    pool = Pool("bf16", [9, 23], seed=5)
+    pool.write_all(pa.cache_write_ref)
+    q = torch.randn(3, H * G, D).to(torch.bfloat16)
+    lens = torch.tensor([9, 0, 23], dtype=torch.int32)
+    bt = torch.stack([pool.bt[0], pool.bt[0], pool.bt[1]])
+    out = pa.paged_attention(q, *pool.tensors(), bt, torch.arange(4, dtype=torch.int32), lens, 0.3, pool.kind,
+                             pool.group, None, torch.float32, max_query_len=1, max_seq_len=23, num_splits=splits,
+                             block_n=16, fused_reduce=fused)
+    ref = pa.paged_attention_ref(q[[0, 2]], *pool.tensors(), pool.bt, [0, 1, 2], [9, 23], 0.3, pool.kind, pool.group, None,
+                                 torch.float32)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert rel(out[[0, 2]], ref) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
@@ -206,6 +229,8 @@ def test_decode_defaults():
     assert cfg(pa.KIND_INT8, 1, 1, 100)["num_splits"] == 1
     # short sequences: splits of one 128-token tile, up to the fused combine's limit; not below 512
     assert [cfg(pa.KIND_FLOAT, 2, 1, n)["num_splits"] for n in (256, 511, 512, 1024, 2048, 4096)] == [1, 1, 4, 8, 8, 16]
-    assert cfg(pa.KIND_FP8, 1, 1, 1024)["num_splits"] == pa.FUSED_COMBINE_MAX_SPLITS
+    assert cfg(pa.KIND_FP8, 1, 1, 1024)["num_splits"] == pa.SHORT_SPLITS_MAX
     assert cfg(pa.KIND_FLOAT, 2, 16, 1024)["num_splits"] == 1  # B x H fills the GPU: no split
-    assert 1 < pa.FUSED_COMBINE_MAX_SPLITS < 33
+    assert 1 < pa.SHORT_SPLITS_MAX <= pa.FUSED_COMBINE_MAX_SPLITS < 33
+    # an engine graph sized for 4096 tokens at batch 1 combines its splits in the decode kernel
+    assert cfg(pa.KIND_FLOAT, 2, 1, 4096)["num_splits"] <= pa.FUSED_COMBINE_MAX_SPLITS

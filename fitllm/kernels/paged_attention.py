@@ -337,6 +337,39 @@ def _tile_positions(n0, hi, BT, bt_row, PAGE: tl.constexpr, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def _split_span(seq_len, window, sp, num_splits, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+    """Split sp's tokens [lo, hi) of a sequence, its first visible token, and how many of the
+    num_splits slices hold any (at least 1: split 0 writes even an empty sequence's output). Each
+    sequence cuts its own span: the grid does not depend on the lengths, so one CUDA graph serves
+    every step, and a short sequence in a graph sized for long ones leaves most splits idle. Tiles
+    start at multiples of BLOCK_N (tokens before `start` are masked), so each page's tokens are one
+    contiguous run within a tile."""
+    start = seq_len * 0
+    if WINDOWED:
+        start = tl.maximum(seq_len - window, 0)
+    first = start // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    used = tl.maximum(tl.cdiv(seq_len - first, tl.maximum(chunk, 1)), 1)
+    lo = first + sp * chunk
+    return start, lo, tl.minimum(lo + chunk, seq_len), used
+
+
+@triton.jit
+def _mma_query(q, KIND: tl.constexpr, UPCAST: tl.constexpr):
+    """q in the dtype the tile's MMAs run in. fp32 under the interpreter (its bf16/fp16 tl.dot is
+    wrong). fp16 over an fp8 cache: e4m3 -> fp16 is one conversion per pair and exact, -> bf16 goes
+    through fp32 (offline SASS, sm_90, a 128-token tile: 759 vs 1146 instructions); q is clamped to
+    fp16's range (bf16 reaches further) and P in [0, 1] keeps more bits in fp16. Else q's dtype."""
+    if UPCAST:
+        r = q.to(tl.float32)
+    elif KIND == 1:
+        r = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    else:
+        r = q
+    return r
+
+
+@triton.jit
 def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale, window, num_splits,
                    s_qt, s_qh, s_bt, s_ot, s_oh,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
@@ -347,29 +380,21 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
     """One (sequence, kv head, split): the G query heads sharing that kv head against one slice of
     the sequence. Partial results (unnormalised acc, running max, sum) go to PO/PML, or straight to
     OUT when there is a single split (DIRECT). FUSED: the split that finishes last combines them
-    (no reduce launch); else _reduce_kernel does."""
+    (no reduce launch); else _reduce_kernel does. Splits past a sequence's tokens exit at once."""
     wait_for_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(SEQ + b)
-    start = seq_len * 0
-    if WINDOWED:
-        start = tl.maximum(seq_len - window, 0)
-    # Each sequence cuts its own span into num_splits slices: the grid does not depend on the
-    # lengths, so one CUDA graph serves every step. Tiles start at multiples of BLOCK_N (tokens
-    # before `start` are masked), so each page's tokens are one contiguous run within a tile.
-    first = start // BLOCK_N * BLOCK_N
-    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
-    lo = first + sp * chunk
-    hi = tl.minimum(lo + chunk, seq_len)
+    start, lo, hi, used = _split_span(seq_len, window, sp, num_splits, BLOCK_N, WINDOWED)
+    if sp >= used:  # nothing of this sequence here: no partials, no ticket (the combine reads `used`)
+        return
 
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, GP)  # GQA: the group's heads are the rows of one tile (padded to >= 16)
     heads = kvh * G + offs_g
-    q = tl.load(Q + b * s_qt + heads[:, None] * s_qh + offs_d[None, :], mask=(offs_g < G)[:, None], other=0.0)
-    if UPCAST:  # the interpreter's bf16/fp16 tl.dot is wrong: multiply in fp32 there
-        q = q.to(tl.float32)
+    q = _mma_query(tl.load(Q + b * s_qt + heads[:, None] * s_qh + offs_d[None, :], mask=(offs_g < G)[:, None],
+                           other=0.0), KIND, UPCAST)
     qk_scale = scale * 1.4426950408889634  # softmax in base 2
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -410,21 +435,22 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
             # per (sequence, kv head) and the last arrival resets it (a clean buffer every launch).
             tl.debug_barrier()
             arrived = tl.atomic_add(CNT + b * H + kvh, 1, sem="acq_rel")
-            if arrived == num_splits - 1:
+            if arrived == used - 1:
                 offs_q = tl.arange(0, GQ)
-                out = _combine_partials(PO, PML, b * (H * G) + kvh * G + offs_q, offs_q < G, num_splits, D, SP)
+                out = _combine_partials(PO, PML, b * (H * G) + kvh * G + offs_q, offs_q < G, num_splits, used, D, SP)
                 tl.store(OUT + b * s_ot + (kvh * G + offs_q)[:, None] * s_oh + offs_d[None, :],
                          out.to(OUT.dtype.element_ty), mask=(offs_q < G)[:, None])
                 tl.atomic_xchg(CNT + b * H + kvh, 0)
 
 
 @triton.jit
-def _combine_partials(PO, PML, rows, rmask, num_splits, D: tl.constexpr, SP: tl.constexpr):
-    """Normalised outputs [R, D] (fp32) of the (sequence, head) rows `rows` [R] from their
-    num_splits partials: weights exp2(m_s - max m), empty splits 0. One [R, SP, D] tile. Loads
-    bypass L1: in the fused combine, other programs wrote these during this launch."""
+def _combine_partials(PO, PML, rows, rmask, num_splits, used, D: tl.constexpr, SP: tl.constexpr):
+    """Normalised outputs [R, D] (fp32) of the (sequence, head) rows `rows` [R] from the partials
+    of their first `used` splits (of num_splits): weights exp2(m_s - max m), empty splits 0. One
+    [R, SP, D] tile. Loads bypass L1: in the fused combine, other programs wrote these during this
+    launch."""
     s = tl.arange(0, SP)
-    pm = rmask[:, None] & (s < num_splits)[None, :]
+    pm = rmask[:, None] & (s < used)[None, :]
     part = rows[:, None] * num_splits + s[None, :]
     m = tl.load(PML + part * 2, mask=pm, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(PML + part * 2 + 1, mask=pm, other=0.0, cache_modifier=".cg")
@@ -436,14 +462,16 @@ def _combine_partials(PO, PML, rows, rmask, num_splits, D: tl.constexpr, SP: tl.
 
 
 @triton.jit
-def _reduce_kernel(PO, PML, OUT, num_splits, s_ot, s_oh, HQ: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+def _reduce_kernel(PO, PML, SEQ, OUT, num_splits, window, s_ot, s_oh, HQ: tl.constexpr, D: tl.constexpr,
+                   SP: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
     """Combine one (sequence, head)'s split partials (the unfused path). Launched without PDL: with
     it, decode -> reduce -> decode chains lost at batch 1 (H200, fp8 KV at 32k: 25.7 -> 29.1 µs;
     bf16 won 1 µs; RESULTS.md, sixth session)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     one = tl.arange(0, 1)
-    out = _combine_partials(PO, PML, b * HQ + h + one, one < 1, num_splits, D, SP)
+    used = _split_span(tl.load(SEQ + b), window, 0, num_splits, BLOCK_N, WINDOWED)[3]
+    out = _combine_partials(PO, PML, b * HQ + h + one, one < 1, num_splits, used, D, SP)
     tl.store(OUT + b * s_ot + h * s_oh + tl.arange(0, D)[None, :], out.to(OUT.dtype.element_ty))
 
 
@@ -469,9 +497,8 @@ def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, wind
     qmask = offs_m < q_len
     q_pos = ctx + offs_m
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + (q0 + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=qmask[:, None], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _mma_query(tl.load(Q + (q0 + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=qmask[:, None],
+                           other=0.0), KIND, UPCAST)
     kvh = h // G
     qk_scale = scale * 1.4426950408889634
 
@@ -554,9 +581,12 @@ def _group_args(kind: int, group, d: int) -> dict:
 
 
 # The split combine runs in the decode kernel itself (its last split to finish) up to this many
-# splits: one small tile to read. Beyond it the reduce kernel's 32 programs are faster than one
-# program reading all partials (H200: B=1 at 32k, 66 splits: 30.2 vs 33.7 µs fused).
-FUSED_COMBINE_MAX_SPLITS = 8
+# splits: one small tile to read, and only the splits that hold tokens. Beyond it the reduce
+# kernel's 32 programs are faster than one program reading all partials (H200: B=1 at 32k, 66
+# splits: 30.2 vs 33.7 µs fused).
+FUSED_COMBINE_MAX_SPLITS = 16
+# Short sequences are cut into one 128-token tile per split up to this many splits.
+SHORT_SPLITS_MAX = 8
 
 
 def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int,
@@ -577,10 +607,10 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
     - fp32 KV (tests, parity runs): 64-token tiles, one buffer (a double-buffered 128 x 128 fp32
       K and V tile would not fit in shared memory)."""
     per_wave = batch * kv_heads
-    # Splits of >= 256 tokens, or from 512 tokens on of >= 128 while the combine stays in the decode
-    # kernel: one program per 128-token tile beats two to eight tiles in a row (H200, B=1: 512 tokens
-    # 7.3 -> 6.3 µs, 1024 7.7 -> 6.3; at 256, two splits lose: 5.5 -> 5.9; RESULTS.md, fifth session).
-    by_len = max(max_seq_len // 256, min(max_seq_len // 128, FUSED_COMBINE_MAX_SPLITS) if max_seq_len >= 512 else 0)
+    # Splits of >= 256 tokens, or from 512 tokens on of >= 128 up to SHORT_SPLITS_MAX: one program
+    # per 128-token tile beats two to eight tiles in a row (H200, B=1: 512 tokens 7.3 -> 6.3 µs, 1024
+    # 7.7 -> 6.3; at 256, two splits lose: 5.5 -> 5.9; RESULTS.md, fifth session).
+    by_len = max(max_seq_len // 256, min(max_seq_len // 128, SHORT_SPLITS_MAX) if max_seq_len >= 512 else 0)
 
     def split(programs: int) -> int:
         return max(1, min(programs // per_wave, by_len, 64))
@@ -640,8 +670,8 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
             FUSED=fused, GQ=gq, SP=sp,
             num_warps=num_warps or 4, num_stages=num_stages, **pdl_args(q))
         if not direct and not fused:
-            _reduce_kernel[(batch, hq)](po, pml, out, num_splits, out.stride(0), out.stride(1),
-                                        HQ=hq, D=d, SP=sp, num_warps=4)
+            _reduce_kernel[(batch, hq)](po, pml, seq_lens, out, num_splits, window, out.stride(0), out.stride(1),
+                                        HQ=hq, D=d, SP=sp, BLOCK_N=bn, WINDOWED=window > 0, num_warps=4)
         return out
     bm = 16 if max_query_len <= 16 else 64
     bn = block_n or 64
