@@ -581,8 +581,9 @@ def _group_args(kind: int, group, d: int) -> dict:
 
 
 # The split combine runs in the decode kernel itself (its last split to finish) up to this many
-# splits: one small tile to read, and only the splits that hold tokens. Beyond it the reduce
-# kernel's 32 programs are faster than one program reading all partials (H200: B=1 at 32k, 66
+# splits: one small tile to read, and only the splits that hold tokens (H200, B=1, 16 splits: 8.3
+# vs 9.3 µs with the reduce kernel at 4k, 37.6 vs 39.0 at 32k; RESULTS.md, tenth session). Far
+# beyond it the reduce kernel's 32 programs are faster than one program reading all partials (66
 # splits: 30.2 vs 33.7 µs fused).
 FUSED_COMBINE_MAX_SPLITS = 16
 # Short sequences are cut into one 128-token tile per split up to this many splits.

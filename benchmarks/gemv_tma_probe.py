@@ -1,0 +1,134 @@
+"""Batch-1 W4A16 GEMV with its weight tiles fetched by TMA (cp.async.bulk.tensor into a ring of
+shared-memory stages, `tl.range(..., num_stages=S)`), against the table's GEMV, per Llama-3-8B linear.
+
+Why: the table's GEMV keeps one 8 KB word tile per program in flight (register loads issued just
+before their math), ~32 KB per SM at 4 programs per SM, which by Little's law caps it near 2-3 TB/s
+(ncu: 58.7 % of issue gaps on L1TEX, DRAM 45 %; RESULTS.md, fifth session). cp.async stages cost
+per-thread address registers and did not pay; a TMA ring holds S tiles per program at no register
+cost. Same math as the table's GEMV (w4a16_tiled._one_row_dot), so only the fetch differs.
+
+Each linear is timed alone with enough weight copies per CUDA graph that every read comes from HBM
+(gemv_tiled_explore's harness); every config is checked against a float64 oracle first.
+
+  python3 benchmarks/gemv_tma_probe.py --out $OUT [--budget-s 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.bench_gemm import SHAPES, rel_err  # noqa: E402
+from benchmarks.gemv_explore import graph_us, log  # noqa: E402
+from benchmarks.gemv_tiled_explore import BW, dense64, hbm_copies, read_floor  # noqa: E402
+from fitllm.kernels._utils import interpreting, num_sms, split_k_for, splitk_buffers  # noqa: E402
+from fitllm.kernels.w4a16 import _one_row_dot, _rows_out, _store_tile  # noqa: E402
+from fitllm.kernels.w4a16_tiled import _group_raw, _packed_math_ok, _pair16, _x_pairs, w4a16_tiled_triton  # noqa: E402
+
+
+@triton.jit
+def _tma_gemv_kernel(x_ptr, q_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, NUM_GROUPS, K_TILES, stride_ym,
+                     K_ITERS, SPLIT, GROUP_SIZE: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
+                     F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, USE_WS: tl.constexpr):
+    MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
+    DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    p_ar = tl.arange(0, 16)[None, :]
+    xoff = (p_ar % 4) * 4 + p_ar // 4
+    acc = tl.zeros((BN, 16), dtype=tl.float32)
+    kt_end = tl.minimum((pid_k + 1) * K_ITERS, K_TILES)
+    for kt in tl.range(pid_k * K_ITERS, kt_end, num_stages=STAGES):
+        qw = q_desc.load([pid_n * BN, kt * 16])  # [BN, 16] words; rows past N come back 0
+        s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
+        nz = tl.broadcast_to(_pair16(-(z + MAGICF), DT), qw.shape)
+        x0, x1, x2, x3 = _x_pairs(x_ptr, 0, 1, 0, kt, xoff, K // 2, EVEN_K)
+        acc += _one_row_dot(qw, nz, x0, x1, x2, x3, F16, ASM) * s[:, None]
+    out, offs_m, m_mask = _rows_out(tl.trans(acc), acc, acc, acc, 0, 1, 1)
+    _store_tile(out, y_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, pid_n, SPLIT,
+                False, USE_WS)
+
+
+def tma_gemv(x, qtile, scales, zeros, group_size, K, bn, warps, stages, waves, out):
+    """y [1, N] = x [1, K] W^T, weights through a TMA descriptor (block [bn, 16] words)."""
+    N = qtile.shape[0]
+    desc = TensorDescriptor(qtile, list(qtile.shape), [qtile.shape[1], 1], [bn, 16])
+    n_blocks = triton.cdiv(N, bn)
+    split, k_iters = split_k_for(n_blocks, qtile.shape[1] // 16, num_sms(x.device.index or 0), waves)
+    use_ws = split > 1
+    ws, cnt, _ = splitk_buffers(x.device, N, n_blocks, split) if use_ws else (out, out, {})
+    _tma_gemv_kernel[(n_blocks, split)](
+        x.view(torch.int32), desc, scales, zeros, out, ws, cnt, N, K, scales.shape[0], qtile.shape[1] // 16,
+        out.stride(0), k_iters, split, GROUP_SIZE=min(group_size, K), BN=bn, STAGES=stages,
+        F16=x.dtype == torch.float16, ASM=_packed_math_ok(x.device.index or 0, x.dtype), EVEN_K=K % 128 == 0,
+        USE_WS=use_ws, num_warps=warps)
+    return out
+
+
+CONFIGS = [(bn, w, st, wv) for bn, w in ((128, 8), (64, 4), (128, 4), (256, 8)) for st in (2, 3, 4, 6)
+           for wv in (2, 4)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=200)
+    a = ap.parse_args()
+    deadline = time.time() + a.budget_s
+    dev = "cuda"
+    torch.manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(), "linears": {}}
+    for lin, (K, N) in SHAPES.items():  # descriptors are built on the host: no device allocator needed
+        nbytes, ws = hbm_copies(K, N, dev)
+        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        ref = x.double() @ dense64(ws[0])
+        y = torch.empty(1, N, device=dev, dtype=torch.bfloat16)
+        sink = torch.empty(4 * 132, device=dev, dtype=torch.int32)
+        row = {"roofline_us": nbytes / BW * 1e6}
+        row["read_floor"] = graph_us([lambda w=w: read_floor(w, sink) for w in ws])
+        row["table"] = graph_us([lambda w=w: w4a16_tiled_triton(x, **w, out=y) for w in ws])
+        sweep = {}
+        for bn, warps, st, wv in CONFIGS:
+            if time.time() > deadline:
+                log("budget reached")
+                break
+            name = f"tma BN{bn} w{warps} stages{st} waves{wv}"
+            try:
+                o = torch.full((1, N), float("nan"), device=dev, dtype=torch.bfloat16)
+                tma_gemv(x, **ws[0], bn=bn, warps=warps, stages=st, waves=wv, out=o)
+                err = rel_err(o, ref)
+                if not err < 1e-2:
+                    log(f"  {lin} {name}: rel err {err:.2e}, skipped")
+                    continue
+                sweep[name] = graph_us([lambda w=w: tma_gemv(x, **w, bn=bn, warps=warps, stages=st, waves=wv, out=y)
+                                        for w in ws])
+            except Exception as e:  # noqa: BLE001  (report, go on)
+                log(f"  {lin} {name} failed: {repr(e)[:300]}")
+        row["sweep"] = sweep
+        row["best"] = min(sweep.items(), key=lambda kv: kv[1]) if sweep else ("-", float("nan"))
+        log(f"{lin}: roofline {row['roofline_us']:.1f} read floor {row['read_floor']:.1f} table {row['table']:.1f} "
+            f"best TMA {row['best'][1]:.1f} {row['best'][0]}")
+        log("   " + ", ".join(f"{k.replace('tma ', '')} {v:.1f}" for k, v in sorted(sweep.items(), key=lambda kv: kv[1])[:8]))
+        res["linears"][lin] = row
+        json.dump(res, open(os.path.join(a.out, "gemv_tma_probe.json"), "w"), indent=1)
+        del ws
+        torch.cuda.empty_cache()
+    tot = {k: sum(r[k] for r in res["linears"].values()) for k in ("roofline_us", "read_floor", "table")}
+    log(f"layer: roofline {tot['roofline_us']:.1f} read floor {tot['read_floor']:.1f} table {tot['table']:.1f} "
+        f"per-linear best TMA {sum(r['best'][1] for r in res['linears'].values()):.1f}")
+
+
+if __name__ == "__main__":
+    assert not interpreting(), "a GPU benchmark"
+    main()
