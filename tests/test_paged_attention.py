@@ -84,6 +84,14 @@ def run_both(pool, q, q_lens, window=None, num_splits=None, **knobs):
     return out, ref
 
 
+@pytest.fixture
+def nan_buffers(monkeypatch):
+    """Every floating-point buffer the launchers allocate with torch.empty starts as NaN."""
+    real_empty = torch.empty
+    monkeypatch.setattr(pa.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+                        if (k.get("dtype") or torch.get_default_dtype()).is_floating_point else real_empty(*a, **k))
+
+
 @pytest.mark.parametrize("name", list(STORE))
 def test_cache_write_triton_matches_reference(name):
     a, b = Pool(name, [7, 13]), Pool(name, [7, 13])
@@ -140,12 +148,9 @@ def test_padding_slots_are_not_written():
 
 @pytest.mark.parametrize("name,window", [(n, None) for n in STORE] + [("bf16", 5), ("fp8", 5), ("int4", 5),
                                                                       ("int4-kv", 5)])
-def test_decode_and_mixed_batches_match_reference(name, window, monkeypatch):
+def test_decode_and_mixed_batches_match_reference(name, window, nan_buffers):
     # every buffer the launcher allocates starts as NaN: outputs must be fully written, and a
     # combine that read a split's partials before they were written would show
-    real_empty = torch.empty
-    monkeypatch.setattr(pa.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
-                        if (k.get("dtype") or torch.get_default_dtype()).is_floating_point else real_empty(*a, **k))
     pool = Pool(name, [1, 9, 23, 16], seed=1)
     pool.write_all(pa.cache_write_ref)
     qdt = torch.bfloat16 if name == "bf16" else torch.float32
@@ -165,12 +170,9 @@ def test_decode_and_mixed_batches_match_reference(name, window, monkeypatch):
 
 
 @pytest.mark.parametrize("splits,fused", [(1, None), (12, True), (12, False)])
-def test_an_empty_sequence_decodes_to_zeros(splits, fused, monkeypatch):
+def test_an_empty_sequence_decodes_to_zeros(splits, fused, nan_buffers):
     """Graph padding: a sequence of length 0 gets an all-zero output (split 0 writes it), the
     others are unaffected."""
-    real_empty = torch.empty
-    monkeypatch.setattr(pa.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
-                        if (k.get("dtype") or torch.get_default_dtype()).is_floating_point else real_empty(*a, **k))
     pool = Pool("bf16", [9, 23], seed=5)
     pool.write_all(pa.cache_write_ref)
     q = torch.randn(3, H * G, D).to(torch.bfloat16)
