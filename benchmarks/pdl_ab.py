@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import build, engine_for  # noqa: E402
 from gpu_engine_check import decode_speed, free, throughput  # noqa: E402
 
+import fitllm.kernels.paged_attention as current_attention  # noqa: E402
 from fitllm.models.kv_cache import PagedKVCache  # noqa: E402
 from fitllm.serve.sampling import SamplingParams  # noqa: E402
 
@@ -64,7 +65,6 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     fuses_rope, apart = PagedKVCache.fuses_rope, property(lambda self: False)
-    import fitllm.kernels.paged_attention as current_attention
     for scheme in args.schemes.split(","):
         model = build(scheme)
         reference, own = None, {}

@@ -594,8 +594,8 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
                   sms: int = 132) -> dict:
     """Default split count, tile and pipeline depth of the decode kernel, from the H200 sweeps
     (benchmarks/RESULTS.md, 2026-12-01 fourth session). Splits are at least 256 tokens (shorter ones
-    cost more in the combine than they win) unless the combine stays fused, at most 64. With B
-    sequences x H kv heads:
+    cost more in the combine than they win), or one 128-token tile each for up to SHORT_SPLITS_MAX
+    splits, at most 64. With B sequences x H kv heads:
     - 16-bit KV, B*H <= SMs: 128-token tiles, double-buffered (Triton does that for this loop only
       from num_stages=5). That is ~128 KB of shared memory, one program per SM, so the sequence is
       split just enough for one wave (B=1 and 16 at 32k: 15 % and 4 % faster than 64-token tiles).
