@@ -3,7 +3,11 @@ RoPE in the cache write's launch against RoPE as its own kernel (variant rope-ap
 summed in a fixed order (variant ordered, FITLLM_DETERMINISTIC=1: what it costs, and whether its
 greedy tokens repeat exactly), and an earlier paged_attention.py (variant attn-prev: the module
 `_pa_baseline` next to this script, e.g. `git show REV:fitllm/kernels/paged_attention.py >
-benchmarks/_pa_baseline.py`, not committed) in place of the current one.
+benchmarks/_pa_baseline.py`, not committed) in place of the current one. Variants skip-norm,
+skip-silu and skip-both are timing only, with WRONG math: the RMSNorms (every one, with their
+residual adds) and / or SiLU·mul launch nothing, which bounds what fusing them into the GEMVs could
+save. A skipped norm hands on the residual stream unchanged (the embedding: it stays finite, so no
+row fails and every variant decodes all its tokens).
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -31,11 +35,22 @@ from bench_serving import build, engine_for  # noqa: E402
 from gpu_engine_check import decode_speed, free, throughput  # noqa: E402
 
 import fitllm.kernels.paged_attention as current_attention  # noqa: E402
+from fitllm.kernels import fused  # noqa: E402
 from fitllm.models.kv_cache import PagedKVCache  # noqa: E402
 from fitllm.serve.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"},
-            "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"}, "attn-prev": {"FITLLM_PDL": "1"}}
+            "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"}, "attn-prev": {"FITLLM_PDL": "1"},
+            "skip-norm": {"FITLLM_PDL": "1"}, "skip-silu": {"FITLLM_PDL": "1"}, "skip-both": {"FITLLM_PDL": "1"}}
+
+
+def skip_kernels(name: str, real=(fused.rms_norm, fused.silu_mul)) -> None:
+    """Timing-only variants: the decoder calls fused.rms_norm / fused.silu_mul through the module,
+    so passing a tensor through removes those launches from the captured graphs."""
+    skip_norm, skip_silu = name in ("skip-norm", "skip-both"), name in ("skip-silu", "skip-both")
+    fused.rms_norm = (lambda x, w, eps, residual=None: x if residual is None else (residual, residual)) if skip_norm \
+        else real[0]
+    fused.silu_mul = (lambda gate_up: gate_up[..., : gate_up.shape[-1] // 2]) if skip_silu else real[1]
 
 
 def use_attention_module(mod) -> None:
@@ -73,6 +88,7 @@ def main() -> int:
                 os.environ.pop("FITLLM_DETERMINISTIC", None)
                 os.environ.update(VARIANTS[name])
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
+                skip_kernels(name)
                 use_attention_module(importlib.import_module("_pa_baseline") if name == "attn-prev"
                                      else current_attention)
                 engine = engine_for(model, kv_dtype=args.kv, max_num_seqs=max(8, args.batch),

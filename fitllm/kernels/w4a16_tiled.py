@@ -325,11 +325,17 @@ if triton is not None:
     @triton.jit
     def _gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask,
                    p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE: tl.constexpr, BM: tl.constexpr,
-                   F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
-        """The GEMV's work on K tile kt: acc_m [BN, 16] += (word dot x pairs) * scale, rows m0.."""
+                   F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, TILE_ROWS: tl.constexpr = 0):
+        """The GEMV's work on K tile kt: acc_m [BN, 16] += (word dot x pairs) * scale, rows m0..
+        TILE_ROWS > 0 (probe): words stored tile-major, each TILE_ROWS x 16-word tile contiguous."""
         MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
         DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
-        qw = tl.load(q_ptr + offs_n[:, None] * stride_q + kt * 16 + p_ar, mask=n_mask[:, None], other=0)
+        if TILE_ROWS > 0:
+            blk = offs_n // TILE_ROWS
+            q_off = ((blk * (stride_q // 16) + kt) * TILE_ROWS + offs_n % TILE_ROWS)[:, None] * 16 + p_ar
+        else:
+            q_off = offs_n[:, None] * stride_q + kt * 16 + p_ar
+        qw = tl.load(q_ptr + q_off, mask=n_mask[:, None], other=0)
         s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
         s = s[:, None]
         nz = tl.broadcast_to(_pair16(-(z + MAGICF), DT), qw.shape)
@@ -357,6 +363,7 @@ if triton is not None:
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
         EVEN_K: tl.constexpr, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
+        TILE_ROWS: tl.constexpr = 0,
     ):
         """y = x W^T for 1..4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), CUDA cores, packed
         16-bit math (w4a16's _unpack_q_minus_z / _dot_pairs / _one_row_dot). Program (n, k, m) owns
@@ -382,7 +389,7 @@ if triton is not None:
                 if UNROLL == 1 or kt + u < kt_end:
                     acc0, acc1, acc2, acc3 = _gemv_tile(
                         x_ptr, q_ptr, s_ptr, z_ptr, kt + u, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n,
-                        n_mask, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K)
+                        n_mask, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K, TILE_ROWS)
         let_next_launch(PDL)
         out, offs_m, m_mask = _rows_out(tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3), m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
@@ -523,8 +530,8 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split,
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
-        **pdl_args(x), **order)
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], TILE_ROWS=cfg.get("TILE_ROWS", 0),
+        **_reg_cap(cfg), **pdl_args(x), **order)
     return y
 
 
