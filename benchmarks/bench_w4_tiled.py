@@ -161,6 +161,10 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "table": TILED_CONFIGS.get("sm90")}
     W = Weights(dev)
+    if baseline is not None:
+        for c in W.copies:
+            for w in c.values():
+                w["qt_base"] = dict(w["qt"], qtile=baseline.tile_pack(w["w4"]["qweight"]))
     ref_w = {name: dequantize_packed(**W.copies[0][name]["w4"], dtype=torch.float64) for name in SHAPES}
     log("correctness, table path, real shapes")
     res["check"] = [dict(M=M, err=check_tiled(dev, W, ref_w, M)) for M in CHECK_M]
@@ -193,8 +197,8 @@ def main():
             "standard": lambda w, a_, o: w4a16_gemm_triton(a_, **w["w4"], out=o),
             "tiled": lambda w, a_, o: w4a16_tiled_triton(a_, **w["qt"], out=o),
         }
-        if baseline is not None:
-            methods["baseline"] = lambda w, a_, o: baseline.w4a16_tiled_triton(a_, **w["qt"], out=o)
+        if baseline is not None:  # on words packed by its own tile_pack (the layout may differ)
+            methods["baseline"] = lambda w, a_, o: baseline.w4a16_tiled_triton(a_, **w["qt_base"], out=o)
         row = {"M": M}
         for k, f in methods.items():
             try:

@@ -28,7 +28,6 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_gemm import GS, SHAPES, make_w4, rel_err  # noqa: E402
 from benchmarks.gemv_explore import graph_us, log  # noqa: E402
-from fitllm.kernels._utils import split_k_for  # noqa: E402
 from fitllm.kernels.w4a16_tiled import _gemv, dequantize_tiled_ref, tile_pack, w4a16_tiled_triton  # noqa: E402
 
 BW = 4.22e12
@@ -55,80 +54,6 @@ def _read_kernel(a_ptr, n_a, b_ptr, n_b, c_ptr, n_c, out_ptr, BLOCK: tl.constexp
     acc = _read_one(b_ptr, n_b, acc, BLOCK)
     acc = _read_one(c_ptr, n_c, acc, BLOCK)
     tl.store(out_ptr + tl.program_id(0), tl.reduce(acc, 0, _xor))
-
-
-@triton.jit
-def _pattern_read_kernel(q_ptr, out_ptr, KT, K_ITERS, stride_q, BN: tl.constexpr, TILE_ROWS: tl.constexpr):
-    """Reads the words as the GEMV does (program = BN rows x its K tiles, 4 tiles' loads in flight),
-    row-major tiled (TILE_ROWS 0) or tile-major; no math: what the access pattern alone costs."""
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    p = tl.arange(0, 16)[None, :]
-    acc = tl.zeros((BN, 16), dtype=tl.int32)
-    kt_end = tl.minimum((tl.program_id(1) + 1) * K_ITERS, KT)
-    for kt in range(tl.program_id(1) * K_ITERS, kt_end, 4):
-        for u in tl.static_range(4):
-            if TILE_ROWS > 0:
-                off = (((offs_n // TILE_ROWS) * KT + kt + u) * TILE_ROWS + offs_n % TILE_ROWS)[:, None] * 16 + p
-            else:
-                off = offs_n[:, None] * stride_q + (kt + u) * 16 + p
-            acc ^= tl.load(q_ptr + off, mask=(kt + u < kt_end) & (p >= 0), other=0)
-    tl.store(out_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.reduce(tl.reduce(acc, 1, _xor), 0, _xor))
-
-
-def pattern_floor(qtile, out, tile_rows, BN=128, waves=4.0):
-    N, KT = qtile.shape[0], qtile.shape[1] // 16
-    split, k_iters = split_k_for(N // BN, KT, 132, waves)
-    _pattern_read_kernel[(N // BN, split)](qtile, out, KT, k_iters, qtile.shape[1], BN=BN, TILE_ROWS=tile_rows,
-                                           num_warps=8)
-
-
-def tile_major(qtile, rows=128):
-    """The same words with each `rows` x 16-word tile contiguous (shape kept: [N, K/8])."""
-    N, W = qtile.shape
-    return qtile.view(N // rows, rows, W // 16, 16).permute(0, 2, 1, 3).contiguous().view(N, W)
-
-
-def tile_major_main(a):
-    """--tile-major: the table's GEMV and a few configs on the row-major tiled layout and on the
-    tile-major layout (same kernel, TILE_ROWS=128), with both access patterns' read floors."""
-    dev, rows, tot = "cuda", [], {}
-    cfgs = [_gemv(128, 4, 8, 4), _gemv(128, 1, 8, 4), _gemv(64, 4, 4, 4), _gemv(256, 1, 8, 2), _gemv(128, 2, 8, 2)]
-    sink = torch.empty(64 * 1024, device=dev, dtype=torch.int32)  # pattern_floor: one word per program
-    sink_contig = torch.empty(4 * 132, device=dev, dtype=torch.int32)  # read_floor: its grid is this size
-    for lin, (K, N) in SHAPES.items():
-        nbytes, qts = hbm_copies(K, N, dev)
-        tms = [dict(qt, qtile=tile_major(qt["qtile"])) for qt in qts]
-        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-        ref = x.double() @ dense64(qts[0])
-        y = torch.empty(1, N, device=dev, dtype=torch.bfloat16)
-        row = {"linear": lin, "roofline": nbytes / BW * 1e6,
-               "floor_contig": graph_us([lambda q=q: read_floor(q, sink_contig) for q in qts]),
-               "floor_rowmajor": graph_us([lambda q=q: pattern_floor(q["qtile"], sink, 0) for q in qts]),
-               "floor_tilemajor": graph_us([lambda q=q: pattern_floor(q["qtile"], sink, 128) for q in tms])}
-        for c in cfgs:
-            for layout, ws, extra in (("row", qts, {}), ("tile", tms, {"TILE_ROWS": 128})):
-                cc = dict(c, **extra)
-                out = torch.full((1, N), float("nan"), device=dev, dtype=torch.bfloat16)
-                w4a16_tiled_triton(x, **ws[0], config=cc, out=out)
-                err = rel_err(out, ref)
-                key = f"{layout} {name(c)}"
-                if not err < 1e-2:
-                    log(f"  {lin} {key}: rel err {err:.2e} FAILED")
-                    row[key] = float("nan")
-                    continue
-                row[key] = graph_us([lambda w=w, cc=cc: w4a16_tiled_triton(x, **w, config=cc, out=y) for w in ws])
-        log(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-        rows.append(row)
-        for k, v in row.items():
-            if isinstance(v, float):
-                tot[k] = tot.get(k, 0.0) + v
-        del qts, tms
-        torch.cuda.empty_cache()
-    json.dump(rows, open(os.path.join(a.out, "gemv_tile_major.json"), "w"), indent=1)
-    print("\n| µs | " + " | ".join(r["linear"] for r in rows) + " | layer |")
-    print("|---|" + "---|" * (len(rows) + 1))
-    for k in tot:
-        print(f"| {k} | " + " | ".join(f"{r[k]:.1f}" for r in rows) + f" | {tot[k]:.1f} |")
 
 
 def read_floor(w, out):
@@ -159,10 +84,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--fine-waves", action="store_true", help="sweep split-K finely for the table's configs")
     ap.add_argument("--regs", action="store_true", help="sweep register caps (maxnreg) x split-K")
-    ap.add_argument("--tile-major", action="store_true", help="row-major vs tile-major words (tile_major_main)")
     a = ap.parse_args()
-    if a.tile_major:
-        return tile_major_main(a)
     deadline = time.time() + a.budget_s
     dev = "cuda"
     torch.manual_seed(0)

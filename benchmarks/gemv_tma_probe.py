@@ -32,7 +32,7 @@ from benchmarks.gemv_explore import graph_us, log  # noqa: E402
 from benchmarks.gemv_tiled_explore import BW, dense64, hbm_copies, read_floor  # noqa: E402
 from fitllm.kernels._utils import interpreting, num_sms, split_k_for, splitk_buffers  # noqa: E402
 from fitllm.kernels.w4a16 import _one_row_dot, _rows_out, _store_tile  # noqa: E402
-from fitllm.kernels.w4a16_tiled import _group_raw, _packed_math_ok, _pair16, _x_pairs, w4a16_tiled_triton  # noqa: E402
+from fitllm.kernels.w4a16_tiled import _from_blocks, _group_raw, _packed_math_ok, _pair16, _x_pairs, w4a16_tiled_triton  # noqa: E402
 
 
 @triton.jit
@@ -60,8 +60,14 @@ def _tma_gemv_kernel(x_ptr, q_desc, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, 
                 False, USE_WS)
 
 
+def row_major_words(qtile):
+    """The tiled words of each row in row order, [N, Kp/8] (the layout this probe was written for)."""
+    return _from_blocks(qtile).reshape(qtile.shape[0], -1).contiguous()
+
+
 def tma_gemv(x, qtile, scales, zeros, group_size, K, bn, warps, stages, waves, out):
-    """y [1, N] = x [1, K] W^T, weights through a TMA descriptor (block [bn, 16] words)."""
+    """y [1, N] = x [1, K] W^T, weights through a TMA descriptor (block [bn, 16] words). qtile here
+    holds each row's words in row order (row_major_words), not the product's tile-major storage."""
     N = qtile.shape[0]
     desc = TensorDescriptor(qtile, list(qtile.shape), [qtile.shape[1], 1], [bn, 16])
     n_blocks = triton.cdiv(N, bn)
@@ -91,6 +97,7 @@ def main():
     res = {"device": torch.cuda.get_device_name(), "linears": {}}
     for lin, (K, N) in SHAPES.items():  # descriptors are built on the host: no device allocator needed
         nbytes, ws = hbm_copies(K, N, dev)
+        tma_ws = [dict(w, qtile=row_major_words(w["qtile"])) for w in ws]
         x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
         ref = x.double() @ dense64(ws[0])
         y = torch.empty(1, N, device=dev, dtype=torch.bfloat16)
@@ -106,13 +113,13 @@ def main():
             name = f"tma BN{bn} w{warps} stages{st} waves{wv}"
             try:
                 o = torch.full((1, N), float("nan"), device=dev, dtype=torch.bfloat16)
-                tma_gemv(x, **ws[0], bn=bn, warps=warps, stages=st, waves=wv, out=o)
+                tma_gemv(x, **tma_ws[0], bn=bn, warps=warps, stages=st, waves=wv, out=o)
                 err = rel_err(o, ref)
                 if not err < 1e-2:
                     log(f"  {lin} {name}: rel err {err:.2e}, skipped")
                     continue
                 sweep[name] = graph_us([lambda w=w: tma_gemv(x, **w, bn=bn, warps=warps, stages=st, waves=wv, out=y)
-                                        for w in ws])
+                                        for w in tma_ws])
             except Exception as e:  # noqa: BLE001  (report, go on)
                 log(f"  {lin} {name} failed: {repr(e)[:300]}")
         row["sweep"] = sweep
@@ -122,7 +129,7 @@ def main():
         log("   " + ", ".join(f"{k.replace('tma ', '')} {v:.1f}" for k, v in sorted(sweep.items(), key=lambda kv: kv[1])[:8]))
         res["linears"][lin] = row
         json.dump(res, open(os.path.join(a.out, "gemv_tma_probe.json"), "w"), indent=1)
-        del ws
+        del ws, tma_ws
         torch.cuda.empty_cache()
     tot = {k: sum(r[k] for r in res["linears"].values()) for k in ("roofline_us", "read_floor", "table")}
     log(f"layer: roofline {tot['roofline_us']:.1f} read floor {tot['read_floor']:.1f} table {tot['table']:.1f} "

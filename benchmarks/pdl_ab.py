@@ -6,7 +6,9 @@ greedy tokens repeat exactly), and an earlier paged_attention.py (variant attn-p
 benchmarks/_pa_baseline.py`, not committed) in place of the current one. Variants skip-norm,
 skip-silu and skip-both are timing only, with WRONG math: the RMSNorms (every one, with their
 residual adds) and / or SiLU·mul launch nothing, which bounds what fusing them into the GEMVs could
-save. A skipped norm hands on the residual stream unchanged (the embedding: it stays finite, so no
+save. Variant w4-prev builds its own model with an earlier fitllm/kernels/w4a16_tiled.py (the module
+fitllm.kernels._w4_prev, e.g. `git show REV:fitllm/kernels/w4a16_tiled.py >
+fitllm/kernels/_w4_prev.py`, not committed): its packing and kernels, e.g. another weight layout. A skipped norm hands on the residual stream unchanged (the embedding: it stays finite, so no
 row fails and every variant decodes all its tokens).
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
@@ -41,7 +43,8 @@ from fitllm.serve.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"},
             "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"}, "attn-prev": {"FITLLM_PDL": "1"},
-            "skip-norm": {"FITLLM_PDL": "1"}, "skip-silu": {"FITLLM_PDL": "1"}, "skip-both": {"FITLLM_PDL": "1"}}
+            "skip-norm": {"FITLLM_PDL": "1"}, "skip-silu": {"FITLLM_PDL": "1"}, "skip-both": {"FITLLM_PDL": "1"},
+            "w4-prev": {"FITLLM_PDL": "1"}}
 
 
 def skip_kernels(name: str, real=(fused.rms_norm, fused.silu_mul)) -> None:
@@ -59,6 +62,14 @@ def use_attention_module(mod) -> None:
 
     sys.modules["fitllm.kernels.paged_attention"] = mod
     fitllm.kernels.paged_attention = mod
+
+
+def use_w4_tiled_module(mod) -> None:
+    """The quantized layers import fitllm.kernels.w4a16_tiled at each call: point that name at `mod`."""
+    import fitllm.kernels
+
+    sys.modules["fitllm.kernels.w4a16_tiled"] = mod
+    fitllm.kernels.w4a16_tiled = mod
 
 
 def greedy_tokens(engine, n: int = 48) -> list[int]:
@@ -80,8 +91,9 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     fuses_rope, apart = PagedKVCache.fuses_rope, property(lambda self: False)
+    current_w4 = importlib.import_module("fitllm.kernels.w4a16_tiled")
     for scheme in args.schemes.split(","):
-        model = build(scheme)
+        models = {}
         reference, own = None, {}
         for r in range(args.rounds):
             for name in args.variants.split(","):
@@ -91,6 +103,12 @@ def main() -> int:
                 skip_kernels(name)
                 use_attention_module(importlib.import_module("_pa_baseline") if name == "attn-prev"
                                      else current_attention)
+                use_w4_tiled_module(importlib.import_module("fitllm.kernels._w4_prev") if name == "w4-prev"
+                                    else current_w4)
+                key = "w4-prev" if name == "w4-prev" else "current"
+                if key not in models:
+                    models[key] = build(scheme)  # packed by the module in use
+                model = models[key]
                 engine = engine_for(model, kv_dtype=args.kv, max_num_seqs=max(8, args.batch),
                                     max_model_len=args.max_model_len)
                 tokens = greedy_tokens(engine)
@@ -110,7 +128,7 @@ def main() -> int:
                       f"first variant {same}/{len(reference)}, to its round 0 {repeat}/{len(tokens)}"
                       + (f"  B={args.batch}: {row['batch_tok_s']:.0f} tok/s" if args.batch else ""), flush=True)
                 free(engine)
-        del model
+        del models, model
         torch.cuda.empty_cache()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

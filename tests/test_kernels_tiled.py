@@ -38,16 +38,19 @@ def rand_weight(K, N, group_size, dtype=torch.bfloat16):
 # --------------------------------------------------------------------------- layout
 
 def test_layout_matches_the_documented_bit_positions():
-    K, N = 256, 3
+    K, N = 256, 131  # one full block of 128 rows, then a block of 3
     q = torch.randint(0, 16, (K, N), generator=GEN)
     qt = tile_pack(pack_dim0(q, 4))
     assert qt.shape == (N, K // 8) and qt.dtype == torch.int32
-    words = qt.to(torch.int64) & 0xFFFFFFFF
-    for n in range(N):
+    flat, W = qt.reshape(-1).to(torch.int64) & 0xFFFFFFFF, K // 8
+    for n in (0, 1, 77, 127, 128, 130):
+        b = n // 128
+        rows = min(128, N - 128 * b)
         for tile in range(K // 128):
             for c in range(4):
                 for t in range(4):
-                    word = int(words[n, tile * 16 + 4 * c + t])  # word r = c + 4t lives at p = 4c + t
+                    # tile-major blocks of 128 rows; word r = c + 4t lives at p = 4c + t
+                    word = int(flat[128 * b * W + (tile * rows + n - 128 * b) * 16 + 4 * c + t])
                     for f in range(4):
                         for h in range(2):
                             k = 128 * tile + 32 * f + 8 * t + 2 * c + h  # = 32 f + 2 r + h
@@ -63,9 +66,9 @@ def test_layout_pairs_are_neighbouring_k():
         assert pair & 0xF == (32 * f) % 16 and pair >> 16 == (32 * f + 1) % 16
 
 
-@pytest.mark.parametrize("K", [128, 576, 4096 + 64])
-def test_round_trip_and_padding(K):
-    q = torch.randint(0, 16, (K, 5), generator=GEN)
+@pytest.mark.parametrize("K,N", [(128, 5), (576, 5), (4096 + 64, 5), (256, 256), (384, 300)])
+def test_round_trip_and_padding(K, N):
+    q = torch.randint(0, 16, (K, N), generator=GEN)
     qt = tile_pack(pack_dim0(q, 4))
     assert qt.shape[1] * 8 == -(-K // 128) * 128
     assert torch.equal(tile_unpack(qt, K), q.to(torch.int32))
@@ -107,6 +110,12 @@ TC_CASES = [  # (M, K, N, group, dtype, config)
     (3, 256, 64, 256, torch.float16, _gemv(64, 1, 4, waves=0)),  # four-row block, per channel
     (6, 576, 64, 576, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # two row blocks, K padded
     (1, 256, 64, 64, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # groups of 64: falls back to the tc tile
+    # N across stored blocks of 128 rows (full blocks, then a shorter one)
+    (1, 256, 320, 128, torch.bfloat16, _gemv(128, 2, 4, waves=2)),
+    (2, 256, 320, 128, torch.bfloat16, _gemv(256, 1, 4, waves=1)),  # a program spans two blocks
+    (5, 256, 448, 64, torch.bfloat16, _tiled(16, 64, 4, 2, waves=2)),
+    (3, 256, 320, 128, torch.float16, _tiled(16, 128, 4, 2, waves=2)),
+    (80, 256, 320, 128, torch.bfloat16, _tiled(0, 0, 4, 1, backend="dequant")),
 ]
 
 

@@ -13,7 +13,13 @@ Tiled layout, `qtile` int32 [N, Kp / 8] (Kp = K rounded up to 128, padding zero 
     `(w >> 4f) & 0x000F000F` are the neighbours k, k + 1, i.e. one 32-bit pair of the MMA operand,
     and `| magic` makes them two 16-bit floats 128 + q (bf16) or 1024 + q (fp16) in one LOP3;
   * word r = c + 4 t is stored at position p = 4 c + t, so the four words one thread needs
-    (c = its lane % 4, t = 0..3) are one 16-byte load.
+    (c = its lane % 4, t = 0..3) are one 16-byte load;
+  * storage is tile-major in blocks of TILE_N = 128 rows: block b (rows 128 b .., R = min(128,
+    N - 128 b) of them) holds its K tiles one after another, each as R rows x 16 words, so word p
+    of row n in tile kt sits at 128 b Kp/8 + (kt R + n - 128 b) 16 + p. A program's tile is then
+    one contiguous run (8 KB for 128 rows) instead of 64-byte pieces one row (Kp/2 bytes) apart:
+    the batch-1 GEMV is ~9 % faster on it (RESULTS.md, eleventh session). The tensor keeps the
+    shape [N, Kp/8], but a row of it is not row n's words: use tile_unpack.
 scales / zeros stay [G, N] as in the standard layout (zeros as float integers).
 
 The kernel loads the word tile as [8, ROW_WARPS, 2, REP, 16] (lane group, warp, row half, repeat,
@@ -42,6 +48,7 @@ except ImportError:  # CPU-only installs without triton still get the reference
     triton = None
 
 TILE_K = 128
+TILE_N = 128  # rows per stored block (tile-major storage, see the module docstring)
 
 
 # --------------------------------------------------------------------------- layout (torch)
@@ -63,13 +70,32 @@ def tile_pack(qweight: torch.Tensor) -> torch.Tensor:
     words = (q << _field_shifts(q.device).view(1, 1, 4, 1, 1, 2)).sum(dim=(2, 5))  # [N, tile, t, c]; disjoint bits
     words = words.permute(0, 1, 3, 2)  # word r = c + 4t stored at p = 4c + t
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the same 32 bits as int32
-    return words.reshape(N, kp // 8).to(torch.int32).contiguous()
+    return _to_blocks(words.reshape(N, kp // TILE_K, 16).to(torch.int32))
+
+
+def _to_blocks(words: torch.Tensor) -> torch.Tensor:
+    """[N, tiles, 16] row-major words -> qtile [N, tiles * 16] stored tile-major per TILE_N rows."""
+    N, tiles, _ = words.shape
+    full = N // TILE_N * TILE_N
+    head = words[:full].reshape(-1, TILE_N, tiles, 16).permute(0, 2, 1, 3).reshape(-1)
+    tail = words[full:].permute(1, 0, 2).reshape(-1)  # the last, shorter block
+    return torch.cat([head, tail]).view(N, tiles * 16)
+
+
+def _from_blocks(qtile: torch.Tensor) -> torch.Tensor:
+    """Inverse of _to_blocks: qtile [N, tiles * 16] -> [N, tiles, 16] words of each row."""
+    N, tiles = qtile.shape[0], qtile.shape[1] // 16
+    full = N // TILE_N * TILE_N
+    flat = qtile.reshape(-1)
+    head = flat[: full * tiles * 16].view(-1, tiles, TILE_N, 16).permute(0, 2, 1, 3).reshape(full, tiles, 16)
+    tail = flat[full * tiles * 16:].view(tiles, N - full, 16).permute(1, 0, 2)
+    return torch.cat([head, tail])
 
 
 def tile_unpack(qtile: torch.Tensor, K: int) -> torch.Tensor:
     """Inverse of tile_pack: qtile [N, Kp/8] -> q [K, N] int32 (tests, the reference path)."""
     N = qtile.shape[0]
-    w = (qtile.to(torch.int64) & 0xFFFFFFFF).reshape(N, -1, 4, 4).permute(0, 1, 3, 2)  # [N, tile, t, c]
+    w = (_from_blocks(qtile).to(torch.int64) & 0xFFFFFFFF).reshape(N, -1, 4, 4).permute(0, 1, 3, 2)  # [N, tile, t, c]
     q = (w[:, :, None, :, :, None] >> _field_shifts(w.device).view(1, 1, 4, 1, 1, 2)) & 0xF  # [N, tile, f, t, c, h]
     return q.reshape(N, -1)[:, :K].t().to(torch.int32).contiguous()
 
@@ -108,6 +134,17 @@ if triton is not None:
     _SUB_MUL_BF16 = tl.constexpr(_sub_asm("bf16x2", "0x3F803F80", True))
     _SUB_MUL_F16 = tl.constexpr(_sub_asm("f16x2", "0x3C003C00", True))
 
+    _TILE_N: tl.constexpr = tl.constexpr(TILE_N)
+
+    @triton.jit
+    def _word_offsets(n, kt, N, stride_q):
+        """Offset of word 0 of K tile kt for rows n (any shape) in the tile-major storage; rows
+        past N get offsets that must stay masked. (The row terms are loop-invariant: per K tile
+        this is one multiply-add per row.)"""
+        blk = n // _TILE_N
+        rows = tl.minimum(_TILE_N, N - blk * _TILE_N)
+        return blk * _TILE_N * stride_q + (kt * rows + n - blk * _TILE_N) * 16
+
     @triton.jit
     def _load_tile_words(q_ptr, n0, N, stride_q, kt, BN: tl.constexpr, ROW_WARPS: tl.constexpr, ok=True):
         """Words [BN, 16] of K tile kt. Loaded as [8, ROW_WARPS, 2, REP, 16]: Triton spreads the dims
@@ -121,7 +158,7 @@ if triton is not None:
         rep = tl.arange(0, REP)[None, None, None, :, None]
         p = tl.arange(0, 16)[None, None, None, None, :]
         n = n0 + rep * (16 * ROW_WARPS) + w * 16 + a * 8 + g
-        qw = tl.load(q_ptr + n * stride_q + kt * 16 + p, mask=(n < N) & ok, other=0)
+        qw = tl.load(q_ptr + _word_offsets(n, kt, N, stride_q) + p, mask=(n < N) & ok, other=0)
         return tl.reshape(tl.permute(qw, (3, 1, 2, 0, 4)), (BN, 16))
 
     @triton.jit
@@ -325,17 +362,11 @@ if triton is not None:
     @triton.jit
     def _gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask,
                    p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE: tl.constexpr, BM: tl.constexpr,
-                   F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, TILE_ROWS: tl.constexpr = 0):
-        """The GEMV's work on K tile kt: acc_m [BN, 16] += (word dot x pairs) * scale, rows m0..
-        TILE_ROWS > 0 (probe): words stored tile-major, each TILE_ROWS x 16-word tile contiguous."""
+                   F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+        """The GEMV's work on K tile kt: acc_m [BN, 16] += (word dot x pairs) * scale, rows m0.."""
         MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
         DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
-        if TILE_ROWS > 0:
-            blk = offs_n // TILE_ROWS
-            q_off = ((blk * (stride_q // 16) + kt) * TILE_ROWS + offs_n % TILE_ROWS)[:, None] * 16 + p_ar
-        else:
-            q_off = offs_n[:, None] * stride_q + kt * 16 + p_ar
-        qw = tl.load(q_ptr + q_off, mask=n_mask[:, None], other=0)
+        qw = tl.load(q_ptr + _word_offsets(offs_n, kt, N, stride_q)[:, None] + p_ar, mask=n_mask[:, None], other=0)
         s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
         s = s[:, None]
         nz = tl.broadcast_to(_pair16(-(z + MAGICF), DT), qw.shape)
@@ -363,7 +394,6 @@ if triton is not None:
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
         EVEN_K: tl.constexpr, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
-        TILE_ROWS: tl.constexpr = 0,
     ):
         """y = x W^T for 1..4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), CUDA cores, packed
         16-bit math (w4a16's _unpack_q_minus_z / _dot_pairs / _one_row_dot). Program (n, k, m) owns
@@ -389,7 +419,7 @@ if triton is not None:
                 if UNROLL == 1 or kt + u < kt_end:
                     acc0, acc1, acc2, acc3 = _gemv_tile(
                         x_ptr, q_ptr, s_ptr, z_ptr, kt + u, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n,
-                        n_mask, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K, TILE_ROWS)
+                        n_mask, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K)
         let_next_launch(PDL)
         out, offs_m, m_mask = _rows_out(tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3), m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
@@ -416,12 +446,14 @@ def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None):
 # Llama-3-8B layer: M=1 GEMV 60 (BN 128, 4 tiles per step; tc 75); M=2..8 tc BM16 at 6 waves 67-69
 # (8 waves 73-75); M=16 tc with the scale in the weights at 4 waves 75 (8 waves 86); M=32 tc BM32 85;
 # M=64 tc BM64/BN64/4 warps 109 (BN128/8 warps 134); M=128 tc BM128/BN64, scale in weights 176;
-# M=256 tc BM128/BN128 282 (dequant + cuBLAS 330); M > 256 dequant + cuBLAS.
+# M=256 tc BM128/BN128 282 (dequant + cuBLAS 330); M > 256 dequant + cuBLAS. Eleventh session, on the
+# tile-major storage: M=1 59.6 (65.7 before it), M=16 without the scale in the weights 70.6 (with it 85.7;
+# 74.7 before), M=64 112 (125), M=128 183 (204).
 TILED_CONFIGS = {
     "sm90": [
         (1, _gemv(128, 4, 8, waves=4)),
         (8, _tiled(16, 64, 4, 3, waves=6)),
-        (16, _tiled(16, 64, 4, 3, waves=4, scale_in_w=True)),
+        (16, _tiled(16, 64, 4, 3, waves=4)),
         (32, _tiled(32, 64, 4, 3, waves=3)),
         (64, _tiled(64, 64, 4, 3, waves=3)),
         (128, _tiled(128, 64, 4, 3, waves=1, scale_in_w=True)),
@@ -530,8 +562,8 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split,
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], TILE_ROWS=cfg.get("TILE_ROWS", 0),
-        **_reg_cap(cfg), **pdl_args(x), **order)
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
+        **pdl_args(x), **order)
     return y
 
 
