@@ -198,8 +198,9 @@ def test_quant_linear_serves_a_tiled_weight():
 
 # --------------------------------------------------------------------------- codegen
 
-def _sass_loop(kernel, consts, warps, stages):
-    """Main-loop instruction histogram of a kernel compiled offline for sm_90 (benchmarks/sass_offline.py)."""
+def _sass_loop(kernel, consts, warps, stages, x_type="*bf16"):
+    """Report (registers, spills, main-loop instruction histogram) of a kernel compiled offline for
+    sm_90 (benchmarks/sass_offline.py)."""
     import json
     import subprocess
     import sys
@@ -207,7 +208,7 @@ def _sass_loop(kernel, consts, warps, stages):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_offline.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    types = ("x_ptr=*bf16,q_ptr=*i32,s_ptr=*bf16,z_ptr=*bf16,bias_ptr=*bf16,y_ptr=*bf16,ws_ptr=*fp32,cnt_ptr=*i32")
+    types = (f"x_ptr={x_type},q_ptr=*i32,s_ptr=*bf16,z_ptr=*bf16,bias_ptr=*bf16,y_ptr=*bf16,ws_ptr=*fp32,cnt_ptr=*i32")
     p = subprocess.run([sys.executable, str(script), kernel, types, consts, "--warps", str(warps), "--stages",
                         str(stages), "--json"], capture_output=True, text=True, env=env, timeout=300)
     if p.returncode != 0 and "ptxas" in p.stderr and "not found" in p.stderr:
@@ -229,3 +230,12 @@ def test_tensor_core_path_keeps_weights_out_of_shared_memory():
         assert not any(loop.get(op, 0) for op in ("STS", "STSM", "LDSM")), loop
 
 
+def test_batch1_gemv_keeps_four_programs_of_256_threads_per_sm():
+    """The M = 1 table row (BN 128, 4 tiles a step, 8 warps, ~4 waves) was tuned at 4 resident
+    programs per SM, i.e. at most 64 registers a thread; the tile-major word offsets took it from 56
+    to 63. A change that crosses 64 halves the programs per SM without an error anywhere (a 100-register
+    variant lost 30 %, RESULTS.md fifth session), so it fails here first."""
+    consts = "GROUP_SIZE=128,HAS_BIAS=False,USE_WS=True,BM=1,BN=128,UNROLL=4,F16=False,ASM=True,EVEN_K=True,PDL=True"
+    r = _sass_loop("fitllm.kernels.w4a16_tiled:_tiled_gemv_kernel", consts, 8, 1, x_type="*i32")
+    assert r["spills"] == 0 and r["regs"] <= 64, r
+    assert r["loop_hist"].get("LDG", 0) > 0, r  # the loop found is the weight-streaming one
