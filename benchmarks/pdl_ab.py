@@ -6,10 +6,11 @@ greedy tokens repeat exactly), and an earlier paged_attention.py (variant attn-p
 benchmarks/_pa_baseline.py`, not committed) in place of the current one. Variants skip-norm,
 skip-silu and skip-both are timing only, with WRONG math: the RMSNorms (every one, with their
 residual adds) and / or SiLU·mul launch nothing, which bounds what fusing them into the GEMVs could
-save. Variant w4-prev builds its own model with an earlier fitllm/kernels/w4a16_tiled.py (the module
-fitllm.kernels._w4_prev, e.g. `git show REV:fitllm/kernels/w4a16_tiled.py >
-fitllm/kernels/_w4_prev.py`, not committed): its packing and kernels, e.g. another weight layout. A skipped norm hands on the residual stream unchanged (the embedding: it stays finite, so no
-row fails and every variant decodes all its tokens).
+save; a skipped norm hands on the residual stream unchanged (the embedding: it stays finite, so no
+row fails and every variant decodes all its tokens). Variant w4-prev builds its own model with an
+earlier fitllm/kernels/w4a16_tiled.py (the module fitllm.kernels._w4_prev, e.g. `git show
+REV:fitllm/kernels/w4a16_tiled.py > fitllm/kernels/_w4_prev.py`, not committed): its packing and
+kernels, e.g. another weight layout.
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -37,6 +38,7 @@ from bench_serving import build, engine_for  # noqa: E402
 from gpu_engine_check import decode_speed, free, throughput  # noqa: E402
 
 import fitllm.kernels.paged_attention as current_attention  # noqa: E402
+import fitllm.kernels.w4a16_tiled as current_w4  # noqa: E402
 from fitllm.kernels import fused  # noqa: E402
 from fitllm.models.kv_cache import PagedKVCache  # noqa: E402
 from fitllm.serve.sampling import SamplingParams  # noqa: E402
@@ -56,20 +58,13 @@ def skip_kernels(name: str, real=(fused.rms_norm, fused.silu_mul)) -> None:
     fused.silu_mul = (lambda gate_up: gate_up[..., : gate_up.shape[-1] // 2]) if skip_silu else real[1]
 
 
-def use_attention_module(mod) -> None:
-    """The engine imports fitllm.kernels.paged_attention at each call: point that name at `mod`."""
+def use_kernel_module(name: str, mod) -> None:
+    """The engine and the quantized layers import fitllm.kernels.<name> (paged_attention,
+    w4a16_tiled) at each call: point that name at `mod`."""
     import fitllm.kernels
 
-    sys.modules["fitllm.kernels.paged_attention"] = mod
-    fitllm.kernels.paged_attention = mod
-
-
-def use_w4_tiled_module(mod) -> None:
-    """The quantized layers import fitllm.kernels.w4a16_tiled at each call: point that name at `mod`."""
-    import fitllm.kernels
-
-    sys.modules["fitllm.kernels.w4a16_tiled"] = mod
-    fitllm.kernels.w4a16_tiled = mod
+    sys.modules[f"fitllm.kernels.{name}"] = mod
+    setattr(fitllm.kernels, name, mod)
 
 
 def greedy_tokens(engine, n: int = 48) -> list[int]:
@@ -91,7 +86,6 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     fuses_rope, apart = PagedKVCache.fuses_rope, property(lambda self: False)
-    current_w4 = importlib.import_module("fitllm.kernels.w4a16_tiled")
     for scheme in args.schemes.split(","):
         models = {}
         reference, own = None, {}
@@ -101,10 +95,10 @@ def main() -> int:
                 os.environ.update(VARIANTS[name])
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
                 skip_kernels(name)
-                use_attention_module(importlib.import_module("_pa_baseline") if name == "attn-prev"
-                                     else current_attention)
-                use_w4_tiled_module(importlib.import_module("fitllm.kernels._w4_prev") if name == "w4-prev"
-                                    else current_w4)
+                use_kernel_module("paged_attention", importlib.import_module("_pa_baseline") if name == "attn-prev"
+                                  else current_attention)
+                use_kernel_module("w4a16_tiled", importlib.import_module("fitllm.kernels._w4_prev")
+                                  if name == "w4-prev" else current_w4)
                 key = "w4-prev" if name == "w4-prev" else "current"
                 if key not in models:
                     models[key] = build(scheme)  # packed by the module in use
