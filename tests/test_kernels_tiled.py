@@ -234,7 +234,7 @@ def test_batch1_gemv_keeps_four_programs_of_256_threads_per_sm():
     """The M = 1 table row (BN 128, 4 tiles a step, 8 warps, ~4 waves) was tuned at 4 resident
     programs per SM, i.e. at most 64 registers a thread; the tile-major word offsets took it from 56
     to 63. A change that crosses 64 halves the programs per SM without an error anywhere (a 100-register
-    variant lost 30 %, RESULTS.md fifth session), so it fails here first."""
+    variant lost 29 %, RESULTS.md sixth session), so it fails here first."""
     consts = "GROUP_SIZE=128,HAS_BIAS=False,USE_WS=True,BM=1,BN=128,UNROLL=4,F16=False,ASM=True,EVEN_K=True,PDL=True"
     r = _sass_loop("fitllm.kernels.w4a16_tiled:_tiled_gemv_kernel", consts, 8, 1, x_type="*i32")
     assert r["spills"] == 0 and r["regs"] <= 64, r
