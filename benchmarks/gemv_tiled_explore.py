@@ -28,7 +28,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_gemm import GS, SHAPES, make_w4, rel_err  # noqa: E402
 from benchmarks.gemv_explore import graph_us, log  # noqa: E402
-from fitllm.kernels.w4a16_tiled import _gemv, dequantize_tiled_ref, tile_pack, w4a16_tiled_triton  # noqa: E402
+from fitllm.kernels.w4a16_tiled import _gemv, dequantize_tiled_ref, tile_pack, tile_unpack, w4a16_tiled_triton  # noqa: E402
+from fitllm.quant.formats.packing import pack_dim0  # noqa: E402
 
 BW = 4.22e12
 
@@ -102,8 +103,9 @@ def main():
         row["bf16"] = graph_us([lambda w=w: torch.mm(x, w["w16"].t(), out=y) for w in ws])
         row["read_floor"] = graph_us([lambda w=w: read_floor(w["qt"], sink) for w in ws])
         row["table"] = graph_us([lambda w=w: w4a16_tiled_triton(x, **w["qt"], out=y) for w in ws])
-        if baseline is not None:
-            row["baseline"] = graph_us([lambda w=w: baseline.w4a16_tiled_triton(x, **w["qt"], out=y) for w in ws])
+        if baseline is not None:  # on words packed by its own tile_pack (the layout may differ)
+            base = [dict(w["qt"], qtile=baseline.tile_pack(pack_dim0(tile_unpack(w["qt"]["qtile"], K), 4))) for w in ws]
+            row["baseline"] = graph_us([lambda q=q: baseline.w4a16_tiled_triton(x, **q, out=y) for q in base])
         sweep = {}
         for c in cfgs:
             if time.time() > deadline:
