@@ -112,6 +112,7 @@ TC_CASES = [  # (M, K, N, group, dtype, config)
     (1, 256, 64, 64, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # groups of 64: falls back to the tc tile
     # N across stored blocks of 128 rows (full blocks, then a shorter one)
     (1, 256, 320, 128, torch.bfloat16, _gemv(128, 2, 4, waves=2)),
+    (1, 256, 320, 128, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # BN divides N: unmasked loads
     (2, 256, 320, 128, torch.bfloat16, _gemv(256, 1, 4, waves=1)),  # a program spans two blocks
     (5, 256, 448, 64, torch.bfloat16, _tiled(16, 64, 4, 2, waves=2)),
     (3, 256, 320, 128, torch.float16, _tiled(16, 128, 4, 2, waves=2)),
@@ -235,7 +236,8 @@ def test_batch1_gemv_keeps_four_programs_of_256_threads_per_sm():
     programs per SM, i.e. at most 64 registers a thread; the tile-major word offsets took it from 56
     to 63. A change that crosses 64 halves the programs per SM without an error anywhere (a 100-register
     variant lost 29 %, RESULTS.md sixth session), so it fails here first."""
-    consts = "GROUP_SIZE=128,HAS_BIAS=False,USE_WS=True,BM=1,BN=128,UNROLL=4,F16=False,ASM=True,EVEN_K=True,PDL=True"
+    consts = ("GROUP_SIZE=128,HAS_BIAS=False,USE_WS=True,BM=1,BN=128,UNROLL=4,F16=False,ASM=True,EVEN_K=True,"
+              "EVEN_N=True,PDL=True")
     r = _sass_loop("fitllm.kernels.w4a16_tiled:_tiled_gemv_kernel", consts, 8, 1, x_type="*i32")
     assert r["spills"] == 0 and r["regs"] <= 64, r
     assert r["loop_hist"].get("LDG", 0) > 0, r  # the loop found is the weight-streaming one

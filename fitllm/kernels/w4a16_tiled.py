@@ -228,10 +228,15 @@ if triton is not None:
 
     @triton.jit
     def _group_raw(s_ptr, z_ptr, k, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE: tl.constexpr, ok):
-        """Scale and zero rows [BN] (fp32) of the group holding column k (zeros where not `ok`)."""
+        """Scale and zero rows [BN] (fp32) of the group holding column k (zeros where not `ok`;
+        n_mask None: every row exists)."""
         g = tl.minimum(k // GROUP_SIZE, NUM_GROUPS - 1)  # padded tail tiles use the last group
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0).to(tl.float32)
+        if n_mask is None:
+            s = tl.load(s_ptr + g * N + offs_n, mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + offs_n, mask=ok, other=0.0).to(tl.float32)
+        else:
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0).to(tl.float32)
         return s, z
 
     @triton.jit
@@ -363,16 +368,21 @@ if triton is not None:
     def _gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask,
                    p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE: tl.constexpr, BM: tl.constexpr,
                    F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
-        """The GEMV's work on K tile kt: acc_m [BN, 16] += (word dot x pairs) * scale, rows m0.."""
+        """The GEMV's work on K tile kt: acc_m [BN, 16] += (word dot x pairs) * scale, rows m0..
+        (n_mask None: every row exists)."""
         MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
         DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
-        qw = tl.load(q_ptr + _word_offsets(offs_n, kt, N, stride_q)[:, None] + p_ar, mask=n_mask[:, None], other=0)
+        q_ptrs = q_ptr + _word_offsets(offs_n, kt, N, stride_q)[:, None] + p_ar
+        if n_mask is None:
+            qw = tl.load(q_ptrs)
+        else:
+            qw = tl.load(q_ptrs, mask=n_mask[:, None], other=0)
         s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
         s = s[:, None]
         nz = tl.broadcast_to(_pair16(-(z + MAGICF), DT), qw.shape)
         KP = K // 2
-        if BM == 1:
-            x0, x1, x2, x3 = _x_pairs(x_ptr, m0, M, stride_xw, kt, xoff, KP, EVEN_K)
+        if BM == 1:  # M == 1: the row mask folds away
+            x0, x1, x2, x3 = _x_pairs(x_ptr, 0, 1, stride_xw, kt, xoff, KP, EVEN_K)
             acc0 += _one_row_dot(qw, nz, x0, x1, x2, x3, F16, ASM) * s
         else:
             a, b, c, d = _unpack_q_minus_z(qw, nz, F16, ASM)
@@ -393,19 +403,27 @@ if triton is not None:
         M, N, K, NUM_GROUPS, stride_q, stride_xw, stride_ym, K_ITERS, SPLIT,
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
-        EVEN_K: tl.constexpr, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
+        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr = False, PDL: tl.constexpr = False,
+        ORDERED: tl.constexpr = False,
     ):
         """y = x W^T for 1..4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), CUDA cores, packed
         16-bit math (w4a16's _unpack_q_minus_z / _dot_pairs / _one_row_dot). Program (n, k, m) owns
         BN weight rows and K_ITERS K tiles of 128 (UNROLL tiles per loop step). In the tiled layout
         the four x pairs a word needs are plain int32 loads of x (each pair is two neighbouring k),
         shared by the rows. One group per tile (group sizes that are multiples of 128, or
-        per-channel): each word's fp32 sum is scaled once. x_ptr: x as int32 pairs."""
+        per-channel): each word's fp32 sum is scaled once. x_ptr: x as int32 pairs.
+        EVEN_N (BN divides N) loads the weights unmasked, and BM == 1 (the launcher's M == 1)
+        reads row 0 of x unmasked: at M = 1 those masks cost ~7 % of the layer (RESULTS.md,
+        twelfth session)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        m0 = tl.program_id(2) * BM
+        if BM == 1:
+            m0 = 0
+        else:
+            m0 = tl.program_id(2) * BM
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
+        n_load = None if EVEN_N else n_mask
         p_ar = tl.arange(0, 16)[None, :]
         xoff = (p_ar % 4) * 4 + p_ar // 4  # pair f = 0 of position p = 4 c + t: 4 t + c
         acc0 = tl.zeros((BN, 16), dtype=tl.float32)
@@ -419,7 +437,7 @@ if triton is not None:
                 if UNROLL == 1 or kt + u < kt_end:
                     acc0, acc1, acc2, acc3 = _gemv_tile(
                         x_ptr, q_ptr, s_ptr, z_ptr, kt + u, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n,
-                        n_mask, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K)
+                        n_load, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K)
         let_next_launch(PDL)
         out, offs_m, m_mask = _rows_out(tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3), m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
@@ -448,7 +466,8 @@ def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None):
 # M=64 tc BM64/BN64/4 warps 109 (BN128/8 warps 134); M=128 tc BM128/BN64, scale in weights 176;
 # M=256 tc BM128/BN128 282 (dequant + cuBLAS 330); M > 256 dequant + cuBLAS. Eleventh session, on the
 # tile-major storage: M=1 59.6 (65.7 before it), M=16 without the scale in the weights 70.6 (with it 85.7;
-# 74.7 before), M=64 112 (125), M=128 183 (204).
+# 74.7 before), M=64 112 (125), M=128 183 (204). Twelfth session: M=1 with unmasked loads (EVEN_N, row 0)
+# 55.3 (60.1 with the masks).
 TILED_CONFIGS = {
     "sm90": [
         (1, _gemv(128, 4, 8, waves=4)),
@@ -561,7 +580,7 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
         x.view(torch.int32), qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split,
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
-        F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0,
+        F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0, EVEN_N=N % BN == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
         **pdl_args(x), **order)
     return y
