@@ -149,6 +149,7 @@ def report(compiled, dump: str | None = None) -> dict:
     loop = hottest_loop(sass)
     out["loop_instr"] = sum(histogram(loop).values())
     out["loop_hist"] = histogram(loop).most_common(24)
+    out["loop_ops"] = [m.group(2).split(".")[0] for m in map(INSTR.match, loop) if m]  # in issue order
     out["all_hist"] = histogram(sass.splitlines()).most_common(16)
     if dump:
         os.makedirs(dump, exist_ok=True)

@@ -146,11 +146,13 @@ if triton is not None:
         return blk * _TILE_N * stride_q + (kt * rows + n - blk * _TILE_N) * 16
 
     @triton.jit
-    def _load_tile_words(q_ptr, n0, N, stride_q, kt, BN: tl.constexpr, ROW_WARPS: tl.constexpr, ok=True):
+    def _load_tile_words(q_ptr, n0, N, stride_q, kt, BN: tl.constexpr, ROW_WARPS: tl.constexpr,
+                         EVEN_N: tl.constexpr = False):
         """Words [BN, 16] of K tile kt. Loaded as [8, ROW_WARPS, 2, REP, 16]: Triton spreads the dims
         after the contiguous word axis over lanes then warps in index order, so thread (warp w, lane
         l) holds rows 16 w + l // 4 (+ 8) and words 4 (l % 4) .. + 3, which is the A-fragment
-        ownership of the MMA (row = REP index * 16 ROW_WARPS + 16 w + 8 a + g)."""
+        ownership of the MMA (row = REP index * 16 ROW_WARPS + 16 w + 8 a + g). EVEN_N: every row
+        exists (unmasked)."""
         REP: tl.constexpr = BN // (16 * ROW_WARPS)
         g = tl.arange(0, 8)[:, None, None, None, None]
         w = tl.arange(0, ROW_WARPS)[None, :, None, None, None]
@@ -158,7 +160,11 @@ if triton is not None:
         rep = tl.arange(0, REP)[None, None, None, :, None]
         p = tl.arange(0, 16)[None, None, None, None, :]
         n = n0 + rep * (16 * ROW_WARPS) + w * 16 + a * 8 + g
-        qw = tl.load(q_ptr + _word_offsets(n, kt, N, stride_q) + p, mask=(n < N) & ok, other=0)
+        ptrs = q_ptr + _word_offsets(n, kt, N, stride_q) + p
+        if EVEN_N:
+            qw = tl.load(ptrs)
+        else:
+            qw = tl.load(ptrs, mask=n < N, other=0)
         return tl.reshape(tl.permute(qw, (3, 1, 2, 0, 4)), (BN, 16))
 
     @triton.jit
@@ -256,13 +262,16 @@ if triton is not None:
 
     @triton.jit
     def _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0, K, w, acc, s, UPCAST: tl.constexpr,
-                   SCALE_IN_W: tl.constexpr):
+                   SCALE_IN_W: tl.constexpr, EVEN_K: tl.constexpr = False):
         """One group's share of the tile: acc += w [BN, CK] @ x[:, k0:k0+CK]^T (times s unless the
-        weights already carry it)."""
+        weights already carry it). EVEN_K: no column of the tile is past K."""
         CK: tl.constexpr = w.shape[1]
         offs_k = k0 + tl.arange(0, CK)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-                     mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        else:
+            xt = tl.load(x_ptrs, mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0)
         if SCALE_IN_W:
             return _dot(w, xt, acc, UPCAST)
         part = _dot(w, xt, tl.zeros((w.shape[0], xt.shape[1]), dtype=tl.float32), UPCAST)
@@ -275,14 +284,16 @@ if triton is not None:
         GROUP_SIZE: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, ROW_WARPS: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
         SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
-        ORDERED: tl.constexpr = False,
+        ORDERED: tl.constexpr = False, EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False,
     ):
         """y = x W^T for the tiled layout: program (tile of BM rows x BN columns, K split) walks
         K_ITERS tiles of 128; per tile one dot per group chunk (CHUNK = 128, 64 or 32 columns),
         weights on the MMA's M side (acc is [BN, BM]). Scales are applied to the fp32 partial sum
         of each chunk (small M: BN x BM multiplies per chunk), or with SCALE_IN_W folded into the
         unpacked weights (large M: one more packed multiply per weight pair, and the MMA
-        accumulates in place)."""
+        accumulates in place). EVEN_N (BN divides N) and EVEN_K (K a multiple of 128) drop the
+        weight-row and x-column masks; the loop stops at the last K tile, so nothing else is
+        masked but the rows of x."""
         MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -294,41 +305,41 @@ if triton is not None:
         offs_n = pid_n * BN + tl.arange(0, BN)
         m_mask = offs_m < M
         n_mask = offs_n < N
+        n_load = None if EVEN_N else n_mask
         acc = tl.zeros((BN, BM), dtype=tl.float32)
+        k_iters = tl.minimum(K_ITERS, stride_q // 16 - pid_k * K_ITERS)  # the last split may be shorter
         if CHUNK == 128:  # one group per tile: its scale and zero rows are loaded a tile ahead (their
             # load latency was the main stall: ncu, 46% of the cycles between issues at M=16)
-            s_next, z_next = _group_raw(s_ptr, z_ptr, pid_k * K_ITERS * 128, N, NUM_GROUPS, offs_n, n_mask,
+            s_next, z_next = _group_raw(s_ptr, z_ptr, pid_k * K_ITERS * 128, N, NUM_GROUPS, offs_n, n_load,
                                         GROUP_SIZE, True)
-        for it in range(0, K_ITERS):
+        for it in range(0, k_iters):
             kt = pid_k * K_ITERS + it
             k0 = kt * 128
-            # the last split may run past the K tiles (K_ITERS does not divide them): those words
-            # are not there (past the last row they are past the allocation), x is 0 there
-            qw = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, kt < stride_q // 16)
+            qw = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N)
             if CHUNK == 128:
                 s, nz, zf, s2, sf = _group_cols(s_next, z_next, MAGICF, F16)
-                s_next, z_next = _group_raw(s_ptr, z_ptr, k0 + 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE,
-                                            it + 1 < K_ITERS)
+                s_next, z_next = _group_raw(s_ptr, z_ptr, k0 + 128, N, NUM_GROUPS, offs_n, n_load, GROUP_SIZE,
+                                            it + 1 < k_iters)
                 w = _cat_k(_cat_k(_field_tile(qw, 0, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
                                   _field_tile(qw, 1, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)),
                            _cat_k(_field_tile(qw, 2, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
                                   _field_tile(qw, 3, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)))
-                acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0, K, w, acc, s, UPCAST, SCALE_IN_W)
+                acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0, K, w, acc, s, UPCAST, SCALE_IN_W, EVEN_K)
             elif CHUNK == 64:
                 for j in tl.static_range(2):
-                    s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0 + 64 * j, N, NUM_GROUPS, offs_n, n_mask,
+                    s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0 + 64 * j, N, NUM_GROUPS, offs_n, n_load,
                                                     MAGICF, GROUP_SIZE, F16)
                     w = _cat_k(_field_tile(qw, 2 * j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
                                _field_tile(qw, 2 * j + 1, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W))
                     acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0 + 64 * j, K, w, acc, s, UPCAST,
-                                     SCALE_IN_W)
+                                     SCALE_IN_W, EVEN_K)
             else:
                 for j in tl.static_range(4):
-                    s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0 + 32 * j, N, NUM_GROUPS, offs_n, n_mask,
+                    s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0 + 32 * j, N, NUM_GROUPS, offs_n, n_load,
                                                     MAGICF, GROUP_SIZE, F16)
                     w = _field_tile(qw, j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)
                     acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0 + 32 * j, K, w, acc, s, UPCAST,
-                                     SCALE_IN_W)
+                                     SCALE_IN_W, EVEN_K)
         let_next_launch(PDL)
         _store_tile(tl.trans(acc), bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     pid_mn, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, M * N)
@@ -365,18 +376,20 @@ if triton is not None:
                 _x_pair(base + 32, idx + 32, ok, KP, EVEN_K), _x_pair(base + 48, idx + 48, ok, KP, EVEN_K))
 
     @triton.jit
-    def _gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask,
+    def _gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask, w_mask,
                    p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE: tl.constexpr, BM: tl.constexpr,
                    F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
         """The GEMV's work on K tile kt: acc_m [BN, 16] += (word dot x pairs) * scale, rows m0..
-        (n_mask None: every row exists)."""
+        w_mask masks the word rows (None: every row exists). The scale and zero loads keep n_mask
+        even then: unmasked, ptxas issued some of a tile's loads after its math (offline SASS) and
+        the GEMV was 2-5 % slower (RESULTS.md, twelfth session)."""
         MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
         DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
         q_ptrs = q_ptr + _word_offsets(offs_n, kt, N, stride_q)[:, None] + p_ar
-        if n_mask is None:
+        if w_mask is None:
             qw = tl.load(q_ptrs)
         else:
-            qw = tl.load(q_ptrs, mask=n_mask[:, None], other=0)
+            qw = tl.load(q_ptrs, mask=w_mask[:, None], other=0)
         s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
         s = s[:, None]
         nz = tl.broadcast_to(_pair16(-(z + MAGICF), DT), qw.shape)
@@ -412,9 +425,9 @@ if triton is not None:
         the four x pairs a word needs are plain int32 loads of x (each pair is two neighbouring k),
         shared by the rows. One group per tile (group sizes that are multiples of 128, or
         per-channel): each word's fp32 sum is scaled once. x_ptr: x as int32 pairs.
-        EVEN_N (BN divides N) loads the weights unmasked, and BM == 1 (the launcher's M == 1)
-        reads row 0 of x unmasked: at M = 1 those masks cost ~7 % of the layer (RESULTS.md,
-        twelfth session)."""
+        EVEN_N (BN divides N) loads the words unmasked, and BM == 1 (the launcher's M == 1) reads
+        row 0 of x unmasked: at M = 1 those masks cost ~8 % of the layer (RESULTS.md, twelfth
+        session)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         if BM == 1:
@@ -423,7 +436,7 @@ if triton is not None:
             m0 = tl.program_id(2) * BM
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
-        n_load = None if EVEN_N else n_mask
+        w_mask = None if EVEN_N else n_mask
         p_ar = tl.arange(0, 16)[None, :]
         xoff = (p_ar % 4) * 4 + p_ar // 4  # pair f = 0 of position p = 4 c + t: 4 t + c
         acc0 = tl.zeros((BN, 16), dtype=tl.float32)
@@ -437,7 +450,7 @@ if triton is not None:
                 if UNROLL == 1 or kt + u < kt_end:
                     acc0, acc1, acc2, acc3 = _gemv_tile(
                         x_ptr, q_ptr, s_ptr, z_ptr, kt + u, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n,
-                        n_load, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K)
+                        n_mask, w_mask, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K)
         let_next_launch(PDL)
         out, offs_m, m_mask = _rows_out(tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3), m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
@@ -466,16 +479,16 @@ def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None):
 # M=64 tc BM64/BN64/4 warps 109 (BN128/8 warps 134); M=128 tc BM128/BN64, scale in weights 176;
 # M=256 tc BM128/BN128 282 (dequant + cuBLAS 330); M > 256 dequant + cuBLAS. Eleventh session, on the
 # tile-major storage: M=1 59.6 (65.7 before it), M=16 without the scale in the weights 70.6 (with it 85.7;
-# 74.7 before), M=64 112 (125), M=128 183 (204). Twelfth session: M=1 with unmasked loads (EVEN_N, row 0)
-# 55.3 (60.1 with the masks).
+# 74.7 before), M=64 112 (125), M=128 183 (204). Twelfth session, words and x unmasked where the shape
+# allows (EVEN_N, EVEN_K, row 0): M=1 GEMV 1 tile a step 52.7 (4 tiles 54.5; 55.6 with the scales unmasked
+# too, 60.1 before); M=32 at 4 waves 78 (3 waves 82); M=128 the M=256 tile 179 (BM128/BN64 198).
 TILED_CONFIGS = {
     "sm90": [
-        (1, _gemv(128, 4, 8, waves=4)),
+        (1, _gemv(128, 1, 8, waves=4)),
         (8, _tiled(16, 64, 4, 3, waves=6)),
         (16, _tiled(16, 64, 4, 3, waves=4)),
-        (32, _tiled(32, 64, 4, 3, waves=3)),
+        (32, _tiled(32, 64, 4, 3, waves=4)),
         (64, _tiled(64, 64, 4, 3, waves=3)),
-        (128, _tiled(128, 64, 4, 3, waves=1, scale_in_w=True)),
         (256, _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)),
         (1 << 62, _tiled(0, 0, 4, 1, backend="dequant")),
     ],
@@ -557,8 +570,8 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0), y.stride(0), k_iters, split, _magic2(x.dtype),
         GROUP_SIZE=min(group_size, K), CHUNK=_chunk_for(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws,
         BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
-        SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), num_warps=warps, num_stages=cfg["num_stages"],
-        **pdl_args(x), **order)
+        SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), EVEN_N=N % BN == 0, EVEN_K=K % TILE_K == 0,
+        num_warps=warps, num_stages=cfg["num_stages"], **pdl_args(x), **order)
     return y
 
 
