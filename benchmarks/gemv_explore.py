@@ -11,6 +11,7 @@ against a float64 oracle first. Prints a table; writes $OUT/gemv_explore.json.
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import os
@@ -80,11 +81,15 @@ def fp8_candidates():
     return out
 
 
-def fp8_part(dev, budget_s):
-    """M=1 FP8 W8A8 per linear: _scaled_mm peer, fitllm table (tensor-core swap-AB), GEMV sweep.
+def fp8_part(dev, budget_s, baseline=None, sweep=True):
+    """M=1 FP8 W8A8 per linear: _scaled_mm peer, fitllm table (GEMV, swap-AB tensor cores for the
+    wide gate_up), optionally an earlier fp8 module's table ('baseline', e.g. `git show
+    REV:fitllm/kernels/fp8.py > fitllm/kernels/_fp8_prev.py`, not committed) and a GEMV sweep.
     fitllm numbers include the per-token activation quantization kernel; 'quant' is that alone."""
     results = {}
-    cands = fp8_candidates()
+    cands = fp8_candidates() if sweep else [("table", None)]
+    if baseline is not None:
+        cands.insert(1, ("baseline", "baseline"))
     for name, (K, N) in SHAPES.items():
         nbytes = K * N + 4 * N
         copies = max(2, int(200e6 // nbytes) + 1)
@@ -103,20 +108,22 @@ def fp8_part(dev, budget_s):
             if time.time() - T0 > budget_s:
                 break
             try:
+                fn = baseline.fp8_gemm_triton if cfg == "baseline" else fp8_gemm_triton
+                cfg = None if cfg == "baseline" else cfg
                 y = torch.full((1, N), float("nan"), device=dev, dtype=torch.bfloat16)
-                fp8_gemm_triton(x, ws[0][0], ws[0][1], config=cfg, out=y)
+                fn(x, ws[0][0], ws[0][1], config=cfg, out=y)
                 err = rel_err(y, ref)
                 if not err < 1e-2:
                     row[cname] = f"ERR {err:.2e}"
                     continue
                 outs = [torch.empty(1, N, device=dev, dtype=torch.bfloat16) for _ in ws]
-                row[cname] = graph_us([lambda w=w, o=o: fp8_gemm_triton(x, w[0], w[1], config=cfg, out=o)
+                row[cname] = graph_us([lambda w=w, o=o, fn=fn, cfg=cfg: fn(x, w[0], w[1], config=cfg, out=o)
                                        for w, o in zip(ws, outs)])
             except Exception as e:  # noqa: BLE001
                 row[cname] = f"FAIL {repr(e)[:300]}"
         results[name] = row
         log("fp8", name, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
-                          if k in ("roof_us", "scaled_mm", "quant", "table")})
+                          if k in ("roof_us", "scaled_mm", "quant", "table", "baseline")})
         del ws
         torch.cuda.empty_cache()
     summarize(results, [c for c, _ in cands], ["scaled_mm", "quant", "roof_us"])
@@ -143,12 +150,15 @@ def main():
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--parts", default="w4,fp8")
     ap.add_argument("--m", default="1", help="w4: comma-separated batch sizes")
+    ap.add_argument("--fp8-baseline", default=None, help="fp8: module with an earlier fp8_gemm_triton")
+    ap.add_argument("--no-sweep", action="store_true", help="fp8: the table (and baseline) only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     if "fp8" in args.parts:
-        json.dump(fp8_part(dev, args.budget_s), open(os.path.join(args.out, "gemv_fp8.json"), "w"), indent=1)
+        baseline = importlib.import_module(args.fp8_baseline) if args.fp8_baseline else None
+        json.dump(fp8_part(dev, args.budget_s, baseline, not args.no_sweep), open(os.path.join(args.out, "gemv_fp8.json"), "w"), indent=1)
     if "w4" not in args.parts:
         return
     for M in [int(m) for m in args.m.split(",")]:

@@ -10,7 +10,8 @@ save; a skipped norm hands on the residual stream unchanged (the embedding: it s
 row fails and every variant decodes all its tokens). Variant w4-prev builds its own model with an
 earlier fitllm/kernels/w4a16_tiled.py (the module fitllm.kernels._w4_prev, e.g. `git show
 REV:fitllm/kernels/w4a16_tiled.py > fitllm/kernels/_w4_prev.py`, not committed): its packing and
-kernels, e.g. another weight layout.
+kernels, e.g. another weight layout. Variant fp8-prev serves the same fp8 model through an earlier
+fitllm/kernels/fp8.py (the module fitllm.kernels._fp8_prev, made the same way, not committed).
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import build, engine_for  # noqa: E402
 from gpu_engine_check import decode_speed, free, throughput  # noqa: E402
 
+import fitllm.kernels.fp8 as current_fp8  # noqa: E402
 import fitllm.kernels.paged_attention as current_attention  # noqa: E402
 import fitllm.kernels.w4a16_tiled as current_w4  # noqa: E402
 from fitllm.kernels import fused  # noqa: E402
@@ -46,7 +48,7 @@ from fitllm.serve.sampling import SamplingParams  # noqa: E402
 VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"},
             "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"}, "attn-prev": {"FITLLM_PDL": "1"},
             "skip-norm": {"FITLLM_PDL": "1"}, "skip-silu": {"FITLLM_PDL": "1"}, "skip-both": {"FITLLM_PDL": "1"},
-            "w4-prev": {"FITLLM_PDL": "1"}}
+            "w4-prev": {"FITLLM_PDL": "1"}, "fp8-prev": {"FITLLM_PDL": "1"}}
 
 
 def skip_kernels(name: str, real=(fused.rms_norm, fused.silu_mul)) -> None:
@@ -60,7 +62,7 @@ def skip_kernels(name: str, real=(fused.rms_norm, fused.silu_mul)) -> None:
 
 def use_kernel_module(name: str, mod) -> None:
     """The engine and the quantized layers import fitllm.kernels.<name> (paged_attention,
-    w4a16_tiled) at each call: point that name at `mod`."""
+    w4a16_tiled, fp8) at each call: point that name at `mod`."""
     import fitllm.kernels
 
     sys.modules[f"fitllm.kernels.{name}"] = mod
@@ -99,6 +101,8 @@ def main() -> int:
                                   else current_attention)
                 use_kernel_module("w4a16_tiled", importlib.import_module("fitllm.kernels._w4_prev")
                                   if name == "w4-prev" else current_w4)
+                use_kernel_module("fp8", importlib.import_module("fitllm.kernels._fp8_prev")
+                                  if name == "fp8-prev" else current_fp8)
                 key = "w4-prev" if name == "w4-prev" else "current"
                 if key not in models:
                     models[key] = build(scheme)  # packed by the module in use

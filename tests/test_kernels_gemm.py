@@ -223,10 +223,12 @@ def test_fp8_triton_vs_float64(cfg, M, K, N, mode, per_tensor, static, bias):
 
 @pytest.mark.parametrize("mode,per_tensor,static", [("w8a8", False, False), ("w8a8", True, True), ("w8a16", False, False)])
 @pytest.mark.parametrize("M,waves", [(1, 0), (1, 4), (3, 4)])
-def test_fp8_gemv_batch1(mode, per_tensor, static, M, waves):
+@pytest.mark.parametrize("K,N", [(200, 40), (320, 48)], ids=["tails", "even"])
+def test_fp8_gemv_batch1(mode, per_tensor, static, M, waves, K, N):
     """The batch-1 CUDA-core GEMV computes the same function as the tensor-core kernel (M > 1 with a
-    GEMV config falls back to the tensor-core kernel)."""
-    test_fp8_triton_vs_float64(f8cfg(1, 16, 64, 4, 1, waves=waves, backend="gemv"), M, 200, 40, mode, per_tensor,
+    GEMV config falls back to the tensor-core kernel); with tails in N and K (masked loads) and
+    without (BN | N, BK | K: unmasked, 5 K tiles so a split can be shorter)."""
+    test_fp8_triton_vs_float64(f8cfg(1, 16, 64, 4, 1, waves=waves, backend="gemv"), M, K, N, mode, per_tensor,
                                static, True)
 
 
