@@ -32,8 +32,8 @@ INT4_BYTES = sum(K * N // 2 + 2 * (K // GS) * N * 2 for K, N in SHAPES.values())
 
 def candidates(M):
     t = _tiled
-    if M <= 2:  # around the table's GEMV row (BN 128 / unroll 4 / 8 warps for M=1) and the tc row for M=2
-        return [_gemv(128, 4, 8, w) for w in (2, 4)] + [_gemv(128, 2, 8, 2), _gemv(128, 1, 4, 4), _gemv(256, 2, 8, 2)] + \
+    if M <= 2:  # around the table's GEMV row (BN 128 / 1 tile a step / 8 warps for M=1) and the tc row for M=2
+        return [_gemv(128, 1, 8, w) for w in (2, 4, 6)] + [_gemv(128, 4, 8, 4), _gemv(128, 2, 8, 4), _gemv(256, 1, 8, 2)] + \
                [t(16, 64, 4, 3, w) for w in (2, 3, 4, 6, 8)] + [t(16, 64, 4, 4, 4), t(16, 128, 8, 3, 2)]
     if M <= 16:
         return [t(16, 64, 4, 3, w) for w in (2, 3, 4, 6, 8)] + [t(16, 64, 4, 4, 4), t(16, 128, 8, 3, 2),

@@ -68,8 +68,8 @@ def configs(fine_waves: bool = False, regs: bool = False):
         return [_gemv(bn, u, w, wv, maxnreg=r) for bn, u, w in ((128, 4, 8), (64, 4, 4), (128, 1, 8))
                 for r in (None, 56, 48, 40) for wv in (4, 5, 6)]
     if fine_waves:  # the table's families with many split-K counts: how much the last partial wave costs
-        return [_gemv(bn, u, w, wv) for bn, u, w in ((128, 4, 8), (128, 1, 8), (64, 4, 4))
-                for wv in (3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24)]
+        return [_gemv(bn, u, w, wv) for bn, u, w in ((128, 1, 8), (128, 2, 8), (128, 4, 8))
+                for wv in (3, 4, 5, 6, 8, 12)]
     out = [_gemv(bn, u, w, wv) for bn, u, w, wv in itertools.product((64, 128), (1, 2, 4), (4, 8), (1, 2, 4))]
     return out + [_gemv(32, 2, 4, wv) for wv in (1, 2, 4)] + [_gemv(256, 1, 8, wv) for wv in (1, 2)]
 
