@@ -89,7 +89,7 @@ def fp8_part(dev, budget_s, baseline=None, sweep=True):
     results = {}
     cands = fp8_candidates() if sweep else [("table", None)]
     if baseline is not None:
-        cands.insert(1, ("baseline", "baseline"))
+        cands.insert(1, ("baseline", None))
     for name, (K, N) in SHAPES.items():
         nbytes = K * N + 4 * N
         copies = max(2, int(200e6 // nbytes) + 1)
@@ -108,8 +108,7 @@ def fp8_part(dev, budget_s, baseline=None, sweep=True):
             if time.time() - T0 > budget_s:
                 break
             try:
-                fn = baseline.fp8_gemm_triton if cfg == "baseline" else fp8_gemm_triton
-                cfg = None if cfg == "baseline" else cfg
+                fn = baseline.fp8_gemm_triton if cname == "baseline" else fp8_gemm_triton
                 y = torch.full((1, N), float("nan"), device=dev, dtype=torch.bfloat16)
                 fn(x, ws[0][0], ws[0][1], config=cfg, out=y)
                 err = rel_err(y, ref)
@@ -158,7 +157,8 @@ def main():
     torch.manual_seed(0)
     if "fp8" in args.parts:
         baseline = importlib.import_module(args.fp8_baseline) if args.fp8_baseline else None
-        json.dump(fp8_part(dev, args.budget_s, baseline, not args.no_sweep), open(os.path.join(args.out, "gemv_fp8.json"), "w"), indent=1)
+        res = fp8_part(dev, args.budget_s, baseline, not args.no_sweep)
+        json.dump(res, open(os.path.join(args.out, "gemv_fp8.json"), "w"), indent=1)
     if "w4" not in args.parts:
         return
     for M in [int(m) for m in args.m.split(",")]:

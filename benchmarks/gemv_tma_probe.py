@@ -95,9 +95,10 @@ def row_major_words(qtile):
 
 
 def descriptor(qtile, fetch, bn):
-    """The TMA descriptor each fetch mode reads through (N a multiple of 128 for the tile modes)."""
+    """The TMA descriptor each fetch mode reads through (N a multiple of 128 for the tile modes);
+    "ptr" reads no descriptor but the kernel takes one: the row-major one."""
     N, kw = qtile.shape
-    if fetch == "row":
+    if fetch in ("row", "ptr"):
         return TensorDescriptor(qtile, [N, kw], [kw, 1], [bn, 16])
     bb, kt = max(1, bn // 128), kw // 16
     if fetch == "tile16":
@@ -111,7 +112,7 @@ def tma_gemv(x, qtile, scales, zeros, group_size, K, bn, warps, stages, waves, o
     row's words in row order (row_major_words). extras: "mask", "pdl", "m" (the product's features)."""
     N = qtile.shape[0]
     assert fetch == "row" or N % 128 == 0
-    desc = desc if desc is not None else descriptor(qtile, "row" if fetch == "ptr" else fetch, bn)
+    desc = desc if desc is not None else descriptor(qtile, fetch, bn)
     n_blocks = triton.cdiv(N, bn)
     split, k_iters = split_k_for(n_blocks, qtile.shape[1] // 16, num_sms(x.device.index or 0), waves)
     use_ws = split > 1
@@ -166,7 +167,7 @@ def main():
             fetch, *extras = fetch.split("+")
             try:
                 kw = dict(bn=bn, warps=warps, stages=st, waves=wv, fetch=fetch, extras=tuple(extras))
-                descs = [descriptor(w["qtile"], "row" if fetch == "ptr" else fetch, bn) for w in cws]
+                descs = [descriptor(w["qtile"], fetch, bn) for w in cws]
                 o = torch.full((1, N), float("nan"), device=dev, dtype=torch.bfloat16)
                 tma_gemv(x, **cws[0], **kw, out=o, desc=descs[0])
                 err = rel_err(o, ref)

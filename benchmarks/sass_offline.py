@@ -94,13 +94,13 @@ def sass_of(cubin: bytes) -> str:
 INSTR = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
 
 
+def opcodes(lines) -> list:
+    """The opcode (without modifiers) of each instruction line, in order."""
+    return [m.group(2).split(".")[0] for m in map(INSTR.match, lines) if m]
+
+
 def histogram(lines) -> collections.Counter:
-    c = collections.Counter()
-    for ln in lines:
-        m = INSTR.match(ln)
-        if m:
-            c[m.group(2).split(".")[0]] += 1
-    return c
+    return collections.Counter(opcodes(lines))
 
 
 def hottest_loop(sass: str):
@@ -147,9 +147,9 @@ def report(compiled, dump: str | None = None) -> dict:
     use = resource_usage(compiled.asm["cubin"])
     out = {"shared": md.shared, "regs": use["regs"], "spills": use["stack"]}
     loop = hottest_loop(sass)
-    out["loop_instr"] = sum(histogram(loop).values())
-    out["loop_hist"] = histogram(loop).most_common(24)
-    out["loop_ops"] = [m.group(2).split(".")[0] for m in map(INSTR.match, loop) if m]  # in issue order
+    out["loop_ops"] = opcodes(loop)  # in issue order
+    out["loop_instr"] = len(out["loop_ops"])
+    out["loop_hist"] = collections.Counter(out["loop_ops"]).most_common(24)
     out["all_hist"] = histogram(sass.splitlines()).most_common(16)
     if dump:
         os.makedirs(dump, exist_ok=True)

@@ -226,8 +226,8 @@ def test_fp8_triton_vs_float64(cfg, M, K, N, mode, per_tensor, static, bias):
 @pytest.mark.parametrize("K,N", [(200, 40), (320, 48)], ids=["tails", "even"])
 def test_fp8_gemv_batch1(mode, per_tensor, static, M, waves, K, N):
     """The batch-1 CUDA-core GEMV computes the same function as the tensor-core kernel (M > 1 with a
-    GEMV config falls back to the tensor-core kernel); with tails in N and K (masked loads) and
-    without (BN | N, BK | K: unmasked, 5 K tiles so a split can be shorter)."""
+    GEMV config falls back to the tensor-core kernel); with tails in N and K and without them
+    (BN | N, BK | K, 5 K tiles so a split can be shorter)."""
     test_fp8_triton_vs_float64(f8cfg(1, 16, 64, 4, 1, waves=waves, backend="gemv"), M, K, N, mode, per_tensor,
                                static, True)
 

@@ -238,11 +238,11 @@ if triton is not None:
         n_mask None: every row exists)."""
         g = tl.minimum(k // GROUP_SIZE, NUM_GROUPS - 1)  # padded tail tiles use the last group
         if n_mask is None:
-            s = tl.load(s_ptr + g * N + offs_n, mask=ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * N + offs_n, mask=ok, other=0.0).to(tl.float32)
+            mask = ok
         else:
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & ok, other=0.0).to(tl.float32)
+            mask = n_mask & ok
+        s = tl.load(s_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + offs_n, mask=mask, other=0.0).to(tl.float32)
         return s, z
 
     @triton.jit
