@@ -136,6 +136,19 @@ def model_check(shape="smollm2-135m"):
     out = dict(shape=shape, weight_types=kinds, tiled_vs_standard=e(logits["tiled"], logits["standard"]),
                standard_vs_bf16=e(logits["standard"], logits["bf16"]), tiled_vs_bf16=e(logits["tiled"], logits["bf16"]),
                argmax_agree=(logits["tiled"].argmax(-1) == logits["standard"].argmax(-1)).float().mean().item())
+    # split-K sums left pending for the fused kernels (the default) vs finished in each GEMM, at the
+    # tensor-core kernel's M (96 tokens) and the batch-1 GEMV's (one token at a time)
+    for tokens in (96, 1):
+        got = {}
+        for defer in ("1", "0", "0 again"):  # the last: what atomics' order alone changes
+            os.environ["FITLLM_SPLITK_DEFER"] = defer[0]
+            with torch.inference_mode():
+                got[defer] = torch.cat([models["tiled"].compute_logits(models["tiled"](
+                    ids[i:i + tokens], pos[i:i + tokens], CalibContext(1, tokens))).float() for i in range(0, 8, tokens)])
+        os.environ.pop("FITLLM_SPLITK_DEFER")
+        out[f"defer_vs_not_M{tokens}"] = e(got["1"], got["0"])
+        out[f"not_vs_not_M{tokens}"] = e(got["0 again"], got["0"])
+        out[f"defer_argmax_agree_M{tokens}"] = (got["1"].argmax(-1) == got["0"].argmax(-1)).float().mean().item()
     log(f"model check {shape}: {out}")
     return out
 

@@ -283,6 +283,54 @@ def test_decoder_fused_paths_agree(family, dtype, monkeypatch):
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
+@pytest.mark.parametrize("tokens", [1, 5])  # the batch-1 GEMV, the tensor-core kernel
+def test_decoder_hands_split_k_sums_to_the_fused_kernels(tokens, monkeypatch):
+    """With int4 tiled layers on the Triton path, o_proj, gate_up_proj and down_proj leave their
+    split-K sums pending (kernels._utils.PendingSum) and the fused RMSNorm / SiLU·mul take them:
+    the hidden states equal, bit for bit, those of the run where every GEMM finishes its own y
+    (FITLLM_SPLITK_DEFER=0; the interpreter adds the splits in the same order both ways), and the
+    shared workspace is zero afterwards, so nothing leaks into the next GEMM."""
+    from fitllm.kernels import _utils
+    from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
+    from fitllm.quant.layers import QuantLinear
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=256, intermediate_size=384,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = CausalLM(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + randn(*p.shape, scale=0.1) if "norm" in name else randn(*p.shape))
+    for name, lin in list(model.fused_linears().items()):  # K > 128: split-K GEMMs
+        K, N = lin.in_features, lin.out_features
+        q = QuantLinear(lin.prefix, K, lin.out_sizes, False, reader=None, dtype=torch.bfloat16, device="cpu")
+        q.parts = [TiledWeight.from_kernel(KernelWeight(
+            pack_dim0(torch.randint(0, 16, (K, N), generator=GEN), 4), (torch.rand(1, N, generator=GEN) * 0.02
+                                                                        + 0.01).bfloat16(),
+            torch.randint(0, 16, (1, N), generator=GEN).bfloat16(), 4, K))]
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, q)
+    ids = torch.randint(0, 96, (tokens,), generator=GEN)
+    positions, ctx = torch.arange(tokens), NoCacheContext([tokens])
+    taken = []
+    for fn in ("rms_norm", "silu_mul"):
+        orig = getattr(fused, fn)
+        monkeypatch.setattr(fused, fn, lambda x, *a, orig=orig, **k: taken.append(isinstance(x, _utils.PendingSum))
+                            or orig(x, *a, **k))
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
+    monkeypatch.setenv("FITLLM_SPLITK_DEFER", "1")  # opt-in (_utils.defer_splitk)
+    with torch.no_grad():
+        got = model(ids, positions, ctx)
+        assert sum(taken) == 3 * cfg.num_layers  # after o_proj, gate_up_proj, down_proj of every layer
+        ws, cnt = _utils.splitk_workspace(torch.device("cpu"), 0, 0)
+        assert (ws == 0).all() and (cnt == 0).all()
+        monkeypatch.setenv("FITLLM_SPLITK_DEFER", "0")
+        taken.clear()
+        ref = model(ids, positions, ctx)
+        assert not any(taken)
+    assert torch.isfinite(got).all() and torch.equal(got, ref)
+
+
 # --------------------------------------------------------------------------- greedy_tokens
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -232,6 +232,20 @@ def test_fp8_gemv_batch1(mode, per_tensor, static, M, waves, K, N):
                                static, True)
 
 
+@pytest.mark.parametrize("cfg", [f8cfg(1, 16, 64, 4, 1, waves=8, backend="gemv"), FP8_CONFIGS[1]], ids=["gemv", "swap"])
+def test_fp8_deferred_split_k_sum_equals_the_finished_output(cfg, monkeypatch):
+    """defer=True (kernels._utils.PendingSum; the consumers are tested with the tiled W4A16 GEMMs):
+    the fp8 GEMMs leave the same sum in the workspace that they would have rounded into y."""
+    monkeypatch.setenv("FITLLM_SPLITK_DEFER", "1")  # opt-in
+    x = torch.randn(1 if cfg.get("backend") == "gemv" else 3, 320, generator=GEN).to(torch.bfloat16)
+    w, wsc = fp8_weight(48, 320)
+    y = fp8_gemm_triton(x, w, wsc, config=cfg)
+    out = fp8_gemm_triton(x, w, wsc, config=cfg, defer=True)
+    assert isinstance(out, _utils.PendingSum) and torch.equal(out.materialize(), y)
+    ws, cnt = _utils.splitk_workspace(torch.device("cpu"), 0, 0)
+    assert (ws == 0).all() and (cnt == 0).all()
+
+
 def test_fp8_w8a8_vs_unquantized_activations():
     """Sanity on the oracle: W8A8 differs from W8A16 by the activation rounding, a few percent."""
     x = torch.randn(4, 256, generator=GEN).to(torch.bfloat16)

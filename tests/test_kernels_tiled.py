@@ -146,6 +146,62 @@ def test_split_k_workspace_is_left_clean():
     assert (ws == 0).all() and (cnt == 0).all()
 
 
+@pytest.mark.parametrize("cfg", [_tiled(16, 64, 4, 2, waves=8), _gemv(64, 1, 4, waves=8), _gemv(64, 1, 4, waves=0)],
+                         ids=["tc", "gemv", "gemv-one-split"])
+@pytest.mark.parametrize("consumer", ["rms_norm", "silu_mul", "rms_norm-torch", "silu_mul-torch", "materialize"])
+def test_deferred_split_k_sum_is_taken_by_its_consumer(cfg, consumer, monkeypatch):
+    """defer=True: a split-K launch leaves its sum in the workspace (a PendingSum, no counter, no
+    y) and the consumer rounds it as the GEMM rounds y, then zeroes the workspace: the consumer's
+    output equals the one from the GEMM's own y bit for bit, and the next split-K GEMM starts
+    clean. One split: y itself comes back."""
+    from fitllm.kernels import _utils, fused
+
+    monkeypatch.setenv("FITLLM_SPLITK_DEFER", "1")  # opt-in (_utils.defer_splitk)
+    K, N = 512, 128
+    qt, s, z, w64, _ = rand_weight(K, N, 128)
+    x = torch.randn(1 if cfg["backend"] == "gemv" else 3, K, generator=GEN).bfloat16()
+    y = w4a16_tiled_triton(x, qt, s, z, 128, K, config=cfg)
+    out = w4a16_tiled_triton(x, qt, s, z, 128, K, config=cfg, defer=True)
+    assert isinstance(out, _utils.PendingSum) == (cfg["waves"] > 0)
+    ws, cnt = _utils.splitk_workspace(torch.device("cpu"), 0, 0)
+    if isinstance(out, _utils.PendingSum):
+        assert out.shape == y.shape and out.dtype == y.dtype and (cnt == 0).all()
+        assert torch.equal(out.acc.to(y.dtype), y)  # the same sum, not yet rounded
+    residual = torch.randn(y.shape, generator=GEN).bfloat16()
+    weight = torch.rand(N, generator=GEN).bfloat16()
+    consumer, _, backend = consumer.partition("-")
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", backend or "triton")  # the fused kernels, or the references
+    if consumer == "rms_norm":
+        got, want = fused.rms_norm(out, weight, 1e-6, residual), fused.rms_norm(y, weight, 1e-6, residual)
+    elif consumer == "silu_mul":
+        got, want = fused.silu_mul(out), fused.silu_mul(y)
+    else:
+        got, want = out.materialize() if isinstance(out, _utils.PendingSum) else out, y
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(g, w)
+    assert (ws == 0).all() and (cnt == 0).all()
+
+
+def test_no_deferred_sum_where_it_cannot_be_taken(monkeypatch):
+    """A bias, an `out`, deterministic mode or FITLLM_SPLITK_DEFER=0 (the default) finish y in the GEMM."""
+    monkeypatch.setenv("FITLLM_SPLITK_DEFER", "1")
+    qt, s, z, w64, _ = rand_weight(512, 64, 128)
+    x = torch.randn(1, 512, generator=GEN).bfloat16()
+    cfg = _gemv(64, 1, 4, waves=8)
+    bias = torch.randn(64, generator=GEN).bfloat16()
+    assert isinstance(w4a16_tiled_triton(x, qt, s, z, 128, 512, bias=bias, config=cfg, defer=True), torch.Tensor)
+    assert isinstance(w4a16_tiled_triton(x, qt, s, z, 128, 512, config=cfg, out=torch.empty(1, 64).bfloat16(),
+                                         defer=True), torch.Tensor)
+    monkeypatch.delenv("FITLLM_SPLITK_DEFER")
+    assert isinstance(w4a16_tiled_triton(x, qt, s, z, 128, 512, config=cfg, defer=True), torch.Tensor)
+    monkeypatch.setenv("FITLLM_SPLITK_DEFER", "1")
+    for var in ("FITLLM_DETERMINISTIC=1", "FITLLM_SPLITK_DEFER=0"):
+        with monkeypatch.context() as m:
+            m.setenv(*var.split("="))
+            y = w4a16_tiled_triton(x, qt, s, z, 128, 512, config=cfg, defer=True)
+            assert isinstance(y, torch.Tensor) and rel_err(y, x.double() @ w64) < 1e-2
+
+
 @pytest.mark.parametrize("cfg", [_tiled(16, 64, 4, 2, waves=16), _gemv(64, 1, 4, waves=16)], ids=["tc", "gemv"])
 def test_deterministic_split_k_sums_the_same_partials(cfg, monkeypatch):
     """FITLLM_DETERMINISTIC=1 (see tests/test_kernels_gemm.py's twin): ten splits, the ordered sum

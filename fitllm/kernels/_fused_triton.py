@@ -21,18 +21,34 @@ def _cast(x, DT: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _take_sum(ptrs, mask, DT: tl.constexpr, RNE: tl.constexpr):
+    """A GEMM's pending fp32 sum (kernels._utils.PendingSum): rounded to DT as the GEMM would have
+    stored it, and its workspace zeroed for the next split-K GEMM, in one atomic exchange at L2.
+    (A load, then a store of zeros, to the same addresses read zeros now and then on the H200:
+    the compiled code may issue the load after the store; benchmarks/defer_check.py.)"""
+    bits = tl.atomic_xchg(ptrs.to(tl.pointer_type(tl.int32)), tl.zeros(ptrs.shape, dtype=tl.int32), mask=mask,
+                          sem="relaxed")  # as int32: the same 32 bits (triton 3.6's interpreter swaps no floats)
+    v = tl.where(mask, bits.to(tl.float32, bitcast=True), 0.0)
+    return _cast(v, DT, RNE).to(tl.float32)
+
+
+@triton.jit
 def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, N, n_inner, sx_o, sx_i, sr_o, sr_i, eps,
                     HAS_RES: tl.constexpr, RNE: tl.constexpr, RNE_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    X_SUM: tl.constexpr = False, PDL: tl.constexpr = False):
     # Row `row` of x sits at (row // n_inner) * sx_o + (row % n_inner) * sx_i: [T, N] or [T, H, N]
-    # views (q|k slices of the qkv output) without a copy. out and h are contiguous.
+    # views (q|k slices of the qkv output) without a copy. out and h are contiguous. X_SUM: x is a
+    # GEMM's pending fp32 sum (taken here; HAS_RES then, whose dtype is the activations').
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer, inner = row // n_inner, row % n_inner
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    DT = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + outer * sx_o + inner * sx_i + cols, mask=mask, other=0.0).to(tl.float32)
+    DT = h_ptr.dtype.element_ty if HAS_RES else x_ptr.dtype.element_ty
+    if X_SUM:
+        x = _take_sum(x_ptr + outer * sx_o + inner * sx_i + cols, mask, DT, RNE)
+    else:
+        x = tl.load(x_ptr + outer * sx_o + inner * sx_i + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(r_ptr + outer * sr_o + inner * sr_i + cols, mask=mask, other=0.0).to(tl.float32)
         h = _cast(x + r, DT, RNE)  # the reference adds in the activation dtype
@@ -84,14 +100,20 @@ def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HK, HALF,
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr, X_SUM: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    # X_SUM: x is a GEMM's pending fp32 sum (taken here).
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    g = tl.load(x_ptr + t * sx_t + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + t * sx_t + I + cols, mask=mask, other=0.0).to(tl.float32)
     DT = out_ptr.dtype.element_ty
+    if X_SUM:
+        g = _take_sum(x_ptr + t * sx_t + cols, mask, DT, RNE)
+        u = _take_sum(x_ptr + t * sx_t + I + cols, mask, DT, RNE)
+    else:
+        g = tl.load(x_ptr + t * sx_t + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + t * sx_t + I + cols, mask=mask, other=0.0).to(tl.float32)
     a = _cast(g / (1.0 + tl.exp(-g)), DT, RNE).to(tl.float32)  # F.silu rounds, then the multiply
     tl.store(out_ptr + t * I + cols, _cast(a * u, DT, RNE), mask=mask)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -73,6 +74,43 @@ def deterministic() -> bool:
     w4a16._store_split_ordered), so a launch gives the same bits every run; the default adds them
     with atomics, whose order (and so the last bit, and now and then a greedy token) varies."""
     return os.environ.get("FITLLM_DETERMINISTIC", "0") not in ("", "0")
+
+
+def defer_splitk() -> bool:
+    """Whether a GEMM asked to defer (`defer=True`) may hand its consumer a PendingSum:
+    FITLLM_SPLITK_DEFER=1, and never in deterministic mode (whose sums are ordered). Off by default
+    until its GPU check passes (benchmarks/RESULTS.md, thirteenth session: the first H200 run gave
+    +8 % int4 batch-1 decode, but logits 26 % off at 96 tokens; the consumers then moved to L2
+    reads, not yet run on a GPU)."""
+    return os.environ.get("FITLLM_SPLITK_DEFER", "0") == "1" and not deterministic()
+
+
+@dataclass(frozen=True)
+class PendingSum:
+    """A split-K GEMM's output y [M, N] before its final step: the splits' fp32 partials, already
+    added up by atomics in `acc` (a slice of the split-K workspace), not yet rounded to `dtype`.
+
+    Why: ending a split-K GEMM costs two round trips to L2 in its last programs (the per-tile
+    counter, then reading the sum back), ~1.8 µs a launch that the next kernel waits for; a batch-1
+    W4A16 GEMV without them reads a Llama-3-8B layer in 45.9 instead of 53.1 µs (H200,
+    benchmarks/gemv_tail_probe.py). So a GEMM whose consumer is one of fused's kernels (the
+    residual add + RMSNorm after o_proj and down_proj, SiLU·mul after gate_up) leaves the sum
+    here, and that consumer reads it, rounds it as the GEMM would have, and writes zeros back: the
+    workspace is clean again before the next split-K GEMM starts (stream order). Exactly one
+    consumer must take it, right away (`materialize` is the fallback). Opt-in: defer_splitk."""
+
+    acc: torch.Tensor  # fp32 [M, N], contiguous
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.acc.shape
+
+    def materialize(self) -> torch.Tensor:
+        """y in `dtype`, leaving the workspace zero (torch ops: any consumer)."""
+        y = self.acc.to(self.dtype)
+        self.acc.zero_()
+        return y
 
 
 def splitk_buffers(device: torch.device, n_out: int, n_tiles: int, split: int):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (backend_for, device_index, gpu_arch, interpreting, num_sms, pdl_args, pick_config,
-                     split_k_for, splitk_buffers)
+from ._utils import (PendingSum, backend_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms, pdl_args,
+                     pick_config, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -108,7 +108,7 @@ if triton is not None:
         W8A8: tl.constexpr, XS_PER_ROW: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
         SWAP: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
-        ORDERED: tl.constexpr = False,
+        ORDERED: tl.constexpr = False, DEFER: tl.constexpr = False,
     ):
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -153,7 +153,7 @@ if triton is not None:
             else:
                 acc = acc * tl.load(xs_ptr)
         _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    pid_mn, SPLIT_K, HAS_BIAS, SPLIT_K > 1, ORDERED, pid_k, M * N)
+                    pid_mn, SPLIT_K, HAS_BIAS, SPLIT_K > 1, ORDERED, pid_k, M * N, DEFER)
 
 
     @triton.jit
@@ -161,6 +161,7 @@ if triton is not None:
         x_ptr, xs_ptr, w_ptr, wsc_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, K_ITERS, SPLIT,
         W8A8: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
+        DEFER: tl.constexpr = False,
     ):
         """Batch-1 GEMV on CUDA cores: program (n, k) owns BN weight rows and K_ITERS tiles of BK.
         Products of e4m3 values (and of an e4m3 and a bf16) are exact in fp32, so this computes the
@@ -189,7 +190,7 @@ if triton is not None:
             out = out * tl.load(xs_ptr)
         offs_m = tl.arange(0, 1)
         _store_tile(out[None, :], bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < 1, n_mask, N, N,
-                    pid_n, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, N)
+                    pid_n, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, N, DEFER)
 
 
 def quantize_fp8_per_token(x: torch.Tensor):
@@ -243,8 +244,9 @@ FP8_CONFIGS = {
 
 
 def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8", config=None, x_quant=None,
-                     out=None):
-    """Triton path. x_quant=(x_fp8, scale) skips the activation quantization; config, out: as w4a16."""
+                     out=None, defer=False):
+    """Triton path. x_quant=(x_fp8, scale) skips the activation quantization; config, out, defer: as
+    w4a16_tiled_triton."""
     if mode not in ("w8a8", "w8a16"):
         raise ValueError(f"mode must be 'w8a8' or 'w8a16', got {mode!r}")
     M, K = x.shape
@@ -272,9 +274,10 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
             return out
         return r
 
+    defer = defer and out is None and bias is None and defer_splitk()
     if cfg.get("backend") == "gemv":
         if M == 1 and N <= cfg.get("max_n", N):
-            return _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev)
+            return _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer)
         cfg = cfg.get("wide") or _cfg(16, 64, 128, 4, 2, waves=4)  # M > 1 or a wide N: tensor cores
 
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -282,33 +285,36 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     k_tiles = triton.cdiv(K, BK)
     split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
     ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if split > 1 else (y, y, {})
+    defer = defer and split > 1
     _fp8_kernel[(tiles_mn, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt,
         M, N, K, xq.stride(0), weight_fp8.stride(0), y.stride(0), k_iters,
         W8A8=mode == "w8a8", XS_PER_ROW=xs.numel() > 1, WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None,
-        SWAP=cfg.get("SWAP", False), SPLIT_K=split, UPCAST=interpreting(), BM=BM, BN=BN, BK=BK,
+        SWAP=cfg.get("SWAP", False), SPLIT_K=split, UPCAST=interpreting(), BM=BM, BN=BN, BK=BK, DEFER=defer,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x), **order,
     )
-    return y
+    return PendingSum(ws[: M * N].view(M, N), x.dtype) if defer else y
 
 
-def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev):
+def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer=False):
     N, K = weight_fp8.shape
     BN, BK = cfg["BN"], cfg["BK"]
     n_blocks, k_tiles = triton.cdiv(N, BN), triton.cdiv(K, BK)
     split, k_iters = split_k_for(n_blocks, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
     ws, cnt, order = splitk_buffers(y.device, N, n_blocks, split) if split > 1 else (y, y, {})
+    defer = defer and split > 1
     _fp8_gemv_kernel[(n_blocks, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt, N, K, weight_fp8.stride(0), k_iters, split,
         W8A8=mode == "w8a8", WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None, USE_WS=split > 1,
-        BN=BN, BK=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y), **order)
-    return y
+        BN=BN, BK=BK, DEFER=defer, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y), **order)
+    return PendingSum(ws[:N].view(1, N), y.dtype) if defer else y
 
 
-def fp8_gemm(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8"):
+def fp8_gemm(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8", defer=False):
     """y = x @ (W * scale)^T (+ bias) with e4m3 weights; mode 'w8a8' (sm89+) or 'w8a16' (any card).
 
-    Triton on CUDA tensors, the torch reference on CPU (FITLLM_KERNEL_BACKEND forces either)."""
+    Triton on CUDA tensors, the torch reference on CPU (FITLLM_KERNEL_BACKEND forces either).
+    defer: may return a PendingSum instead of y (a split-K launch on the Triton path)."""
     if backend_for(x) == "triton" and triton is not None:
-        return fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale, bias, mode)
+        return fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale, bias, mode, defer=defer)
     return fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale, bias, mode)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import backend_for, interpreting, pdl_args, splitk_workspace
+from ._utils import PendingSum, backend_for, interpreting, pdl_args, splitk_workspace
 
 
 # --------------------------------------------------------------------------- torch references
@@ -139,26 +139,31 @@ def _rows(t: torch.Tensor):
 
 # --------------------------------------------------------------------------- Triton wrappers
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None):
     N = x.shape[-1]
     has_res = residual is not None
     if weight.shape != (N,) or (has_res and residual.shape != x.shape):
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
                          f"{tuple(residual.shape) if has_res else None}")
+    pending = isinstance(x, PendingSum)
+    if pending and not (has_res and residual.dtype == x.dtype):  # the kernel takes a sum with a residual only
+        x, pending = x.materialize(), False
     if has_res and residual.dtype != x.dtype:  # mixed dtypes promote: not the kernel's case
         return rms_norm_ref(x, weight, eps, residual)
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)  # `weight * h` promotes, as the reference
-    out = _empty(x.shape, out_dtype, x.device)  # out and h are contiguous: row r at r * N
-    h = _empty(x.shape, x.dtype, x.device) if has_res else out  # (out: a placeholder, never written)
-    rows = x.numel() // N if N else 0
-    x, n_inner, sx_o, sx_i = _rows(x)
+    dtype, device = x.dtype, residual.device if pending else x.device
+    out_dtype = torch.promote_types(weight.dtype, dtype)  # `weight * h` promotes, as the reference
+    out = _empty(x.shape, out_dtype, device)  # out and h are contiguous: row r at r * N
+    h = _empty(x.shape, dtype, device) if has_res else out  # (out: a placeholder, never written)
+    rows = out.numel() // N if N else 0
+    x, n_inner, sx_o, sx_i = _rows(x.acc if pending else x)
     residual, _, sr_o, sr_i = _rows(residual) if has_res else (x, n_inner, 0, 0)  # same shape: same n_inner
     if rows:
         block = _pow2(N)
         _kernels().rms_norm_kernel[(rows,)](
             x, residual, weight.contiguous(), out, h, N, n_inner, sx_o, sx_i, sr_o, sr_i, float(eps),
-            HAS_RES=has_res, RNE=_rne(x.dtype), RNE_OUT=_rne(out_dtype), BLOCK_N=block, num_warps=_warps(block),
-            **pdl_args(x))
+            HAS_RES=has_res, X_SUM=pending, RNE=_rne(dtype), RNE_OUT=_rne(out_dtype), BLOCK_N=block,
+            num_warps=_warps(block), **pdl_args(out))
     return (out, h) if has_res else out
 
 
@@ -179,20 +184,23 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     return q, k
 
 
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_triton(gate_up: torch.Tensor | PendingSum) -> torch.Tensor:
     two_i = gate_up.shape[-1]
     if two_i % 2:
         raise ValueError(f"silu_mul: last dim {two_i} is odd")
     I = two_i // 2
-    x = gate_up if gate_up.dim() == 2 else gate_up.reshape(-1, two_i)
+    pending = isinstance(gate_up, PendingSum)
+    x = gate_up.acc if pending else gate_up  # a PendingSum's acc is [T, 2I] and contiguous
+    x = x if x.dim() == 2 else x.reshape(-1, two_i)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = _empty((*gate_up.shape[:-1], I), gate_up.dtype, gate_up.device)
+    out = _empty((*gate_up.shape[:-1], I), gate_up.dtype, x.device)
     T = x.shape[0]
     if T and I:
         block = min(_pow2(I), 1024)
         _kernels().silu_mul_kernel[(T, (I + block - 1) // block)](
-            x, out, I, x.stride(0), RNE=_rne(x.dtype), BLOCK=block, num_warps=_warps(block) * 2, **pdl_args(x))
+            x, out, I, x.stride(0), X_SUM=pending, RNE=_rne(out.dtype), BLOCK=block, num_warps=_warps(block) * 2,
+            **pdl_args(x))
     return out
 
 
@@ -248,10 +256,13 @@ def greedy_tokens_triton(logits: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- dispatch
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim, math in float32, output in x's dtype (promoted with weight's).
-    With `residual`: h = x + residual first, returns (rms_norm(h), h)."""
-    if backend_for(x) == "triton":
+    With `residual`: h = x + residual first, returns (rms_norm(h), h). x may be a GEMM's
+    PendingSum: taken (and its workspace zeroed) here."""
+    if isinstance(x, PendingSum) and backend_for(x.acc) != "triton":
+        x = x.materialize()
+    if backend_for(x.acc if isinstance(x, PendingSum) else x) == "triton":
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
 
@@ -265,8 +276,13 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return apply_rope_ref(q, k, cos, sin)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] (gate first) -> silu(gate) * up [..., I]."""
+def silu_mul(gate_up: torch.Tensor | PendingSum) -> torch.Tensor:
+    """gate_up [..., 2I] (gate first) -> silu(gate) * up [..., I]. gate_up may be a GEMM's
+    PendingSum: taken (and its workspace zeroed) here."""
+    if isinstance(gate_up, PendingSum):
+        if backend_for(gate_up.acc) == "triton":
+            return silu_mul_triton(gate_up)
+        gate_up = gate_up.materialize()
     if backend_for(gate_up) == "triton":
         return silu_mul_triton(gate_up)
     return silu_mul_ref(gate_up)

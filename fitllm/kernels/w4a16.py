@@ -170,6 +170,18 @@ if triton is not None:
         _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     pid_mn, SPLIT_K, HAS_BIAS, SPLIT_K > 1, ORDERED, pid_k, M * N)
 
+    _RNE_OUT = tl.constexpr(interpreting())  # triton 3.6's interpreter truncates fp32 -> bf16 casts
+
+    @triton.jit
+    def _to_out(v, DT: tl.constexpr):
+        """fp32 -> the output dtype, rounded to nearest even as on the GPU (by hand for bf16 under the
+        interpreter, so that its results are the GPU's function, e.g. a PendingSum's consumer's)."""
+        if _RNE_OUT:
+            if DT == tl.bfloat16:
+                b = v.to(tl.int32, bitcast=True)
+                v = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return v.to(DT)
+
     @triton.jit
     def _store_split_ordered(acc, bias_ptr, y_ptrs, ws_ptr, cnt_ptr, offs_m, offs_n, mask, n_mask, N, tile_id,
                              split, split_id, slot, HAS_BIAS: tl.constexpr):
@@ -193,7 +205,7 @@ if triton is not None:
             tl.atomic_xchg(cnt_ptr + tile_id, 0)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
+            tl.store(y_ptrs, _to_out(total, y_ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _dequant_kernel(q_ptr, s_ptr, z_ptr, gidx_ptr, w_ptr, N, K,
@@ -250,18 +262,21 @@ if triton is not None:
     @triton.jit
     def _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
                     tile_id, split, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, ORDERED: tl.constexpr = False,
-                    split_id=0, slot=0):
+                    split_id=0, slot=0, DEFER: tl.constexpr = False):
         """y = acc (+ bias) for one output tile, or, split over K (USE_WS), this split's share: by
         default added into the fp32 workspace, and the program that arrives last (per-tile counter)
         reads the total, writes y and zeroes its slice and counter for the next launch; in split
-        order with ORDERED (_store_split_ordered). `split` may be a runtime value (one compiled
-        kernel for every split count)."""
+        order with ORDERED (_store_split_ordered); with DEFER only added (no counter, no y: the
+        consumer reads the sum and zeroes it, _utils.PendingSum). `split` may be a runtime value
+        (one compiled kernel for every split count)."""
         mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         if not USE_WS:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptrs, _to_out(acc, y_ptr.dtype.element_ty), mask=mask)
+        elif DEFER:
+            tl.atomic_add(ws_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask, sem="relaxed")
         elif ORDERED:
             _store_split_ordered(acc, bias_ptr, y_ptrs, ws_ptr, cnt_ptr, offs_m, offs_n, mask, n_mask, N, tile_id,
                                  split, split_id, slot, HAS_BIAS)
@@ -277,7 +292,7 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + tile_id, 0)
                 if HAS_BIAS:
                     total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.store(y_ptrs, _to_out(total, y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _gemv_program(N, BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr):

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (backend_for, device_index, gpu_arch, interpreting, num_sms, pdl_args, pick_config, split_k_for,
-                     splitk_buffers)
+from ._utils import (PendingSum, backend_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms, pdl_args,
+                     pick_config, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -285,6 +285,7 @@ if triton is not None:
         BM: tl.constexpr, BN: tl.constexpr, ROW_WARPS: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
         SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
         ORDERED: tl.constexpr = False, EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+        DEFER: tl.constexpr = False,
     ):
         """y = x W^T for the tiled layout: program (tile of BM rows x BN columns, K split) walks
         K_ITERS tiles of 128; per tile one dot per group chunk (CHUNK = 128, 64 or 32 columns),
@@ -342,7 +343,7 @@ if triton is not None:
                                      SCALE_IN_W, EVEN_K)
         let_next_launch(PDL)
         _store_tile(tl.trans(acc), bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    pid_mn, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, M * N)
+                    pid_mn, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, M * N, DEFER)
 
     @triton.jit
     def _tiled_dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, NUM_GROUPS, stride_q, MAGIC2,
@@ -417,7 +418,7 @@ if triton is not None:
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr = False, PDL: tl.constexpr = False,
-        ORDERED: tl.constexpr = False,
+        ORDERED: tl.constexpr = False, DEFER: tl.constexpr = False,
     ):
         """y = x W^T for 1..4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), CUDA cores, packed
         16-bit math (w4a16's _unpack_q_minus_z / _dot_pairs / _one_row_dot). Program (n, k, m) owns
@@ -454,7 +455,7 @@ if triton is not None:
         let_next_launch(PDL)
         out, offs_m, m_mask = _rows_out(tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3), m0, M, BM)
         _store_tile(out, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, M * N)
+                    tl.program_id(2) * tl.num_programs(0) + pid_n, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, M * N, DEFER)
 
 
 # --------------------------------------------------------------------------- configs and dispatch
@@ -465,11 +466,12 @@ def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled"):
                 backend=backend)
 
 
-def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None):
+def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None, wide=None):
     """The CUDA-core GEMV (M <= 4; groups of 128*j or per-channel, else the tensor-core path).
-    maxnreg caps registers per thread (more programs per SM)."""
+    maxnreg caps registers per thread (more programs per SM); wide=(min_n, waves): the split-K
+    waves for N >= min_n."""
     return dict(BM=4, BN=bn, UNROLL=unroll, num_warps=warps, num_stages=stages, waves=waves, backend="gemv",
-                maxnreg=maxnreg)
+                maxnreg=maxnreg, wide=wide)
 
 
 # rows (max M, config), first match wins; 'waves' sets split-K (programs ~= SMs * waves).
@@ -482,9 +484,11 @@ def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None):
 # 74.7 before), M=64 112 (125), M=128 183 (204). Twelfth session, words and x unmasked where the shape
 # allows (EVEN_N, EVEN_K, row 0): M=1 GEMV 1 tile a step 52.7 (4 tiles 54.5; 55.6 with the scales unmasked
 # too, 60.1 before); M=32 at 4 waves 78 (3 waves 82); M=128 the M=256 tile 179 (BM128/BN64 198).
+# Thirteenth session: at 4 waves gate_up's 224 row blocks make 2 splits, 448 programs for 528 slots;
+# 6 waves (4 splits) take it from 25.3 to 23.1 µs (the other linears are best at 4).
 TILED_CONFIGS = {
     "sm90": [
-        (1, _gemv(128, 1, 8, waves=4)),
+        (1, _gemv(128, 1, 8, waves=4, wide=(16384, 6))),
         (8, _tiled(16, 64, 4, 3, waves=6)),
         (16, _tiled(16, 64, 4, 3, waves=4)),
         (32, _tiled(32, 64, 4, 3, waves=4)),
@@ -543,8 +547,9 @@ def dequantize_tiled(qtile, scales, zeros, group_size, K, dtype):
     return w
 
 
-def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config=None, out=None):
-    """The Triton path; `config` overrides the table, `out` receives y (benchmarks, tests)."""
+def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config=None, out=None, defer=False):
+    """The Triton path; `config` overrides the table, `out` receives y (benchmarks, tests). defer:
+    a split-K launch returns a PendingSum instead of y (see _utils.PendingSum; not with `out`)."""
     _check(x, qtile, scales, zeros, group_size, K)
     x = x.contiguous() if x.stride(-1) != 1 else x
     M, N = x.shape[0], qtile.shape[0]
@@ -553,8 +558,9 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
+    defer = defer and out is None and bias is None and defer_splitk()
     if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K:
-        return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev)
+        return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defer)
     if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word: the tensor-core path
         cfg = _tiled(16, 64, cfg["num_warps"], 3, waves=cfg["waves"])
     if cfg["backend"] == "dequant":  # large M: one dequant pass, then cuBLAS
@@ -565,14 +571,15 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     split, k_iters = split_k_for(tiles_mn, qtile.shape[1] // 16, num_sms(dev), cfg.get("waves", 0.0))
     use_ws = split > 1
     ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if use_ws else (y, y, {})
+    defer = defer and use_ws
     _w4a16_tiled_kernel[(tiles_mn, split)](
         x, qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0), y.stride(0), k_iters, split, _magic2(x.dtype),
         GROUP_SIZE=min(group_size, K), CHUNK=_chunk_for(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws,
         BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
         SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), EVEN_N=N % BN == 0, EVEN_K=K % TILE_K == 0,
-        num_warps=warps, num_stages=cfg["num_stages"], **pdl_args(x), **order)
-    return y
+        DEFER=defer, num_warps=warps, num_stages=cfg["num_stages"], **pdl_args(x), **order)
+    return PendingSum(ws[: M * N].view(M, N), x.dtype) if defer else y
 
 
 def _reg_cap(cfg) -> dict:
@@ -580,28 +587,32 @@ def _reg_cap(cfg) -> dict:
     return {} if cfg.get("maxnreg") is None or interpreting() else {"maxnreg": cfg["maxnreg"]}
 
 
-def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev):
+def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defer=False):
     M, N = x.shape[0], qtile.shape[0]
     if x.stride(0) % 2 or x.storage_offset() % 2:  # viewed as int32 pairs below
         x = x.clone(memory_format=torch.contiguous_format)
     BM, BN = min(triton.next_power_of_2(M), 4), cfg["BN"]
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
-    split, k_iters = split_k_for(m_blocks * n_blocks, qtile.shape[1] // 16, num_sms(dev), cfg.get("waves", 0.0))
+    wide = cfg.get("wide")
+    waves = wide[1] if wide and N >= wide[0] else cfg.get("waves", 0.0)
+    split, k_iters = split_k_for(m_blocks * n_blocks, qtile.shape[1] // 16, num_sms(dev), waves)
     use_ws = split > 1
     ws, cnt, order = splitk_buffers(x.device, M * N, m_blocks * n_blocks, split) if use_ws else (y, y, {})
+    defer = defer and use_ws
     _tiled_gemv_kernel[(n_blocks, split, m_blocks)](
         x.view(torch.int32), qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split,
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0, EVEN_N=N % BN == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
+        DEFER=defer, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
         **pdl_args(x), **order)
-    return y
+    return PendingSum(ws[: M * N].view(M, N), x.dtype) if defer else y
 
 
-def w4a16_tiled_gemm(x, qtile, scales, zeros, group_size, K, bias=None):
+def w4a16_tiled_gemm(x, qtile, scales, zeros, group_size, K, bias=None, defer=False):
     """y = x @ W^T (+ bias) for a weight in the tiled layout; x [M, K] bf16/fp16.
-    Triton on CUDA tensors, the torch reference on CPU (FITLLM_KERNEL_BACKEND forces either)."""
+    Triton on CUDA tensors, the torch reference on CPU (FITLLM_KERNEL_BACKEND forces either).
+    defer: may return a PendingSum instead of y (a split-K launch on the Triton path)."""
     if backend_for(x) == "triton" and triton is not None:
-        return w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias)
+        return w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias, defer=defer)
     return w4a16_tiled_ref(x, qtile, scales, zeros, group_size, K, bias)

@@ -123,7 +123,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, ctx) -> torch.Tensor:
+    def forward(self, x, cos, sin, ctx, defer: bool = False):
+        """defer: the caller hands the output to a fused RMSNorm (o_proj may return a PendingSum)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                                           self.num_kv_heads * self.head_dim], dim=-1)
@@ -137,7 +138,7 @@ class Attention(nn.Module):
         else:
             q, k = fused.apply_rope(q, k, cos, sin)  # in place: q and k are views of the qkv output
             out = ctx.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(t, -1), defer=defer)
 
 
 class MLP(nn.Module):
@@ -149,8 +150,10 @@ class MLP(nn.Module):
                                         [sum(gate_up)] if config.fused_checkpoint else gate_up, False)
         self.down_proj = make_linear(f"{prefix}.down_proj", config.intermediate_size, [config.hidden_size], False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, defer: bool = False):
+        """defer: as Attention.forward's, for down_proj; gate_up_proj's sum always goes to SiLU·mul,
+        which can take it pending (linear.FusedLinear.forward)."""
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x, defer=True)), defer=defer)
 
 
 class DecoderLayer(nn.Module):
@@ -166,17 +169,18 @@ class DecoderLayer(nn.Module):
         out, residual = self.forward_residual(x, None, cos, sin, ctx)
         return out + residual
 
-    def forward_residual(self, x, residual, cos, sin, ctx):
+    def forward_residual(self, x, residual, cos, sin, ctx, defer: bool = False):
         """The same layer with the residual stream carried beside it (vLLM style), so each residual
         add is fused into the norm after it: (x, residual) -> (mlp output, residual), where the
-        hidden state is their sum. residual=None for the first layer (x is then the embedding)."""
+        hidden state is their sum. residual=None for the first layer (x is then the embedding).
+        defer: the mlp output goes to a fused RMSNorm with the residual (it may be a PendingSum)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, ctx)
+        x = self.self_attn(x, cos, sin, ctx, defer=True)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, defer=defer), residual
 
 
 class Backbone(nn.Module):
@@ -230,7 +234,7 @@ class CausalLM(nn.Module):
         cos, sin = self.rope(positions, ctx)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x, residual = layer.forward_residual(x, residual, cos, sin, ctx)
+            x, residual = layer.forward_residual(x, residual, cos, sin, ctx, defer=True)
         return self.model.norm(x, residual)[0]
 
     def rope(self, positions: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,12 @@ from fitllm.models.errors import ModelLoadError
 
 
 class FusedLinear(nn.Module):
-    """Base: in_features -> sum(out_sizes), one GEMM for several checkpoint matrices."""
+    """Base: in_features -> sum(out_sizes), one GEMM for several checkpoint matrices.
+
+    forward(x, defer=False) -> y. defer=True is the decoder's promise that y goes straight to one
+    of fitllm.kernels.fused's RMSNorm (with a residual) or SiLU·mul, which also take a split-K
+    GEMM's unfinished sum (kernels._utils.PendingSum): a layer may then return one instead of y.
+    """
 
     def __init__(self, prefix: str, in_features: int, out_sizes: Sequence[int], bias: bool):
         super().__init__()
@@ -55,8 +60,8 @@ class DenseLinear(FusedLinear):
             raise ModelLoadError(f"{self.prefix} shard {shard}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
         target.data[self.shard_slice(shard)].copy_(tensor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # always y (see FusedLinear)
 
 
 class LinearFactory(Protocol):

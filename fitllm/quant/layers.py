@@ -82,20 +82,25 @@ class QuantLinear(FusedLinear):
         self.pending = []
         self.parts = [_to_runtime(p, self.device, self.dtype) for p in parts]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer: bool = False):
+        """y = x W^T (+ bias). defer (x 2-D, the decoder's consumers only): the GEMM may return a
+        PendingSum that one of fitllm.kernels.fused's kernels takes (see _utils.PendingSum)."""
+        if defer and len(self.parts) == 1 and self.bias is None and x.dim() == 2:
+            return self._gemm(x, self.parts[0], defer=True)
         outs = [self._gemm(x, p) for p in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return y if self.bias is None else y + self.bias
 
-    def _gemm(self, x, p) -> torch.Tensor:
+    def _gemm(self, x, p, defer: bool = False):
         if isinstance(p, FP8Weight):
-            return fp8_linear(x, p, self.fp8_mode)
+            return fp8_linear(x, p, self.fp8_mode, defer)
         shape = x.shape
         if isinstance(p, TiledWeight):
             from fitllm.kernels.w4a16_tiled import w4a16_tiled_gemm
 
-            y = w4a16_tiled_gemm(x.reshape(-1, shape[-1]), p.qtile, p.scales, p.zeros, p.group_size, p.in_features)
-            return y.reshape(*shape[:-1], y.shape[-1])
+            y = w4a16_tiled_gemm(x.reshape(-1, shape[-1]), p.qtile, p.scales, p.zeros, p.group_size, p.in_features,
+                                 defer=defer)
+            return y if defer else y.reshape(*shape[:-1], y.shape[-1])
         try:  # Triton on CUDA, its torch reference on CPU
             from fitllm.kernels.w4a16 import w4a16_gemm
         except ImportError:
@@ -108,11 +113,11 @@ class QuantLinear(FusedLinear):
         return torch.cat([p.dequantize(torch.float32) for p in self.parts], dim=0)
 
 
-def fp8_linear(x: torch.Tensor, p: FP8Weight, mode: str) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, p: FP8Weight, mode: str, defer: bool = False):
     if x.is_cuda:
         from fitllm.kernels.fp8 import fp8_gemm
 
-        return fp8_gemm(x, p.weight, p.scale, input_scale=p.input_scale, mode=mode)
+        return fp8_gemm(x, p.weight, p.scale, input_scale=p.input_scale, mode=mode, defer=defer)
     if mode == "w8a8":  # reference: activations rounded through e4m3 exactly as the kernel would
         if p.input_scale is None:
             s = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
