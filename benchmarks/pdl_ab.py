@@ -13,9 +13,9 @@ REV:fitllm/kernels/w4a16_tiled.py > fitllm/kernels/_w4_prev.py`, not committed):
 kernels, e.g. another weight layout. Variant fp8-prev serves the same fp8 model through an earlier
 fitllm/kernels/fp8.py (the module fitllm.kernels._fp8_prev, made the same way, not committed). Both
 need a file whose GEMM takes `defer` (the thirteenth session's or later). Variant defer-on hands
-split-K sums to the fused kernels (FITLLM_SPLITK_DEFER=1, kernels._utils.PendingSum; opt-in),
-defer-off finishes them in each GEMM (the default), and wide-off runs the batch-1 GEMV's wide
-linears (gate_up) at the table row's own split-K waves.
+split-K sums to the fused kernels (kernels._utils.PendingSum; the default), defer-off finishes them
+in each GEMM (FITLLM_SPLITK_DEFER=0), and wide-off runs the batch-1 GEMV's wide linears (gate_up)
+at the table row's own split-K waves.
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -51,7 +51,9 @@ from fitllm.serve.sampling import SamplingParams  # noqa: E402
 
 VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart": {"FITLLM_PDL": "1"},
             "ordered": {"FITLLM_PDL": "1", "FITLLM_DETERMINISTIC": "1"}, "attn-prev": {"FITLLM_PDL": "1"},
-            "skip-norm": {"FITLLM_PDL": "1"}, "skip-silu": {"FITLLM_PDL": "1"}, "skip-both": {"FITLLM_PDL": "1"},
+            "skip-norm": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"},  # the skips take no pending sums
+            "skip-silu": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"},
+            "skip-both": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"},
             "w4-prev": {"FITLLM_PDL": "1"}, "fp8-prev": {"FITLLM_PDL": "1"},
             "defer-on": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "1"},
             "defer-off": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"}, "wide-off": {"FITLLM_PDL": "1"}}
@@ -102,7 +104,7 @@ def main() -> int:
         for r in range(args.rounds):
             for name in args.variants.split(","):
                 os.environ.pop("FITLLM_DETERMINISTIC", None)
-                os.environ.pop("FITLLM_SPLITK_DEFER", None)  # the product's default (off); skips need it off
+                os.environ.pop("FITLLM_SPLITK_DEFER", None)  # the product's default (on)
                 os.environ.update(VARIANTS[name])
                 gemv_row["wide"] = None if name == "wide-off" else wide
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope

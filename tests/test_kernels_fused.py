@@ -318,7 +318,7 @@ def test_decoder_hands_split_k_sums_to_the_fused_kernels(tokens, monkeypatch):
         monkeypatch.setattr(fused, fn, lambda x, *a, orig=orig, **k: taken.append(isinstance(x, _utils.PendingSum))
                             or orig(x, *a, **k))
     monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
-    monkeypatch.setenv("FITLLM_SPLITK_DEFER", "1")  # opt-in (_utils.defer_splitk)
+    monkeypatch.delenv("FITLLM_SPLITK_DEFER", raising=False)  # the default
     with torch.no_grad():
         got = model(ids, positions, ctx)
         assert sum(taken) == 3 * cfg.num_layers  # after o_proj, gate_up_proj, down_proj of every layer

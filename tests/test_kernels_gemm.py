@@ -236,7 +236,7 @@ def test_fp8_gemv_batch1(mode, per_tensor, static, M, waves, K, N):
 def test_fp8_deferred_split_k_sum_equals_the_finished_output(cfg, monkeypatch):
     """defer=True (kernels._utils.PendingSum; the consumers are tested with the tiled W4A16 GEMMs):
     the fp8 GEMMs leave the same sum in the workspace that they would have rounded into y."""
-    monkeypatch.setenv("FITLLM_SPLITK_DEFER", "1")  # opt-in
+    monkeypatch.delenv("FITLLM_SPLITK_DEFER", raising=False)  # the default
     x = torch.randn(1 if cfg.get("backend") == "gemv" else 3, 320, generator=GEN).to(torch.bfloat16)
     w, wsc = fp8_weight(48, 320)
     y = fp8_gemm_triton(x, w, wsc, config=cfg)

@@ -77,12 +77,10 @@ def deterministic() -> bool:
 
 
 def defer_splitk() -> bool:
-    """Whether a GEMM asked to defer (`defer=True`) may hand its consumer a PendingSum:
-    FITLLM_SPLITK_DEFER=1, and never in deterministic mode (whose sums are ordered). Off by default
-    until its GPU check passes (benchmarks/RESULTS.md, thirteenth session: the first H200 run gave
-    +8 % int4 batch-1 decode, but logits 26 % off at 96 tokens; the consumers then moved to L2
-    reads, not yet run on a GPU)."""
-    return os.environ.get("FITLLM_SPLITK_DEFER", "0") == "1" and not deterministic()
+    """Whether a GEMM asked to defer (`defer=True`) may hand its consumer a PendingSum: by default,
+    not with FITLLM_SPLITK_DEFER=0 (A/B runs), never in deterministic mode (whose sums are ordered).
+    Checked on the H200 by benchmarks/defer_check.py (RESULTS.md, thirteenth session)."""
+    return os.environ.get("FITLLM_SPLITK_DEFER", "1") != "0" and not deterministic()
 
 
 @dataclass(frozen=True)
@@ -97,7 +95,7 @@ class PendingSum:
     residual add + RMSNorm after o_proj and down_proj, SiLU·mul after gate_up) leaves the sum
     here, and that consumer reads it, rounds it as the GEMM would have, and writes zeros back: the
     workspace is clean again before the next split-K GEMM starts (stream order). Exactly one
-    consumer must take it, right away (`materialize` is the fallback). Opt-in: defer_splitk."""
+    consumer must take it, right away (`materialize` is the fallback). See defer_splitk."""
 
     acc: torch.Tensor  # fp32 [M, N], contiguous
     dtype: torch.dtype
