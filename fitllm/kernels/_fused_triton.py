@@ -23,12 +23,14 @@ def _cast(x, DT: tl.constexpr, RNE_BF16: tl.constexpr):
 @triton.jit
 def _take_sum(ptrs, mask, DT: tl.constexpr, RNE: tl.constexpr):
     """A GEMM's pending fp32 sum (kernels._utils.PendingSum): rounded to DT as the GEMM would have
-    stored it, and its workspace zeroed for the next split-K GEMM, in one atomic exchange at L2.
-    (A load, then a store of zeros, to the same addresses read zeros now and then on the H200:
-    the compiled code may issue the load after the store; benchmarks/defer_check.py.)"""
-    bits = tl.atomic_xchg(ptrs.to(tl.pointer_type(tl.int32)), tl.zeros(ptrs.shape, dtype=tl.int32), mask=mask,
-                          sem="relaxed")  # as int32: the same 32 bits (triton 3.6's interpreter swaps no floats)
-    v = tl.where(mask, bits.to(tl.float32, bitcast=True), 0.0)
+    stored it, and its workspace zeroed for the next split-K GEMM. The barrier is needed: the
+    compiler may store the zeros in another register layout than the load's, so without it a thread
+    could zero words another thread has not read yet (seen on the H200: benchmarks/defer_check.py).
+    Read and written at L2 (.cg): the GEMM's atomics land there. (One atomic exchange a word is also
+    right, but scalar and slower: RESULTS.md, thirteenth session.)"""
+    v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.debug_barrier()
+    tl.store(ptrs, tl.zeros_like(v), mask=mask, cache_modifier=".cg")
     return _cast(v, DT, RNE).to(tl.float32)
 
 
