@@ -257,9 +257,10 @@ def test_quant_linear_serves_a_tiled_weight():
 
 # --------------------------------------------------------------------------- codegen
 
-def _sass_loop(kernel, consts, warps, stages, x_type="*bf16"):
+def _sass_loop(kernel, consts, warps, stages, x_type="*bf16", types=None, dump=None):
     """Report (registers, spills, main-loop instruction histogram) of a kernel compiled offline for
-    sm_90 (benchmarks/sass_offline.py)."""
+    sm_90 (benchmarks/sass_offline.py); `types` defaults to the GEMMs' pointers, `dump` a folder that
+    gets the SASS (kernel.sass)."""
     import json
     import subprocess
     import sys
@@ -267,9 +268,11 @@ def _sass_loop(kernel, consts, warps, stages, x_type="*bf16"):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "sass_offline.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    types = (f"x_ptr={x_type},q_ptr=*i32,s_ptr=*bf16,z_ptr=*bf16,bias_ptr=*bf16,y_ptr=*bf16,ws_ptr=*fp32,cnt_ptr=*i32")
+    types = types or (f"x_ptr={x_type},q_ptr=*i32,s_ptr=*bf16,z_ptr=*bf16,bias_ptr=*bf16,y_ptr=*bf16,"
+                      "ws_ptr=*fp32,cnt_ptr=*i32")
     p = subprocess.run([sys.executable, str(script), kernel, types, consts, "--warps", str(warps), "--stages",
-                        str(stages), "--json"], capture_output=True, text=True, env=env, timeout=300)
+                        str(stages), "--json"] + (["--dump", str(dump)] if dump else []),
+                       capture_output=True, text=True, env=env, timeout=300)
     if p.returncode != 0 and "ptxas" in p.stderr and "not found" in p.stderr:
         pytest.skip("triton's ptxas is not available here")
     assert p.returncode == 0, p.stderr[-2000:]
@@ -304,3 +307,24 @@ def test_batch1_gemv_keeps_four_programs_of_256_threads_per_sm_and_its_loads_up_
     assert ops.count("LDG") >= 20, r  # the loop found is the weight-streaming one (words, scales, x)
     last_load = max(i for i, op in enumerate(ops) if op == "LDG")
     assert last_load < ops.index("HFMA2"), ops
+
+
+@pytest.mark.parametrize("kernel,types,consts,warps", [
+    ("rms_norm_kernel", "x_ptr=*fp32,r_ptr=*bf16,w_ptr=*bf16,out_ptr=*bf16,h_ptr=*bf16,eps=fp32",
+     "HAS_RES=True,X_SUM=True,RNE=False,RNE_OUT=False,BLOCK_N=4096,PDL=True", 8),
+    ("silu_mul_kernel", "x_ptr=*fp32,out_ptr=*bf16", "X_SUM=True,RNE=False,BLOCK=1024,PDL=True", 4),
+], ids=["rms_norm", "silu_mul"])
+def test_pending_sum_consumers_zero_only_words_every_thread_has_read(kernel, types, consts, warps, tmp_path):
+    """A consumer of a PendingSum loads the sum, then zeroes it; the compiler stores the zeros in
+    another register layout than the load's, so unless a CTA barrier separates the two, a thread can
+    zero words that another thread has not read (H200: consumers wrong at random by up to 47 %,
+    benchmarks/defer_check.py, thirteenth session). Compiled offline for sm_90: every zero store
+    (STG of RZ) comes after a BAR.SYNC that comes after every load."""
+    _sass_loop(f"fitllm.kernels._fused_triton:{kernel}", consts, warps, 1, types=types, dump=tmp_path)
+    sass = [line for line in (tmp_path / "kernel.sass").read_text().splitlines() if "/*" in line]
+    zero_stores = [i for i, line in enumerate(sass) if "STG" in line and line.rstrip(" ;").endswith("RZ")]
+    assert zero_stores, "no zero store found: the check no longer matches the code"
+    first_zero = zero_stores[0]
+    loads = [i for i, line in enumerate(sass[:first_zero]) if "LDG" in line]
+    assert loads, "the sum's loads must come before its zero stores"
+    assert any("BAR.SYNC" in line for line in sass[loads[-1]:first_zero]), "\n".join(sass[loads[0]:first_zero + 1])

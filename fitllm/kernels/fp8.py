@@ -306,7 +306,8 @@ def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer=False):
     _fp8_gemv_kernel[(n_blocks, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt, N, K, weight_fp8.stride(0), k_iters, split,
         W8A8=mode == "w8a8", WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None, USE_WS=split > 1,
-        BN=BN, BK=BK, DEFER=defer, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y), **order)
+        BN=BN, BK=BK, DEFER=defer, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y),
+        **order)
     return PendingSum(ws[:N].view(1, N), y.dtype) if defer else y
 
 
