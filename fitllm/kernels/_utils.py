@@ -76,11 +76,13 @@ def deterministic() -> bool:
     return os.environ.get("FITLLM_DETERMINISTIC", "0") not in ("", "0")
 
 
-def defer_splitk() -> bool:
-    """Whether a GEMM asked to defer (`defer=True`) may hand its consumer a PendingSum: by default,
-    not with FITLLM_SPLITK_DEFER=0 (A/B runs), never in deterministic mode (whose sums are ordered).
-    Checked on the H200 by benchmarks/defer_check.py (RESULTS.md, thirteenth session)."""
-    return os.environ.get("FITLLM_SPLITK_DEFER", "1") != "0" and not deterministic()
+def defer_splitk(asked: bool, out, bias) -> bool:
+    """Whether a GEMM asked to defer (`defer=True`) may hand its consumer a PendingSum: not into a
+    caller's `out`, not with a bias (the consumers add none), not with FITLLM_SPLITK_DEFER=0 (A/B
+    runs), never in deterministic mode (whose sums are ordered); a launch of one split has y anyway
+    (pending_or_y). Checked on the H200 by benchmarks/defer_check.py (RESULTS.md, thirteenth session)."""
+    return (asked and out is None and bias is None and os.environ.get("FITLLM_SPLITK_DEFER", "1") != "0"
+            and not deterministic())
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,12 @@ class PendingSum:
         y = self.acc.to(self.dtype)
         self.acc.zero_()
         return y
+
+
+def pending_or_y(y: torch.Tensor, ws: torch.Tensor, pending: bool):
+    """What a GEMM launch returns: y, or (pending) the sum it left in the workspace's first y.numel()
+    floats as a PendingSum of y's shape and dtype."""
+    return PendingSum(ws[: y.numel()].view(y.shape), y.dtype) if pending else y
 
 
 def splitk_buffers(device: torch.device, n_out: int, n_tiles: int, split: int):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (PendingSum, backend_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms, pdl_args,
-                     pick_config, split_k_for, splitk_buffers)
+from ._utils import (backend_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms, pdl_args,
+                     pending_or_y, pick_config, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -274,7 +274,7 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
             return out
         return r
 
-    defer = defer and out is None and bias is None and defer_splitk()
+    defer = defer_splitk(defer, out, bias)
     if cfg.get("backend") == "gemv":
         if M == 1 and N <= cfg.get("max_n", N):
             return _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer)
@@ -293,7 +293,7 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
         SWAP=cfg.get("SWAP", False), SPLIT_K=split, UPCAST=interpreting(), BM=BM, BN=BN, BK=BK, DEFER=defer,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x), **order,
     )
-    return PendingSum(ws[: M * N].view(M, N), x.dtype) if defer else y
+    return pending_or_y(y, ws, defer)
 
 
 def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer=False):
@@ -308,7 +308,7 @@ def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer=False):
         W8A8=mode == "w8a8", WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None, USE_WS=split > 1,
         BN=BN, BK=BK, DEFER=defer, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y),
         **order)
-    return PendingSum(ws[:N].view(1, N), y.dtype) if defer else y
+    return pending_or_y(y, ws, defer)
 
 
 def fp8_gemm(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8", defer=False):

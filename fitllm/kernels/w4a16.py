@@ -271,17 +271,17 @@ if triton is not None:
         (one compiled kernel for every split count)."""
         mask = m_mask[:, None] & n_mask[None, :]
         y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
         if not USE_WS:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, _to_out(acc, y_ptr.dtype.element_ty), mask=mask)
         elif DEFER:
-            tl.atomic_add(ws_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask, sem="relaxed")
+            tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
         elif ORDERED:
             _store_split_ordered(acc, bias_ptr, y_ptrs, ws_ptr, cnt_ptr, offs_m, offs_n, mask, n_mask, N, tile_id,
                                  split, split_id, slot, HAS_BIAS)
         else:
-            ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
             tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
             tl.debug_barrier()  # all threads' adds are issued before the release below
             arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")

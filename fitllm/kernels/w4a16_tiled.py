@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (PendingSum, backend_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms, pdl_args,
-                     pick_config, split_k_for, splitk_buffers)
+from ._utils import (backend_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms, pdl_args,
+                     pending_or_y, pick_config, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -558,7 +558,7 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    defer = defer and out is None and bias is None and defer_splitk()
+    defer = defer_splitk(defer, out, bias)
     if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K:
         return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defer)
     if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word: the tensor-core path
@@ -579,7 +579,7 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
         BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
         SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), EVEN_N=N % BN == 0, EVEN_K=K % TILE_K == 0,
         DEFER=defer, num_warps=warps, num_stages=cfg["num_stages"], **pdl_args(x), **order)
-    return PendingSum(ws[: M * N].view(M, N), x.dtype) if defer else y
+    return pending_or_y(y, ws, defer)
 
 
 def _reg_cap(cfg) -> dict:
@@ -606,7 +606,7 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defe
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0, EVEN_N=N % BN == 0,
         DEFER=defer, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
         **pdl_args(x), **order)
-    return PendingSum(ws[: M * N].view(M, N), x.dtype) if defer else y
+    return pending_or_y(y, ws, defer)
 
 
 def w4a16_tiled_gemm(x, qtile, scales, zeros, group_size, K, bias=None, defer=False):
