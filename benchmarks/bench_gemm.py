@@ -5,7 +5,8 @@ K=14336 N=4096). Every timing is a CUDA-graph replay of two copies of the layer'
 (so the weights of one copy are out of L2 when they are read again), divided by two: µs per layer.
 Peers in the same run: cuBLAS bf16 F.linear, torch int4 tinygemm, torch._scaled_mm FP8.
 fitllm fp8 times include the per-token activation quantization kernel (the peer's do not; the
-'fp8 gemm' column is fitllm without it). Then a sweep of tile configs per M (to tune the tables in
+'fp8 gemm' column is fitllm without it; 'as the decoder runs it' quantizes only o_proj's input, since
+the RMSNorms and SiLU·mul before the other three hand them their input quantized). Then a sweep of tile configs per M (to tune the tables in
 fitllm/kernels/*.py offline). Writes $OUT/bench_gemm.json; prints a table at the end.
 
   python3 benchmarks/bench_gemm.py --out $OUT [--no-sweep]
@@ -207,7 +208,7 @@ class Layer:
                     tg = (wp, sz)
                 except Exception as e:  # noqa: BLE001
                     log("tinygemm setup failed:", repr(e)[:200])
-                c[name] = dict(w16=w16, w4=w4, f8=f8, tg=tg)
+                c[name] = dict(name=name, w16=w16, w4=w4, f8=f8, tg=tg)
             self.copies.append(c)
 
 
@@ -238,6 +239,10 @@ def time_all(dev, layer, results, sweep, deadline):
             "w4a16": lambda w, a, aq, o: w4a16_gemm_triton(a, **w["w4"], out=o),
             "fp8": lambda w, a, aq, o: fp8_gemm_triton(a, **w["f8"], out=o),
             "fp8_gemm": lambda w, a, aq, o: fp8_gemm_triton(a, **w["f8"], x_quant=aq, out=o),
+            # what the decoder runs: RMSNorm / SiLU·mul quantize qkv's, gate_up's and down's input
+            # (fused.rms_norm / silu_mul with fp8=...), o_proj's comes from attention and is quantized here
+            "fp8_fused": lambda w, a, aq, o: fp8_gemm_triton(a, **w["f8"], out=o) if w["name"] == "o"
+            else fp8_gemm_triton(a, **w["f8"], x_quant=aq, out=o),
         }
         row = {"M": M}
         for k, f in methods.items():
@@ -464,8 +469,9 @@ def floors(M):
 
 
 def table(timing):
-    lines = ["| M | bf16 cuBLAS | tinygemm | _scaled_mm | fitllm w4a16 (x bf16, % floor) | fitllm fp8 (x bf16, % floor) | fp8 gemm only |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| M | bf16 cuBLAS | tinygemm | _scaled_mm | fitllm w4a16 (x bf16, % floor) | fitllm fp8 (x bf16, % floor) "
+             "| fp8 as the decoder runs it (vs bf16) | fp8 gemm only |",
+             "|---|---|---|---|---|---|---|---|"]
     f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     for r in timing:
         fl = floors(r["M"])
@@ -474,7 +480,9 @@ def table(timing):
         lines.append(
             f"| {r['M']} | {f(b)} | {f(r.get('tinygemm'))} | {f(r.get('scaled_mm'))} | "
             + (f"{w:.0f} ({b / w:.2f}x, {100 * fl['int4'] / w:.0f}%)" if w and b else "-") + " | "
-            + (f"{p:.0f} ({b / p:.2f}x, {100 * fl['fp8'] / p:.0f}%)" if p and b else "-") + f" | {f(r.get('fp8_gemm'))} |")
+            + (f"{p:.0f} ({b / p:.2f}x, {100 * fl['fp8'] / p:.0f}%)" if p and b else "-") + " | "
+            + (f"{r['fp8_fused']:.0f} ({b / r['fp8_fused']:.2f}x)" if r.get("fp8_fused") and b else "-")
+            + f" | {f(r.get('fp8_gemm'))} |")
     return "\n".join(lines)
 
 

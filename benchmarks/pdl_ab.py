@@ -15,7 +15,9 @@ fitllm/kernels/fp8.py (the module fitllm.kernels._fp8_prev, made the same way, n
 need a file whose GEMM takes `defer` (the thirteenth session's or later). Variant defer-on hands
 split-K sums to the fused kernels (kernels._utils.PendingSum; the default), defer-off finishes them
 in each GEMM (FITLLM_SPLITK_DEFER=0), and wide-off runs the batch-1 GEMV's wide linears (gate_up)
-at the table row's own split-K waves.
+at the table row's own split-K waves. Variant fp8q-on lets the RMSNorms and SiLU·mul quantize the
+fp8 GEMMs' activations (kernels._utils.Fp8Activations; the default), fp8q-off leaves that to each
+GEMM's own quantizer launch (FITLLM_FP8_FUSED_QUANT=0).
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -56,16 +58,18 @@ VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart":
             "skip-both": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"},
             "w4-prev": {"FITLLM_PDL": "1"}, "fp8-prev": {"FITLLM_PDL": "1"},
             "defer-on": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "1"},
-            "defer-off": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"}, "wide-off": {"FITLLM_PDL": "1"}}
+            "defer-off": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"}, "wide-off": {"FITLLM_PDL": "1"},
+            "fp8q-on": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "1"},
+            "fp8q-off": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "0"}}
 
 
 def skip_kernels(name: str, real=(fused.rms_norm, fused.silu_mul)) -> None:
     """Timing-only variants: the decoder calls fused.rms_norm / fused.silu_mul through the module,
     so passing a tensor through removes those launches from the captured graphs."""
     skip_norm, skip_silu = name in ("skip-norm", "skip-both"), name in ("skip-silu", "skip-both")
-    fused.rms_norm = (lambda x, w, eps, residual=None: x if residual is None else (residual, residual)) if skip_norm \
-        else real[0]
-    fused.silu_mul = (lambda gate_up: gate_up[..., : gate_up.shape[-1] // 2]) if skip_silu else real[1]
+    fused.rms_norm = (lambda x, w, eps, residual=None, fp8=None: x if residual is None else (residual, residual)) \
+        if skip_norm else real[0]
+    fused.silu_mul = (lambda gate_up, fp8=None: gate_up[..., : gate_up.shape[-1] // 2]) if skip_silu else real[1]
 
 
 def use_kernel_module(name: str, mod) -> None:
@@ -105,6 +109,7 @@ def main() -> int:
             for name in args.variants.split(","):
                 os.environ.pop("FITLLM_DETERMINISTIC", None)
                 os.environ.pop("FITLLM_SPLITK_DEFER", None)  # the product's default (on)
+                os.environ.pop("FITLLM_FP8_FUSED_QUANT", None)  # the same
                 os.environ.update(VARIANTS[name])
                 gemv_row["wide"] = None if name == "wide-off" else wide
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope

@@ -246,6 +246,26 @@ def test_fp8_deferred_split_k_sum_equals_the_finished_output(cfg, monkeypatch):
     assert (ws == 0).all() and (cnt == 0).all()
 
 
+@pytest.mark.parametrize("cfg", [f8cfg(1, 16, 64, 4, 1, waves=8, backend="gemv"), FP8_CONFIGS[1]], ids=["gemv", "swap"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_fp8_gemm_takes_activations_its_producer_quantized(cfg, static):
+    """x handed over as Fp8Activations (fused.rms_norm / silu_mul quantized it) gives the same y as x
+    quantized by the GEMM itself, bit for bit, on the Triton path and in the reference; w8a16 cannot
+    take codes."""
+    from fitllm.kernels._utils import Fp8Activations
+
+    x = torch.randn(1 if cfg.get("backend") == "gemv" else 3, 320, generator=GEN).to(torch.bfloat16)
+    w, wsc = fp8_weight(48, 320)
+    isc = torch.tensor(0.02) if static else None
+    q, s = _quantize_triton(x, isc)
+    got = fp8_gemm_triton(Fp8Activations(q, s, x.dtype), w, wsc, config=cfg)
+    assert got.dtype == x.dtype and torch.equal(got, fp8_gemm_triton(x, w, wsc, input_scale=isc, config=cfg))
+    q, s = quantize_fp8_per_token_ref(x)
+    assert torch.equal(fp8_gemm_ref(Fp8Activations(q, s, x.dtype), w, wsc), fp8_gemm_ref(x, w, wsc))
+    with pytest.raises(ValueError):
+        fp8_gemm_triton(Fp8Activations(q, s, x.dtype), w, wsc, mode="w8a16", config=cfg)
+
+
 def test_fp8_w8a8_vs_unquantized_activations():
     """Sanity on the oracle: W8A8 differs from W8A16 by the activation rounding, a few percent."""
     x = torch.randn(4, 256, generator=GEN).to(torch.bfloat16)

@@ -3,10 +3,12 @@ there). Imported only on the first Triton call: see fused's docstring."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ._pdl import pdl_start
+from .fp8 import quantize_row
 
 
 @triton.jit
@@ -35,12 +37,26 @@ def _take_sum(ptrs, mask, DT: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, N, n_inner, sx_o, sx_i, sr_o, sr_i, eps,
+def _store_out(ptrs, v, mask, s_ptr, row, RNE: tl.constexpr, FP8: tl.constexpr, ACT: tl.constexpr,
+               EXACT: tl.constexpr):
+    """A kernel's output row v (fp32): rounded to the output's dtype, or (FP8 1: dynamic scale per
+    row, 2: static scale) rounded to the activation dtype ACT and quantized to e4m3 for an fp8 GEMM,
+    exactly as the GEMM's own quantizer would have quantized the rounded row."""
+    if FP8:
+        quantize_row(_cast(v, ACT, RNE).to(tl.float32), mask, ptrs, s_ptr, row, FP8 == 2, EXACT)
+    else:
+        tl.store(ptrs, _cast(v, ptrs.dtype.element_ty, RNE), mask=mask)
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, s_ptr, N, n_inner, sx_o, sx_i, sr_o, sr_i, eps,
                     HAS_RES: tl.constexpr, RNE: tl.constexpr, RNE_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    X_SUM: tl.constexpr = False, PDL: tl.constexpr = False):
+                    X_SUM: tl.constexpr = False, FP8: tl.constexpr = 0, ACT: tl.constexpr = tl.bfloat16,
+                    EXACT: tl.constexpr = False, PDL: tl.constexpr = False):
     # Row `row` of x sits at (row // n_inner) * sx_o + (row % n_inner) * sx_i: [T, N] or [T, H, N]
     # views (q|k slices of the qkv output) without a copy. out and h are contiguous. X_SUM: x is a
-    # GEMM's pending fp32 sum (taken here; HAS_RES then, whose dtype is the activations').
+    # GEMM's pending fp32 sum (taken here; HAS_RES then, whose dtype is the activations'). FP8: out
+    # gets e4m3 codes for an fp8 GEMM and s_ptr the scales (see _store_out).
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer, inner = row // n_inner, row % n_inner
@@ -59,7 +75,7 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, N, n_inner, sx_o, sx_i,
     rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
     y = _cast(x * rstd, DT, RNE).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, _cast(w * y, out_ptr.dtype.element_ty, RNE_OUT), mask=mask)
+    _store_out(out_ptr + row * N + cols, w * y, mask, s_ptr, row, RNE_OUT, FP8, ACT, EXACT)
 
 
 @triton.jit
@@ -102,14 +118,16 @@ def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HK, HALF,
 
 
 @triton.jit
-def silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr, X_SUM: tl.constexpr = False,
+def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr, X_SUM: tl.constexpr = False,
+                    FP8: tl.constexpr = 0, ACT: tl.constexpr = tl.bfloat16, EXACT: tl.constexpr = False,
                     PDL: tl.constexpr = False):
-    # X_SUM: x is a GEMM's pending fp32 sum (taken here).
+    # X_SUM: x is a GEMM's pending fp32 sum (taken here). FP8 (one program a row: BLOCK >= I): out
+    # gets e4m3 codes for an fp8 GEMM and s_ptr the scales (see _store_out).
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    DT = out_ptr.dtype.element_ty
+    DT = ACT if FP8 else out_ptr.dtype.element_ty
     if X_SUM:
         g = _take_sum(x_ptr + t * sx_t + cols, mask, DT, RNE)
         u = _take_sum(x_ptr + t * sx_t + I + cols, mask, DT, RNE)
@@ -117,7 +135,7 @@ def silu_mul_kernel(x_ptr, out_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.conste
         g = tl.load(x_ptr + t * sx_t + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + t * sx_t + I + cols, mask=mask, other=0.0).to(tl.float32)
     a = _cast(g / (1.0 + tl.exp(-g)), DT, RNE).to(tl.float32)  # F.silu rounds, then the multiply
-    tl.store(out_ptr + t * I + cols, _cast(a * u, DT, RNE), mask=mask)
+    _store_out(out_ptr + t * I + cols, a * u, mask, s_ptr, t, RNE, FP8, DT, EXACT)
 
 
 @triton.jit
@@ -209,3 +227,6 @@ def greedy_tokens_kernel(x_ptr, out_ptr, pm_ptr, pi_ptr, cnt_ptr, N, sx, CHUNK: 
         token = tl.min(tl.where(ok & (pm == top), pi, N), 0)
         tl.store(out_ptr + row, tl.where(tl.min(pi, 0) < 0, -1, token).to(tl.int64))
         tl.atomic_xchg(cnt_ptr + row, 0)
+
+
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}  # the ACT argument

@@ -113,6 +113,31 @@ class PendingSum:
         return y
 
 
+@dataclass(frozen=True)
+class Fp8Input:
+    """What a W8A8 fp8 GEMM wants of its activations (FusedLinear.fp8_input): e4m3 codes with one
+    dynamic scale per token (static_scale None) or with the checkpoint's static scale. The kernel
+    that produces those activations may then quantize them itself (fused.rms_norm, fused.silu_mul)
+    and hand over Fp8Activations: the GEMM skips its own quantization launch, which re-reads x."""
+
+    static_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Fp8Activations:
+    """Activations x [M, K] handed to an fp8 GEMM already quantized: x ~= q * scale, q e4m3 codes,
+    scale fp32 [M, 1] (per token) or [1] (static); computed exactly as fitllm.kernels.fp8's
+    quantizer computes them from x rounded to `dtype` (the GEMM's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
 def pending_or_y(y: torch.Tensor, ws: torch.Tensor, pending: bool):
     """What a GEMM launch returns: y, or (pending) the sum it left in the workspace's first y.numel()
     floats as a PendingSum of y's shape and dtype."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (backend_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms, pdl_args,
-                     pending_or_y, pick_config, split_k_for, splitk_buffers)
+from ._utils import (Fp8Activations, backend_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms,
+                     pdl_args, pending_or_y, pick_config, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -43,8 +43,13 @@ def quantize_fp8_static_ref(x: torch.Tensor, scale: torch.Tensor):
 
 
 def fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8"):
+    """x: [M, K] in the activation dtype, or Fp8Activations (w8a8: already quantized)."""
     ws = weight_scale.float().reshape(-1)  # [N] or [1]
-    if mode == "w8a8":
+    if isinstance(x, Fp8Activations):
+        if mode != "w8a8":
+            raise ValueError("fp8 GEMM: quantized activations need mode 'w8a8'")
+        y = (x.q.float() @ weight_fp8.float().t()) * x.scale.float().reshape(-1, 1) * ws
+    elif mode == "w8a8":
         if input_scale is None:
             xq, xs = quantize_fp8_per_token_ref(x)
         else:
@@ -77,6 +82,32 @@ if triton is not None:
         return (v + c) - c
 
     @triton.jit
+    def _token_scale(amax):
+        """A token's e4m3 scale from its absolute max (all-zero rows stay finite)."""
+        return tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+
+    @triton.jit
+    def _e4m3_values(v, scale, EXACT_ROUND: tl.constexpr):
+        """v / scale clamped to e4m3's range, as fp32 values the cast to e4m3 takes exactly where it
+        must (EXACT_ROUND: the interpreter)."""
+        v = tl.minimum(tl.maximum(v * (1.0 / scale), -448.0), 448.0)
+        if EXACT_ROUND:
+            v = _round_to_e4m3_grid(v)
+        return v
+
+    @triton.jit
+    def quantize_row(v, mask, q_ptrs, s_ptr, row, STATIC: tl.constexpr, EXACT_ROUND: tl.constexpr):
+        """A whole row v (fp32, already rounded to the activation dtype; masked lanes ignored) to e4m3
+        codes at q_ptrs, as _quant_fp8_kernel quantizes it: the producers' epilogue (fused.rms_norm,
+        fused.silu_mul). Dynamic: the row's scale is stored at s_ptr + row; STATIC: read at s_ptr."""
+        if STATIC:
+            scale = tl.load(s_ptr).to(tl.float32)
+        else:
+            scale = _token_scale(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0))
+            tl.store(s_ptr + row, scale)
+        tl.store(q_ptrs, _e4m3_values(v, scale, EXACT_ROUND).to(q_ptrs.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, STATIC: tl.constexpr, BLOCK: tl.constexpr,
                           EXACT_ROUND: tl.constexpr, PDL: tl.constexpr = False):
         """One program per row: amax pass, then scale-and-round pass (the row is in L1/L2)."""
@@ -90,16 +121,13 @@ if triton is not None:
             for k0 in range(0, K, BLOCK):
                 v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(v))
-            scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512.0))
+            scale = _token_scale(tl.max(amax, axis=0))
             tl.store(s_ptr + row, scale)
-        inv = 1.0 / scale
         for k0 in range(0, K, BLOCK):
             m = k0 + offs < K
             v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=m, other=0.0).to(tl.float32)
-            v = tl.minimum(tl.maximum(v * inv, -448.0), 448.0)
-            if EXACT_ROUND:
-                v = _round_to_e4m3_grid(v)
-            tl.store(q_ptr + row * stride_qm + k0 + offs, v.to(q_ptr.dtype.element_ty), mask=m)
+            tl.store(q_ptr + row * stride_qm + k0 + offs, _e4m3_values(v, scale, EXACT_ROUND).to(q_ptr.dtype.element_ty),
+                     mask=m)
 
     @triton.jit(do_not_specialize=["M"])  # else M % 16 == 0 compiles again, mid-serving
     def _fp8_kernel(
@@ -245,17 +273,23 @@ FP8_CONFIGS = {
 
 def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8", config=None, x_quant=None,
                      out=None, defer=False):
-    """Triton path. x_quant=(x_fp8, scale) skips the activation quantization; config, out, defer: as
-    w4a16_tiled_triton."""
+    """Triton path. x_quant=(x_fp8, scale), or x given as Fp8Activations, skips the activation
+    quantization; config, out, defer: as w4a16_tiled_triton."""
     if mode not in ("w8a8", "w8a16"):
         raise ValueError(f"mode must be 'w8a8' or 'w8a16', got {mode!r}")
+    if isinstance(x, Fp8Activations):
+        if mode != "w8a8":
+            raise ValueError("fp8 GEMM: quantized activations need mode 'w8a8'")
+        x_quant, dtype, x = (x.q, x.scale), x.dtype, x.q
+    else:
+        dtype = x.dtype
     M, K = x.shape
     N = weight_fp8.shape[0]
     if weight_fp8.shape[1] != K:
         raise ValueError(f"weight must be [N, K={K}], got {tuple(weight_fp8.shape)}")
     dev = device_index(x)
     cfg = dict(config) if config is not None else pick_config(FP8_CONFIGS, gpu_arch(dev), M)
-    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = out if out is not None else torch.empty((M, N), dtype=dtype, device=x.device)
     if M == 0:
         return y
     wsc = weight_scale.float().reshape(-1)
@@ -267,8 +301,8 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     if mode == "w8a8" and cfg.get("backend") == "scaled_mm":  # cuBLASLt FP8 for large M
         sa = xs.reshape(-1, 1).expand(M, 1).contiguous() if xs.numel() > 1 else xs.reshape(1, 1).expand(M, 1).contiguous()
         sb = wsc.reshape(1, -1).expand(1, N).contiguous()
-        r = torch._scaled_mm(xq, weight_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=x.dtype,
-                             bias=bias.to(x.dtype) if bias is not None else None)
+        r = torch._scaled_mm(xq, weight_fp8.t(), scale_a=sa, scale_b=sb, out_dtype=dtype,
+                             bias=bias.to(dtype) if bias is not None else None)
         if out is not None:
             out.copy_(r)
             return out
@@ -313,9 +347,10 @@ def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer=False):
 
 def fp8_gemm(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8", defer=False):
     """y = x @ (W * scale)^T (+ bias) with e4m3 weights; mode 'w8a8' (sm89+) or 'w8a16' (any card).
+    x: [M, K] in the activation dtype, or (w8a8) Fp8Activations its producer quantized.
 
     Triton on CUDA tensors, the torch reference on CPU (FITLLM_KERNEL_BACKEND forces either).
     defer: may return a PendingSum instead of y (a split-K launch on the Triton path)."""
-    if backend_for(x) == "triton" and triton is not None:
+    if backend_for(x.q if isinstance(x, Fp8Activations) else x) == "triton" and triton is not None:
         return fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale, bias, mode, defer=defer)
     return fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale, bias, mode)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import PendingSum, backend_for, interpreting, pdl_args, splitk_workspace
+from ._utils import Fp8Activations, Fp8Input, PendingSum, backend_for, interpreting, pdl_args, splitk_workspace
 
 
 # --------------------------------------------------------------------------- torch references
@@ -142,8 +142,26 @@ def _rows(t: torch.Tensor):
 
 # --------------------------------------------------------------------------- Triton wrappers
 
+def _fp8_out(fp8: Fp8Input | None, shape, rows: int, dtype: torch.dtype, device):
+    """(output buffer, scale pointer, FP8 mode, kernel options) of a producer kernel: e4m3 codes and
+    scales when an fp8 GEMM asked for them (fp8), else the plain output in `dtype`."""
+    if fp8 is None:
+        out = _empty(shape, dtype, device)
+        return out, out, 0, {}
+    q = _empty(shape, torch.float8_e4m3fn, device)
+    if fp8.static_scale is None:
+        scale, mode = _empty((rows, 1), torch.float32, device), 1
+    else:
+        scale, mode = fp8.static_scale.to(device=device, dtype=torch.float32).reshape(1), 2
+    return q, scale, mode, dict(FP8=mode, ACT=_kernels().TL_DTYPES[dtype], EXACT=interpreting())
+
+
+def _with_fp8(out: torch.Tensor, scale: torch.Tensor, mode: int, dtype: torch.dtype):
+    return Fp8Activations(out, scale, dtype) if mode else out
+
+
 def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None):
+                    residual: torch.Tensor | None = None, fp8: Fp8Input | None = None):
     N = x.shape[-1]
     has_res = residual is not None
     if weight.shape != (N,) or (has_res and residual.shape != x.shape):
@@ -156,17 +174,20 @@ def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: flo
         return rms_norm_ref(x, weight, eps, residual)
     dtype, device = x.dtype, residual.device if pending else x.device
     out_dtype = torch.promote_types(weight.dtype, dtype)  # `weight * h` promotes, as the reference
-    out = _empty(x.shape, out_dtype, device)  # out and h are contiguous: row r at r * N
+    rows = x.shape.numel() // N if N else 0
+    if len(x.shape) != 2 or out_dtype != dtype or not _kernels().TL_DTYPES.get(dtype):
+        fp8 = None  # quantized rows for an fp8 GEMM: only of [T, N] activations in their own dtype
+    out, scale, mode, fp8_opts = _fp8_out(fp8, x.shape, rows, out_dtype, device)  # row r at r * N
     h = _empty(x.shape, dtype, device) if has_res else out  # (out: a placeholder, never written)
-    rows = out.numel() // N if N else 0
     x, n_inner, sx_o, sx_i = _rows(x.acc if pending else x)
     residual, _, sr_o, sr_i = _rows(residual) if has_res else (x, n_inner, 0, 0)  # same shape: same n_inner
     if rows:
         block = _pow2(N)
         _kernels().rms_norm_kernel[(rows,)](
-            x, residual, weight.contiguous(), out, h, N, n_inner, sx_o, sx_i, sr_o, sr_i, float(eps),
+            x, residual, weight.contiguous(), out, h, scale, N, n_inner, sx_o, sx_i, sr_o, sr_i, float(eps),
             HAS_RES=has_res, X_SUM=pending, RNE=_rne(dtype), RNE_OUT=_rne(out_dtype), BLOCK_N=block,
-            num_warps=_warps(block), **pdl_args(out))
+            num_warps=_warps(block), **fp8_opts, **pdl_args(h))
+    out = _with_fp8(out, scale, mode, out_dtype)
     return (out, h) if has_res else out
 
 
@@ -187,7 +208,10 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     return q, k
 
 
-def silu_mul_triton(gate_up: torch.Tensor | PendingSum) -> torch.Tensor:
+FP8_SILU_MAX_BLOCK = 32768  # a row in one program's registers (1024 threads, 32 values of each half)
+
+
+def silu_mul_triton(gate_up: torch.Tensor | PendingSum, fp8: Fp8Input | None = None):
     two_i = gate_up.shape[-1]
     if two_i % 2:
         raise ValueError(f"silu_mul: last dim {two_i} is odd")
@@ -197,14 +221,17 @@ def silu_mul_triton(gate_up: torch.Tensor | PendingSum) -> torch.Tensor:
     x = x if x.dim() == 2 else x.reshape(-1, two_i)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = _empty((*gate_up.shape[:-1], I), gate_up.dtype, x.device)
     T = x.shape[0]
+    if len(gate_up.shape) != 2 or _pow2(I) > FP8_SILU_MAX_BLOCK or not _kernels().TL_DTYPES.get(gate_up.dtype):
+        fp8 = None  # quantized rows for an fp8 GEMM: [T, 2I] only, each row in one program
+    out, scale, mode, fp8_opts = _fp8_out(fp8, (*gate_up.shape[:-1], I), T, gate_up.dtype, x.device)
     if T and I:
-        block = min(_pow2(I), 1024)
+        # the fp8 epilogue needs a row's absolute max: the whole row in one program
+        block = _pow2(I) if mode else min(_pow2(I), 1024)
         _kernels().silu_mul_kernel[(T, (I + block - 1) // block)](
-            x, out, I, x.stride(0), X_SUM=pending, RNE=_rne(out.dtype), BLOCK=block, num_warps=_warps(block) * 2,
-            **pdl_args(x))
-    return out
+            x, out, scale, I, x.stride(0), X_SUM=pending, RNE=_rne(gate_up.dtype), BLOCK=block,
+            num_warps=min(_warps(block) * 2, 32), **fp8_opts, **pdl_args(x))
+    return _with_fp8(out, scale, mode, gate_up.dtype)
 
 
 def head_affine_triton(x: torch.Tensor, rot: torch.Tensor | None, shift: torch.Tensor | None,
@@ -259,14 +286,16 @@ def greedy_tokens_triton(logits: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- dispatch
 
-def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             fp8: Fp8Input | None = None):
     """RMSNorm over the last dim, math in float32, output in x's dtype (promoted with weight's).
     With `residual`: h = x + residual first, returns (rms_norm(h), h). x may be a GEMM's
-    PendingSum: taken (and its workspace zeroed) here."""
+    PendingSum: taken (and its workspace zeroed) here. fp8 (the next GEMM's FusedLinear.fp8_input):
+    the Triton path may return the output quantized for that GEMM (Fp8Activations)."""
     if isinstance(x, PendingSum) and backend_for(x.acc) != "triton":
         x = x.materialize()
     if backend_for(x.acc if isinstance(x, PendingSum) else x) == "triton":
-        return rms_norm_triton(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, fp8)
     return rms_norm_ref(x, weight, eps, residual)
 
 
@@ -279,15 +308,15 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return apply_rope_ref(q, k, cos, sin)
 
 
-def silu_mul(gate_up: torch.Tensor | PendingSum) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor | PendingSum, fp8: Fp8Input | None = None):
     """gate_up [..., 2I] (gate first) -> silu(gate) * up [..., I]. gate_up may be a GEMM's
-    PendingSum: taken (and its workspace zeroed) here."""
+    PendingSum: taken (and its workspace zeroed) here. fp8: as rms_norm's."""
     if isinstance(gate_up, PendingSum):
         if backend_for(gate_up.acc) == "triton":
-            return silu_mul_triton(gate_up)
+            return silu_mul_triton(gate_up, fp8)
         gate_up = gate_up.materialize()
     if backend_for(gate_up) == "triton":
-        return silu_mul_triton(gate_up)
+        return silu_mul_triton(gate_up, fp8)
     return silu_mul_ref(gate_up)
 
 

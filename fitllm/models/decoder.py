@@ -25,10 +25,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, fp8=None):
         """Normalise in float32 as the reference implementations do, then cast back. With `residual`,
-        normalises h = x + residual and returns (norm(h), h): the residual add, fused."""
-        return fused.rms_norm(x, self.weight, self.eps, residual)
+        normalises h = x + residual and returns (norm(h), h): the residual add, fused. fp8: the next
+        layer's FusedLinear.fp8_input (the output may come quantized for it)."""
+        return fused.rms_norm(x, self.weight, self.eps, residual, fp8)
 
 
 def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
@@ -153,7 +154,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, defer: bool = False):
         """defer: as Attention.forward's, for down_proj; gate_up_proj's sum always goes to SiLU·mul,
         which can take it pending (linear.FusedLinear.forward)."""
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x, defer=True)), defer=defer)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x, defer=True), self.down_proj.fp8_input()),
+                              defer=defer)
 
 
 class DecoderLayer(nn.Module):
@@ -174,12 +176,13 @@ class DecoderLayer(nn.Module):
         add is fused into the norm after it: (x, residual) -> (mlp output, residual), where the
         hidden state is their sum. residual=None for the first layer (x is then the embedding).
         defer: the mlp output goes to a fused RMSNorm with the residual (it may be a PendingSum)."""
+        fp8 = self.self_attn.qkv_proj.fp8_input()  # fp8 GEMMs get their input quantized by the norm
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, fp8=fp8)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, fp8)
         x = self.self_attn(x, cos, sin, ctx, defer=True)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, self.mlp.gate_up_proj.fp8_input())
         return self.mlp(x, defer=defer), residual
 
 

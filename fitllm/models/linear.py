@@ -42,6 +42,11 @@ class FusedLinear(nn.Module):
     def finalize(self) -> None:
         """Called once after all tensors are loaded."""
 
+    def fp8_input(self):
+        """An Fp8Input (kernels._utils) when this layer is one W8A8 fp8 GEMM, whose producer (a fused
+        RMSNorm or SiLU·mul) may then hand it x already quantized; None: x as it is."""
+        return None
+
 
 class DenseLinear(FusedLinear):
     def __init__(self, prefix, in_features, out_sizes, bias, dtype=None, device=None):

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from fitllm.kernels._utils import Fp8Activations, Fp8Input, backend_for
 from fitllm.models.config import ModelConfig
 from fitllm.models.errors import ModelLoadError
 from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
@@ -82,10 +83,19 @@ class QuantLinear(FusedLinear):
         self.pending = []
         self.parts = [_to_runtime(p, self.device, self.dtype) for p in parts]
 
-    def forward(self, x: torch.Tensor, defer: bool = False):
+    def fp8_input(self) -> Fp8Input | None:
+        """One W8A8 fp8 GEMM: its producer may quantize x for it (FusedLinear.fp8_input);
+        FITLLM_FP8_FUSED_QUANT=0 turns that off (A/B runs)."""
+        if (len(self.parts) == 1 and isinstance(self.parts[0], FP8Weight) and self.fp8_mode == "w8a8"
+                and os.environ.get("FITLLM_FP8_FUSED_QUANT", "1") != "0"):
+            return Fp8Input(self.parts[0].input_scale)
+        return None
+
+    def forward(self, x: torch.Tensor | Fp8Activations, defer: bool = False):
         """y = x W^T (+ bias). defer (x 2-D, the decoder's consumers only): the GEMM may return a
-        PendingSum that one of fitllm.kernels.fused's kernels takes (see _utils.PendingSum)."""
-        if defer and len(self.parts) == 1 and self.bias is None and x.dim() == 2:
+        PendingSum that one of fitllm.kernels.fused's kernels takes (see _utils.PendingSum). x may
+        be Fp8Activations where fp8_input asked for them."""
+        if defer and len(self.parts) == 1 and self.bias is None and len(x.shape) == 2:
             return self._gemm(x, self.parts[0], defer=True)
         outs = [self._gemm(x, p) for p in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -113,8 +123,8 @@ class QuantLinear(FusedLinear):
         return torch.cat([p.dequantize(torch.float32) for p in self.parts], dim=0)
 
 
-def fp8_linear(x: torch.Tensor, p: FP8Weight, mode: str, defer: bool = False):
-    if x.is_cuda:
+def fp8_linear(x: torch.Tensor | Fp8Activations, p: FP8Weight, mode: str, defer: bool = False):
+    if isinstance(x, Fp8Activations) or x.is_cuda or backend_for(x) == "triton":
         from fitllm.kernels.fp8 import fp8_gemm
 
         return fp8_gemm(x, p.weight, p.scale, input_scale=p.input_scale, mode=mode, defer=defer)
