@@ -266,6 +266,22 @@ def test_fp8_gemm_takes_activations_its_producer_quantized(cfg, static):
         fp8_gemm_triton(Fp8Activations(q, s, x.dtype), w, wsc, mode="w8a16", config=cfg)
 
 
+def test_fp8_table_rows_pick_a_config_per_weight_width():
+    """_by_width rows: a range's config for lo < N <= hi, the row's own for every other N, and the
+    ranges of a row never overlap (the first match would hide the second)."""
+    from fitllm.kernels.fp8 import FP8_CONFIGS as TABLES, _by_width, _config_for
+
+    row = _by_width(f8cfg(16, 64, 256, 4, 4), (0, 4096, f8cfg(16, 32, 64, 4, 2)), (8192, 1 << 62, f8cfg(32, 32, 32, 4, 2)))
+    assert [_config_for(row, n)["BN"] for n in (1, 4096, 4097, 8192, 8193, 28672)] == [32, 32, 64, 64, 32, 32]
+    assert _config_for(row, 8193)["BM"] == 32 and _config_for(row, 5000) is row
+    for rows in TABLES.values():
+        for _, cfg in rows:
+            spans = sorted((lo, hi) for lo, hi, _ in cfg.get("by_n", ()))
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and all(lo < hi for lo, hi in spans)
+            assert all("by_n" not in c and c["backend"] in ("triton", "gemv", "scaled_mm")
+                       for _, _, c in cfg.get("by_n", ()))
+
+
 def test_fp8_w8a8_vs_unquantized_activations():
     """Sanity on the oracle: W8A8 differs from W8A16 by the activation rounding, a few percent."""
     x = torch.randn(4, 256, generator=GEN).to(torch.bfloat16)

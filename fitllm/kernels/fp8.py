@@ -249,24 +249,45 @@ def _cfg(bm, bn, bk, warps, stages, waves=0.0, swap=False, backend="triton"):
     return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, waves=waves, SWAP=swap, backend=backend)
 
 
-# Rows (max M, config), first match wins; sm90 rows from benchmarks/bench_gemm.py on an H200.
+def _by_width(row: dict, *ranges) -> dict:
+    """A table row's config for the weights whose N (output width) no range below claims, and
+    ranges (lo, hi, config): that config for lo < N <= hi."""
+    return dict(row, by_n=ranges)
+
+
+def _config_for(cfg: dict, N: int) -> dict:
+    for lo, hi, c in cfg.get("by_n", ()):
+        if lo < N <= hi:
+            return c
+    return cfg
+
+
+# Rows (max M, config), first match wins; a row may pick per weight width (_by_width). sm90: H200
+# sweeps, each Llama-3-8B linear alone, its input already quantized (benchmarks/fp8_sweep.py,
+# RESULTS.md 2026-12-03 fourteenth session), µs: M=16 o/down BN64 at 2 waves 8.6/19.4, qkv BN128 at
+# 8 waves 12.5, gate_up 32.1 (layer 72.9; one config at 4 waves: 79.2); M=64 one split 9.8/12.9/24.1
+# (qkv at 2 waves: 21.9), gate_up BN128 BK128 34.3 (layer 81.1, was 104.8); M=256 o/down BM128 BN64
+# BK256 13.0/37.7, qkv 15.0, gate_up BN256 58.8 (124.5, was 137.7); M=1024 qkv BN128 45.2 against 52.6
+# with BN256, whose 192 tiles fill 1.45 waves (others BN256; 359 vs 367); M=4096 BN256 everywhere 1492.
+_INF = 1 << 62
 FP8_CONFIGS = {
-    # H200 sweep 2026-11-29 (benchmarks/RESULTS.md), GEMM-only us for one Llama-3-8B layer:
-    # M=1 76 (swap-AB), M=16 81, M=64 106, M=256 140, M=1024 381, M=4096 1472.
     "sm90": [
-        # M=1: GEMV up to N=16384 (qkv 11.3 vs 16.6 µs, down 23.4 vs 24.8), swap-AB tensor cores for
-        # the wide gate_up (33.8 vs 37.2): 79 µs per layer with the act. quant (all swap-AB: 88).
-        (1, dict(_cfg(1, 16, 512, 8, 1, waves=4, backend="gemv"), max_n=16384,
-                 wide=_cfg(16, 64, 256, 4, 4, waves=4, swap=True))),
-        (16, _cfg(16, 64, 256, 4, 4, waves=4, swap=True)),
-        (64, _cfg(64, 64, 256, 4, 4, waves=2)),
-        (256, _cfg(128, 128, 128, 8, 4)),
-        (1 << 62, _cfg(128, 256, 128, 8, 3)),
+        # M=1: the CUDA-core GEMV up to N=16384 (qkv 11.3 vs 16.6 µs, down 23.4 vs 24.8), swap-AB
+        # tensor cores for the wide gate_up (33.8 vs 37.2); second session's gemv_explore.
+        (1, _by_width(_cfg(16, 64, 256, 4, 4, waves=4, swap=True),
+                      (0, 16384, _cfg(1, 16, 512, 8, 1, waves=4, backend="gemv")))),
+        (16, _by_width(_cfg(16, 64, 256, 4, 4, waves=2, swap=True),
+                       (4096, 16384, _cfg(16, 128, 256, 8, 4, waves=8, swap=True)))),
+        (64, _by_width(_cfg(64, 64, 256, 4, 4, waves=1), (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1)))),
+        (256, _by_width(_cfg(128, 128, 128, 8, 4), (0, 4096, _cfg(128, 64, 256, 4, 4)),
+                        (16384, _INF, _cfg(128, 256, 128, 8, 3)))),
+        (2048, _by_width(_cfg(128, 256, 128, 8, 3), (4096, 16384, _cfg(128, 128, 128, 8, 4)))),
+        (_INF, _cfg(128, 256, 128, 8, 3)),
     ],
     "default": [
         (16, _cfg(16, 64, 128, 4, 2, waves=4)),
         (64, _cfg(32, 64, 128, 4, 2, waves=2)),
-        (1 << 62, _cfg(64, 64, 64, 4, 2)),
+        (_INF, _cfg(64, 64, 64, 4, 2)),
     ],
 }
 
@@ -288,7 +309,7 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     if weight_fp8.shape[1] != K:
         raise ValueError(f"weight must be [N, K={K}], got {tuple(weight_fp8.shape)}")
     dev = device_index(x)
-    cfg = dict(config) if config is not None else pick_config(FP8_CONFIGS, gpu_arch(dev), M)
+    cfg = _config_for(dict(config) if config is not None else pick_config(FP8_CONFIGS, gpu_arch(dev), M), N)
     y = out if out is not None else torch.empty((M, N), dtype=dtype, device=x.device)
     if M == 0:
         return y
@@ -310,9 +331,9 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
 
     defer = defer_splitk(defer, out, bias)
     if cfg.get("backend") == "gemv":
-        if M == 1 and N <= cfg.get("max_n", N):
+        if M == 1:
             return _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer)
-        cfg = cfg.get("wide") or _cfg(16, 64, 128, 4, 2, waves=4)  # M > 1 or a wide N: tensor cores
+        cfg = _cfg(16, 64, 128, 4, 2, waves=4)  # a GEMV config given for M > 1: tensor cores
 
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
