@@ -1,6 +1,7 @@
 """GPU check of deferred split-K sums (kernels._utils.PendingSum, FITLLM_SPLITK_DEFER=1), GEMM by GEMM:
 for every table config a shape and M reach, the sum a deferring GEMM leaves in the workspace against the y
-the same GEMM finishes itself, then each consumer (residual add + RMSNorm, SiLU·mul) fed the pending sum
+the same GEMM finishes itself, then each consumer (residual add + RMSNorm, SiLU·mul, and for the qkv
+shapes RoPE + the bf16 cache write, paged_attention.rope_cache_write) fed the pending sum
 against the same consumer fed y, and the workspace after each (all zero). Atomic adds differ in order
 between launches, so sums are compared to bf16 rounding (a relative 2e-3), not bit for bit.
 
@@ -18,11 +19,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_gemm import make_w4  # noqa: E402
 from fitllm.kernels import _utils, fused  # noqa: E402
+from fitllm.kernels import paged_attention as pa  # noqa: E402
 from fitllm.kernels.fp8 import fp8_gemm_triton  # noqa: E402
 from fitllm.kernels.w4a16_tiled import tile_pack, w4a16_tiled_triton  # noqa: E402
 
 SHAPES = {"smollm2": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)},
           "llama3-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}}
+HEADS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # q heads, kv heads, head dim
 
 
 def rel(a, b):
@@ -34,7 +37,7 @@ def workspace_dirty() -> float:
     return max(ws.abs().max().item(), float(cnt.abs().max().item()))
 
 
-def check(name, gemm, M, N, dev):
+def check(name, gemm, M, N, dev, heads=None):
     y = gemm(False)
     p = gemm(True)
     torch.cuda.synchronize()
@@ -52,8 +55,25 @@ def check(name, gemm, M, N, dev):
     if N % 2 == 0:
         row["silu_mul"] = rel(fused.silu_mul(gemm(True)), fused.silu_mul(y))
         row["ws_after_silu_mul"] = workspace_dirty()
+    if heads is not None:
+        row.update(rope_write(gemm, y, M, heads, dev))
     torch.cuda.synchronize()
     return row
+
+
+def rope_write(gemm, y, M, heads, dev) -> dict:
+    """The qkv GEMM's consumer: RoPE + the bf16 cache write fed the pending sum's q/k/v views against
+    the same launch fed y's (rotated queries, both caches), and the workspace after it."""
+    hq, hk, d = heads
+    cos, sin = (torch.randn(M, d // 2, device=dev) for _ in range(2))
+    slots = torch.arange(M, device=dev)
+    out = []
+    for qkv in (y.clone(), gemm(True)):
+        q, k, v = (p.reshape(M, -1, d) for p in qkv.split([hq * d, hk * d, hk * d], -1))
+        kc, vc = (torch.zeros(M, hk, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        out.append((pa.rope_cache_write(q, k, v, cos, sin, kc, vc, slots), kc, vc))
+    (qw, kw, vw), (qg, kg, vg) = out
+    return {"rope_write": max(rel(qg, qw), rel(kg, kw), rel(vg, vw)), "ws_after_rope_write": workspace_dirty()}
 
 
 def main():
@@ -76,10 +96,11 @@ def main():
                 x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
                 for kind, gemm in (("w4", lambda d, x=x: w4a16_tiled_triton(x, **qt, defer=d)),
                                    ("fp8", lambda d, x=x: fp8_gemm_triton(x, *f8, defer=d))):
-                    row = check(kind, gemm, M, N, dev)
+                    row = check(kind, gemm, M, N, dev, HEADS[shape] if lin == "qkv" else None)
                     if row is None:
                         continue
                     fail = (row["sum"] > 2e-3 or row["rms_norm"] > 1e-2 or row.get("silu_mul", 0) > 1e-2
+                            or row.get("rope_write", 0) > 1e-2
                             or any(v != 0 for k, v in row.items() if k.startswith("ws_")))
                     bad += fail
                     print(f"{'FAIL' if fail else 'ok  '} {shape:9s} {lin:7s} {kind:3s} M={M:<4d} "

@@ -286,13 +286,17 @@ def test_decoder_fused_paths_agree(family, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("tokens", [1, 5])  # the batch-1 GEMV, the tensor-core kernel
-def test_decoder_hands_split_k_sums_to_the_fused_kernels(tokens, monkeypatch):
+@pytest.mark.parametrize("paged", [False, True], ids=["no-cache", "paged-bf16"])
+def test_decoder_hands_split_k_sums_to_the_fused_kernels(tokens, paged, monkeypatch):
     """With int4 tiled layers on the Triton path, o_proj, gate_up_proj and down_proj leave their
-    split-K sums pending (kernels._utils.PendingSum) and the fused RMSNorm / SiLU·mul take them:
-    the hidden states equal, bit for bit, those of the run where every GEMM finishes its own y
-    (FITLLM_SPLITK_DEFER=0; the interpreter adds the splits in the same order both ways), and the
-    shared workspace is zero afterwards, so nothing leaks into the next GEMM."""
+    split-K sums pending (kernels._utils.PendingSum) and the fused RMSNorm / SiLU·mul take them, and
+    over a paged bf16 cache (RoPE in the cache write's launch) so does qkv_proj's: the hidden states
+    equal, bit for bit, those of the run where every GEMM finishes its own y (FITLLM_SPLITK_DEFER=0;
+    the interpreter adds the splits in the same order both ways), and the shared workspace is zero
+    afterwards, so nothing leaks into the next GEMM."""
     from fitllm.kernels import _utils
+    from fitllm.kernels import paged_attention as pa
+    from fitllm.models.kv_cache import AttentionMetadata, ForwardContext, PagedKVCache
     from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
     from fitllm.quant.layers import QuantLinear
 
@@ -313,22 +317,31 @@ def test_decoder_hands_split_k_sums_to_the_fused_kernels(tokens, monkeypatch):
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, q)
     ids = torch.randint(0, 96, (tokens,), generator=GEN)
-    positions, ctx = torch.arange(tokens), NoCacheContext([tokens])
-    taken = []
-    for fn in ("rms_norm", "silu_mul"):
-        orig = getattr(fused, fn)
-        monkeypatch.setattr(fused, fn, lambda x, *a, orig=orig, **k: taken.append(isinstance(x, _utils.PendingSum))
-                            or orig(x, *a, **k))
+    positions = torch.arange(tokens)
     monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
+
+    def context():  # a fresh cache per run: both runs write the same slots
+        if not paged:
+            return NoCacheContext([tokens])
+        cache = PagedKVCache(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16,
+                             device="cpu", kv_dtype="bf16")
+        return ForwardContext(cache, AttentionMetadata.build([tokens], [tokens], [[2]], 16, "cpu"))
+
+    taken = []
+    for mod, fn in ((fused, "rms_norm"), (fused, "silu_mul"), (pa, "rope_cache_write")):
+        orig = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda x, *a, orig=orig, **k: taken.append(isinstance(x, _utils.PendingSum))
+                            or orig(x, *a, **k))
     monkeypatch.delenv("FITLLM_SPLITK_DEFER", raising=False)  # the default
     with torch.no_grad():
-        got = model(ids, positions, ctx)
-        assert sum(taken) == 3 * cfg.num_layers  # after o_proj, gate_up_proj, down_proj of every layer
+        got = model(ids, positions, context())
+        # after o_proj, gate_up_proj, down_proj of every layer (and qkv_proj over the paged cache)
+        assert sum(taken) == (4 if paged else 3) * cfg.num_layers
         ws, cnt = _utils.splitk_workspace(torch.device("cpu"), 0, 0)
         assert (ws == 0).all() and (cnt == 0).all()
         monkeypatch.setenv("FITLLM_SPLITK_DEFER", "0")
         taken.clear()
-        ref = model(ids, positions, ctx)
+        ref = model(ids, positions, context())
         assert not any(taken)
     assert torch.isfinite(got).all() and torch.equal(got, ref)
 

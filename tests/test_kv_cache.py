@@ -309,6 +309,37 @@ def test_rope_fused_into_the_cache_write_equals_rope_then_attend(kv_dtype, dtype
     assert tri[1].equal(ref[1]) and tri[2].equal(ref[2])  # bit for bit, the padding slot untouched
 
 
+def test_rope_cache_write_takes_the_qkv_gemms_pending_sum(monkeypatch):
+    """q, k, v as views of the qkv GEMM's unfinished split-K sum (kernels._utils.PendingSum): the RoPE +
+    cache-write launch reads them, rounded as the GEMM would have stored y, and zeroes the workspace;
+    the attention output and the cache bytes equal, bit for bit, those from the finished y (bf16)."""
+    from fitllm.kernels import _utils
+
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
+    runs = []
+    for pending in (False, True):
+        cache = PagedKVCache(L, 24, PAGE, H, D, dtype=torch.bfloat16, device="cpu", kv_dtype="bf16")
+        lens, outs = [0, 0], []
+        for step, chunk in enumerate(([5, 3], [1, 1])):
+            new = [a + b for a, b in zip(lens, chunk)]
+            meta = AttentionMetadata.build(chunk, new, [[5, 2, 9], [7, 1, 3]], PAGE, "cpu")
+            t = sum(chunk)
+            vals = torch.randn(t, (H * G + 2 * H) * D, generator=torch.Generator().manual_seed(10 + step))
+            ws, _ = _utils.splitk_workspace(torch.device("cpu"), vals.numel(), 0)
+            acc = ws[: vals.numel()].view(vals.shape)
+            acc.copy_(vals)
+            qkv = _utils.PendingSum(acc, torch.bfloat16)
+            parts = qkv.split([H * G * D, H * D, H * D]) if pending else qkv_views(qkv.materialize())
+            q, k, v = (p.reshape(t, -1, D) for p in parts)
+            cos, sin = rope_tables(t, step)
+            outs.append(ForwardContext(cache, meta).attend(0, q, k, v, 0.25, rope=(cos, sin)))
+            assert not ws.any()  # taken (or finished) either way: the next GEMM starts clean
+            lens = new
+        runs.append((outs, cache.k[0].clone(), cache.v[0].clone()))
+    (want, kw, vw), (got, kg, vg) = runs
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and kg.equal(kw) and vg.equal(vw)
+
+
 def test_decoder_hands_rope_to_a_context_that_fuses_it(tiny_model):
     """A context saying fuses_rope gets q and k unrotated plus (cos, sin); the model's output is the
     one of rotating first."""

@@ -96,8 +96,10 @@ class PendingSum:
     benchmarks/gemv_tail_probe.py). So a GEMM whose consumer is one of fused's kernels (the
     residual add + RMSNorm after o_proj and down_proj, SiLU·mul after gate_up) leaves the sum
     here, and that consumer reads it, rounds it as the GEMM would have, and writes zeros back: the
-    workspace is clean again before the next split-K GEMM starts (stream order). Exactly one
-    consumer must take it, right away (`materialize` is the fallback). See defer_splitk."""
+    workspace is clean again before the next split-K GEMM starts (stream order). The qkv projection's
+    goes the same way to the launch that applies RoPE and writes the KV cache
+    (paged_attention.rope_cache_write). Exactly one consumer must take it, right away
+    (`materialize` is the fallback). See defer_splitk."""
 
     acc: torch.Tensor  # fp32 [M, N], contiguous
     dtype: torch.dtype
@@ -105,6 +107,16 @@ class PendingSum:
     @property
     def shape(self) -> torch.Size:
         return self.acc.shape
+
+    def split(self, sizes: list[int], dim: int = -1) -> tuple["PendingSum", ...]:
+        """Views of column ranges (q, k and v of a qkv projection; dim must be the last): each taken
+        on its own, or together by one kernel (paged_attention.rope_cache_write)."""
+        if dim not in (-1, self.acc.dim() - 1):
+            raise ValueError("PendingSum.split: only along the last dim")
+        return tuple(PendingSum(a, self.dtype) for a in self.acc.split(sizes, dim=-1))
+
+    def reshape(self, *shape: int) -> "PendingSum":
+        return PendingSum(self.acc.reshape(*shape), self.dtype)
 
     def materialize(self) -> torch.Tensor:
         """y in `dtype`, leaving the workspace zero (torch ops: any consumer)."""

@@ -34,8 +34,8 @@ import triton.language as tl
 
 from fitllm.kernels._fused_triton import _cast, _rope_heads, _rotate_half
 from fitllm.kernels._pdl import let_next_launch, pdl_start, wait_for_previous
-from fitllm.kernels._utils import (device_index, interpreting, num_sms, patch_interpreter_for_numpy_2_4, pdl_args,
-                                   splitk_workspace)
+from fitllm.kernels._utils import (PendingSum, device_index, interpreting, num_sms, patch_interpreter_for_numpy_2_4,
+                                   pdl_args, splitk_workspace)
 
 KIND_FLOAT, KIND_FP8, KIND_INT8, KIND_INT4 = 0, 1, 2, 3
 FP8_MAX = 448.0
@@ -141,12 +141,16 @@ def rope_cache_write_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
     """RoPE and the cache write of an unquantized (float) cache in one step: q [T, Hq, D] rotated IN
     PLACE, k [T, H, D] rotated into the cache at its slots with v (k itself is left as it was:
     after the write nothing reads it). Rounding as apply_rope then cache_write: the rotation in
-    fp32, rounded to k's dtype, then to the cache's."""
+    fp32, rounded to k's dtype, then to the cache's. Returns the rotated queries. q, k, v may be
+    views of a GEMM's PendingSum (the qkv projection's), taken here."""
     from fitllm.kernels.fused import apply_rope_ref
 
+    if isinstance(q, PendingSum):  # views of the qkv GEMM's unfinished sum: finish them here
+        q, k, v = q.materialize(), k.materialize(), v.materialize()
     k_rot = k.clone()
     apply_rope_ref(q, k_rot, cos, sin)
     cache_write_ref(k_rot, v, k_cache, v_cache, None, None, None, None, slot_mapping, KIND_FLOAT, k.shape[-1])
+    return q
 
 
 def gather_ref(cache, scales, zeros, table, length, kind, group, values: bool = False) -> torch.Tensor:
@@ -248,13 +252,14 @@ def _cache_write_kernel(K, V, KC, VC, KS, VS, KZ, VZ, SLOTS, s_kt, s_kh, s_vt, s
 
 
 @triton.jit
-def _rope_write_kernel(Q, K, V, COS, SIN, KC, VC, SLOTS, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ct, s_st, HALF,
+def _rope_write_kernel(Q, K, V, QO, COS, SIN, KC, VC, SLOTS, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ct, s_st, HALF,
                        H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
-                       RNE: tl.constexpr, RNE_C: tl.constexpr, PDL: tl.constexpr = False):
+                       RNE: tl.constexpr, RNE_C: tl.constexpr, X_SUM: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (token t, kv head h): RoPE on h's key, which goes to the float cache at t's slot
     with h's value, and on the G query heads sharing h, rotated in place. One launch instead of
     the RoPE kernel's and the cache write's. RNE / RNE_C: round to bf16 by hand (the interpreter
-    truncates) for q and k's dtype / the cache's."""
+    truncates) for q and k's dtype / the cache's. X_SUM: Q, K, V are views of the qkv GEMM's
+    pending fp32 sum (_utils.PendingSum), taken here; the rotated queries go to QO."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -262,19 +267,66 @@ def _rope_write_kernel(Q, K, V, COS, SIN, KC, VC, SLOTS, s_qt, s_qh, s_kt, s_kh,
     dm = d < HALF
     c = tl.load(COS + t * s_ct + d, mask=dm, other=0.0).to(tl.float32)
     s = tl.load(SIN + t * s_st + d, mask=dm, other=0.0).to(tl.float32)
-    _rope_heads(Q + h * G * s_qh, t, G, s_qt, s_qh, 1, c, s, HALF, RNE, GP, BH)  # q stays where it is
     slot = tl.load(SLOTS + t).to(tl.int64)
     ok = slot >= 0  # a negative slot marks a padding token: nothing is written
     row = (tl.maximum(slot, 0) * H + h) * D
-    kp = K + t * s_kt + h * s_kh + d
-    k1, k2 = _rotate_half(kp, kp + HALF, c, s, dm, RNE)
     CT = KC.dtype.element_ty
-    tl.store(KC + row + d, _cast(k1.to(tl.float32), CT, RNE_C), mask=dm & ok)
-    tl.store(KC + row + HALF + d, _cast(k2.to(tl.float32), CT, RNE_C), mask=dm & ok)
     dv = tl.arange(0, 2 * BH)
     vm = dv < D
-    v = tl.load(V + t * s_vt + h * s_vh + dv, mask=vm, other=0.0)
+    if X_SUM:
+        k1, k2, v = _rope_taking_sum(Q, K, V, QO, t, h, c, s, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, HALF, H, G, GP, D,
+                                     BH, RNE)
+    else:
+        _rope_heads(Q + h * G * s_qh, t, G, s_qt, s_qh, 1, c, s, HALF, RNE, GP, BH)  # q stays where it is
+        kp = K + t * s_kt + h * s_kh + d
+        k1, k2 = _rotate_half(kp, kp + HALF, c, s, dm, RNE)
+        v = tl.load(V + t * s_vt + h * s_vh + dv, mask=vm, other=0.0)
+    tl.store(KC + row + d, _cast(k1.to(tl.float32), CT, RNE_C), mask=dm & ok)
+    tl.store(KC + row + HALF + d, _cast(k2.to(tl.float32), CT, RNE_C), mask=dm & ok)
     tl.store(VC + row + dv, _cast(v.to(tl.float32), CT, RNE_C), mask=vm & ok)
+
+
+@triton.jit
+def _rope_taking_sum(Q, K, V, QO, t, h, c, s, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, HALF, H: tl.constexpr,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, RNE: tl.constexpr):
+    """_rope_write_kernel's X_SUM side: reads the program's q, k and v words of the pending sum,
+    rounded as the GEMM would have stored y, zeroes them after a CTA barrier (see
+    _fused_triton._take_sum: the zeros may be stored in another register layout than the loads'),
+    writes the rotated queries to QO [T, H * G, D] and returns the rotated key halves and v."""
+    DT = QO.dtype.element_ty
+    gi = tl.arange(0, GP)[:, None]
+    d = tl.arange(0, BH)[None, :]
+    dm = d < HALF
+    qm = (gi < G) & dm
+    dv = tl.arange(0, 2 * BH)
+    vm = dv < D
+    qp = Q + t * s_qt + (h * G + gi) * s_qh + d
+    kp = K + t * s_kt + h * s_kh + d
+    vp = V + t * s_vt + h * s_vh + dv
+    q1, q2 = _sum_rounded(qp, qm, DT, RNE), _sum_rounded(qp + HALF, qm, DT, RNE)
+    k1, k2 = _sum_rounded(kp, dm, DT, RNE), _sum_rounded(kp + HALF, dm, DT, RNE)
+    v = _sum_rounded(vp, vm, DT, RNE)
+    tl.debug_barrier()
+    _zero(qp, qm)
+    _zero(qp + HALF, qm)
+    _zero(kp, dm)
+    _zero(kp + HALF, dm)
+    _zero(vp, vm)
+    qo = QO + (t * H * G + h * G + gi) * D + d
+    tl.store(qo, _cast(q1 * c - q2 * s, DT, RNE), mask=qm)  # rotated as apply_rope rounds
+    tl.store(qo + HALF, _cast(q2 * c + q1 * s, DT, RNE), mask=qm)
+    return _cast(k1 * c - k2 * s, DT, RNE), _cast(k2 * c + k1 * s, DT, RNE), _cast(v, DT, RNE)
+
+
+@triton.jit
+def _zero(p, mask):
+    tl.store(p, tl.zeros(p.shape, tl.float32), mask=mask, cache_modifier=".cg")
+
+
+@triton.jit
+def _sum_rounded(p, mask, DT: tl.constexpr, RNE: tl.constexpr):
+    """Words of a pending fp32 sum (read at L2, where the GEMM's atomics land), rounded to DT."""
+    return _cast(tl.load(p, mask=mask, other=0.0, cache_modifier=".cg"), DT, RNE).to(tl.float32)
 
 
 @triton.jit
@@ -557,7 +609,13 @@ def cache_write(k, v, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, sl
 
 
 def rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-    """Triton rope_cache_write_ref (same signature): float caches only (v_cache of k_cache's dtype)."""
+    """Triton rope_cache_write_ref (same signature): float caches only (v_cache of k_cache's dtype).
+    q, k, v may be views of the qkv GEMM's PendingSum, taken here: the rotated queries then go to a
+    new tensor. Returns the rotated queries (q itself otherwise)."""
+    pending = isinstance(q, PendingSum)
+    dtype = q.dtype
+    if pending:
+        q, k, v = q.acc, k.acc, v.acc
     t, hq, d = q.shape
     h = k.shape[1]
     if (d % 2 or k.shape != (t, h, d) or v.shape != k.shape or cos.shape != (t, d // 2) or sin.shape != cos.shape
@@ -565,14 +623,16 @@ def rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
             or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1):
         raise ValueError(f"rope_cache_write: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"cos {tuple(cos.shape)}, cache {tuple(k_cache.shape)}")
+    q_out = torch.empty((t, hq, d), dtype=dtype, device=q.device) if pending else q
     if t == 0:
-        return
+        return q_out
     g = hq // h
     _rope_write_kernel[(t, h)](
-        q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q, k, v, q_out, cos, sin, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), d // 2, H=h, G=g, GP=triton.next_power_of_2(g),
-        D=d, BH=triton.next_power_of_2(d // 2), RNE=interpreting() and q.dtype == torch.bfloat16,
-        RNE_C=interpreting() and k_cache.dtype == torch.bfloat16, num_warps=1, **pdl_args(q))
+        D=d, BH=triton.next_power_of_2(d // 2), RNE=interpreting() and dtype == torch.bfloat16,
+        RNE_C=interpreting() and k_cache.dtype == torch.bfloat16, X_SUM=pending, num_warps=1, **pdl_args(q_out))
+    return q_out
 
 
 def _group_args(kind: int, group, d: int) -> dict:

@@ -127,14 +127,18 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, ctx, defer: bool = False):
         """defer: the caller hands the output to a fused RMSNorm (o_proj may return a PendingSum)."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                                          self.num_kv_heads * self.head_dim], dim=-1)
+        # where RoPE rides in the cache write's launch, that launch also takes the qkv GEMM's
+        # unfinished split-K sum (see kernels._utils.PendingSum; not with q/k norms or partial RoPE)
+        rope_in_write = getattr(ctx, "fuses_rope", False)
+        qkv = self.qkv_proj(x, defer=rope_in_write and self.q_norm is None and 2 * cos.shape[-1] == self.head_dim)
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                             self.num_kv_heads * self.head_dim], -1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if getattr(ctx, "fuses_rope", False):  # RoPE in the launch that writes the cache
+        if rope_in_write:  # RoPE in the launch that writes the cache
             out = ctx.attend(self.layer, q, k, v, self.scale, rope=(cos, sin))
         else:
             q, k = fused.apply_rope(q, k, cos, sin)  # in place: q and k are views of the qkv output

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from fitllm.kernels._utils import PendingSum
 from fitllm.kernels.fused import apply_rope, head_affine, head_affine_ref
 
 
@@ -428,13 +429,16 @@ class PagedKVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                scale: float, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """write, then attention; with the three maps into cache space in one launch when it can.
-        rope=(cos, sin): q and k are rotated first (fused into the write where `fuses_rope`)."""
+        rope=(cos, sin): q and k are rotated first (fused into the write where `fuses_rope`; q, k
+        and v may then be views of the qkv GEMM's PendingSum, which that launch takes)."""
         if rope is not None:
             if self.fuses_rope and 2 * rope[0].shape[-1] == q.shape[-1]:  # (partial RoPE: apart)
                 from fitllm.kernels import paged_attention as pa
 
-                pa.rope_cache_write(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
+                q = pa.rope_cache_write(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
                 return self.attention(layer, q, meta, scale)
+            if isinstance(q, PendingSum):  # (the decoder defers only where fuses_rope: a fallback)
+                q, k, v = q.materialize(), k.materialize(), v.materialize()
             q, k = apply_rope(q, k, *rope)
         maps = self._qkv_to_cache_space(layer, q, k, v) if self.transformed else None
         if maps is None:

@@ -20,8 +20,9 @@ class FusedLinear(nn.Module):
     """Base: in_features -> sum(out_sizes), one GEMM for several checkpoint matrices.
 
     forward(x, defer=False) -> y. defer=True is the decoder's promise that y goes straight to one
-    of fitllm.kernels.fused's RMSNorm (with a residual) or SiLU·mul, which also take a split-K
-    GEMM's unfinished sum (kernels._utils.PendingSum): a layer may then return one instead of y.
+    of fitllm.kernels.fused's RMSNorm (with a residual) or SiLU·mul, or (qkv) to the launch that
+    applies RoPE and writes the KV cache, which also take a split-K GEMM's unfinished sum
+    (kernels._utils.PendingSum): a layer may then return one instead of y.
     """
 
     def __init__(self, prefix: str, in_features: int, out_sizes: Sequence[int], bias: bool):
