@@ -311,17 +311,20 @@ def test_batch1_gemv_keeps_four_programs_of_256_threads_per_sm_and_its_loads_up_
 
 
 @pytest.mark.parametrize("kernel,types,consts,warps", [
-    ("rms_norm_kernel", "x_ptr=*fp32,r_ptr=*bf16,w_ptr=*bf16,out_ptr=*bf16,h_ptr=*bf16,eps=fp32",
+    ("_fused_triton:rms_norm_kernel", "x_ptr=*fp32,r_ptr=*bf16,w_ptr=*bf16,out_ptr=*bf16,h_ptr=*bf16,s_ptr=*fp32,eps=fp32",
      "HAS_RES=True,X_SUM=True,RNE=False,RNE_OUT=False,BLOCK_N=4096,PDL=True", 8),
-    ("silu_mul_kernel", "x_ptr=*fp32,out_ptr=*bf16", "X_SUM=True,RNE=False,BLOCK=1024,PDL=True", 4),
-], ids=["rms_norm", "silu_mul"])
+    ("_fused_triton:silu_mul_kernel", "x_ptr=*fp32,out_ptr=*bf16,s_ptr=*fp32", "X_SUM=True,RNE=False,BLOCK=1024,PDL=True",
+     4),
+    ("paged_attention:_rope_write_kernel", "Q=*fp32,K=*fp32,V=*fp32,QO=*bf16,COS=*fp32,SIN=*fp32,KC=*bf16,VC=*bf16,"
+     "SLOTS=*i64", "H=8,G=4,GP=4,D=128,BH=64,RNE=False,RNE_C=False,X_SUM=True,PDL=True", 1),
+], ids=["rms_norm", "silu_mul", "rope_cache_write"])
 def test_pending_sum_consumers_zero_only_words_every_thread_has_read(kernel, types, consts, warps, tmp_path):
     """A consumer of a PendingSum loads the sum, then zeroes it; the compiler stores the zeros in
     another register layout than the load's, so unless a CTA barrier separates the two, a thread can
     zero words that another thread has not read (H200: consumers wrong at random by up to 47 %,
     benchmarks/defer_check.py, thirteenth session). Compiled offline for sm_90: every zero store
     (STG of RZ) comes after a BAR.SYNC that comes after every load."""
-    _sass_loop(f"fitllm.kernels._fused_triton:{kernel}", consts, warps, 1, types=types, dump=tmp_path)
+    _sass_loop(f"fitllm.kernels.{kernel}", consts, warps, 1, types=types, dump=tmp_path)
     sass = [line for line in (tmp_path / "kernel.sass").read_text().splitlines() if "/*" in line]
     zero_stores = [i for i, line in enumerate(sass) if "STG" in line and line.rstrip(" ;").endswith("RZ")]
     assert zero_stores, "no zero store found: the check no longer matches the code"
