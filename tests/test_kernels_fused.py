@@ -285,6 +285,25 @@ def test_decoder_fused_paths_agree(family, dtype, monkeypatch):
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
+def quantized_model(cfg, weight):
+    """A bf16 CausalLM of `cfg` with random parameters whose every fused linear is a QuantLinear
+    holding weight(K, N) (a TiledWeight, an FP8Weight, ...)."""
+    from fitllm.quant.layers import QuantLinear
+
+    torch.manual_seed(0)
+    model = CausalLM(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + randn(*p.shape, scale=0.1) if "norm" in name else randn(*p.shape))
+    for name, lin in list(model.fused_linears().items()):
+        q = QuantLinear(lin.prefix, lin.in_features, lin.out_sizes, False, reader=None, dtype=torch.bfloat16,
+                        device="cpu")
+        q.parts = [weight(lin.in_features, lin.out_features)]
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, q)
+    return model
+
+
 @pytest.mark.parametrize("tokens", [1, 5])  # the batch-1 GEMV, the tensor-core kernel
 @pytest.mark.parametrize("paged", [False, True], ids=["no-cache", "paged-bf16"])
 def test_decoder_hands_split_k_sums_to_the_fused_kernels(tokens, paged, monkeypatch):
@@ -298,24 +317,13 @@ def test_decoder_hands_split_k_sums_to_the_fused_kernels(tokens, paged, monkeypa
     from fitllm.kernels import paged_attention as pa
     from fitllm.models.kv_cache import AttentionMetadata, ForwardContext, PagedKVCache
     from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
-    from fitllm.quant.layers import QuantLinear
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=256, intermediate_size=384,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6)
-    torch.manual_seed(0)
-    model = CausalLM(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + randn(*p.shape, scale=0.1) if "norm" in name else randn(*p.shape))
-    for name, lin in list(model.fused_linears().items()):  # K > 128: split-K GEMMs
-        K, N = lin.in_features, lin.out_features
-        q = QuantLinear(lin.prefix, K, lin.out_sizes, False, reader=None, dtype=torch.bfloat16, device="cpu")
-        q.parts = [TiledWeight.from_kernel(KernelWeight(
-            pack_dim0(torch.randint(0, 16, (K, N), generator=GEN), 4), (torch.rand(1, N, generator=GEN) * 0.02
-                                                                        + 0.01).bfloat16(),
-            torch.randint(0, 16, (1, N), generator=GEN).bfloat16(), 4, K))]
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, q)
+    model = quantized_model(cfg, lambda K, N: TiledWeight.from_kernel(KernelWeight(  # K > 128: split-K GEMMs
+        pack_dim0(torch.randint(0, 16, (K, N), generator=GEN), 4),
+        (torch.rand(1, N, generator=GEN) * 0.02 + 0.01).bfloat16(), torch.randint(0, 16, (1, N), generator=GEN).bfloat16(),
+        4, K)))
     ids = torch.randint(0, 96, (tokens,), generator=GEN)
     positions = torch.arange(tokens)
     monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
@@ -430,17 +438,8 @@ def test_decoder_hands_fp8_gemms_their_activations_quantized(tokens, monkeypatch
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=128, intermediate_size=192,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6)
-    torch.manual_seed(0)
-    model = CausalLM(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + randn(*p.shape, scale=0.1) if "norm" in name else randn(*p.shape))
-    for name, lin in list(model.fused_linears().items()):
-        K, N = lin.in_features, lin.out_features
-        q = QuantLinear(lin.prefix, K, lin.out_sizes, False, reader=None, dtype=torch.bfloat16, device="cpu")
-        q.parts = [FP8Weight((randn(N, K) * 2).to(torch.float8_e4m3fn), torch.rand(N, generator=GEN) * 0.02 + 0.005)]
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, q)
+    model = quantized_model(cfg, lambda K, N: FP8Weight((randn(N, K) * 2).to(torch.float8_e4m3fn),
+                                                        torch.rand(N, generator=GEN) * 0.02 + 0.005))
     ids = torch.randint(0, 96, (tokens,), generator=GEN)
     positions, ctx = torch.arange(tokens), NoCacheContext([tokens])
     quantized = []
