@@ -5,7 +5,7 @@ oracle (relative error < 1e-2) before it is timed; the table's own config, torch
 cuBLAS are timed the same way in the same run. Prints per M the best config of each linear and the
 layer sums (table, best per linear, _scaled_mm, bf16). Writes $OUT/fp8_sweep.json.
 
-  python3 benchmarks/fp8_sweep.py --out $OUT [--m 16,64,256,1024,4096] [--budget-s 400]
+  python3 benchmarks/fp8_sweep.py --out $OUT [--m 16,64,256,1024,4096] [--budget-s 400] [--more]
 """
 
 from __future__ import annotations
@@ -44,6 +44,25 @@ def candidates(M: int) -> list[dict]:
                                                          (64, 256, 128, 8, 3), (128, 64, 128, 4, 4))]
 
 
+def more_candidates(M: int) -> list[dict]:
+    """--more: the neighbours of the table's winners (fourteenth session) at M <= 256."""
+    c = _cfg
+    if M <= 16:
+        return [c(16, 64, 256, 4, s, wv, swap=True) for s in (5, 6) for wv in (1, 2, 3)] + [
+            c(16, 32, 256, 4, 4, wv, swap=True) for wv in (2, 4)] + [
+            c(16, 128, 256, 8, s, wv, swap=True) for s in (3, 5) for wv in (6, 8, 12)]
+    if M <= 64:
+        return ([c(64, 64, bk, w, s, wv) for bk, w, s in ((256, 4, 5), (256, 4, 6), (512, 4, 3), (256, 8, 4),
+                                                            (128, 4, 6)) for wv in (1, 1.5)]
+                + [c(64, 32, 256, 4, 4, wv) for wv in (1, 2)] + [c(32, 64, 256, 4, 4, wv) for wv in (1, 2)]
+                + [c(64, 128, 128, 4, s, 1) for s in (5, 6)] + [c(64, 128, 256, 4, 3, 1)])
+    if M <= 256:
+        return [c(bm, bn, bk, w, s) for bm, bn, bk, w, s in (
+            (128, 64, 256, 4, 5), (128, 64, 128, 4, 6), (64, 128, 256, 4, 4), (128, 128, 256, 8, 3),
+            (64, 256, 128, 4, 4), (256, 64, 128, 8, 4), (128, 64, 256, 8, 4), (128, 128, 128, 8, 5))]
+    return []
+
+
 def name(cfg: dict) -> str:
     return (f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']} "
             f"waves{cfg.get('waves', 0)}{' swap' if cfg.get('SWAP') else ''}")
@@ -54,6 +73,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--m", default="16,64,256,1024,4096")
     ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--more", action="store_true", help="also the table winners' neighbours (M <= 256)")
     a = ap.parse_args()
     deadline = time.time() + a.budget_s
     dev = torch.device("cuda", 0)
@@ -77,7 +97,8 @@ def main() -> int:
                        xq[0], w["weight_fp8"].t(), scale_a=xq[1], scale_b=w["weight_scale"].view(1, -1),
                        out_dtype=torch.bfloat16) for w in ws])}
             sweep = []
-            for cfg in [table] + candidates(M) + [table]:  # the table again last: clocks settle
+            for cfg in [table] + candidates(M) + (more_candidates(M) if a.more else []) + [table]:  # table last
+                # again too: clocks settle
                 if time.time() > deadline:
                     break
                 try:
