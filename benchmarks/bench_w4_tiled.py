@@ -149,8 +149,34 @@ def model_check(shape="smollm2-135m"):
         out[f"defer_vs_not_M{tokens}"] = e(got["1"], got["0"])
         out[f"not_vs_not_M{tokens}"] = e(got["0 again"], got["0"])
         out[f"defer_argmax_agree_M{tokens}"] = (got["1"].argmax(-1) == got["0"].argmax(-1)).float().mean().item()
+    # the same over a paged bf16 cache, where RoPE rides in the cache write's launch and qkv_proj's sum is
+    # taken there too: a prefill of 88 tokens, then 8 decode steps
+    got = {}
+    for defer in ("1", "0", "0 again"):
+        os.environ["FITLLM_SPLITK_DEFER"] = defer[0]
+        got[defer] = paged_logits(models["tiled"], ids)
+    os.environ.pop("FITLLM_SPLITK_DEFER")
+    out["paged_defer_vs_not"], out["paged_not_vs_not"] = e(got["1"], got["0"]), e(got["0 again"], got["0"])
+    out["paged_defer_argmax_agree"] = (got["1"].argmax(-1) == got["0"].argmax(-1)).float().mean().item()
     log(f"model check {shape}: {out}")
     return out
+
+
+def paged_logits(model, ids, prefill: int = 88):
+    """Logits of the last prefill token and of each decode step after it, over a fresh paged bf16 cache."""
+    from fitllm.models.kv_cache import AttentionMetadata, ForwardContext, PagedKVCache
+
+    c, dev = model.config, ids.device
+    cache = PagedKVCache(c.num_layers, 8, 16, c.num_kv_heads, c.head_dim, dtype=torch.bfloat16, device=dev,
+                         kv_dtype="bf16")
+    table = list(range(8))
+    rows = []
+    with torch.inference_mode():
+        for lo, hi in [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.numel())]:
+            meta = AttentionMetadata.build([hi - lo], [hi], [table], 16, dev)
+            pos = torch.arange(lo, hi, device=dev)
+            rows.append(model.compute_logits(model(ids[lo:hi], pos, ForwardContext(cache, meta))[-1:]).float())
+    return torch.cat(rows)
 
 
 def main():

@@ -7,7 +7,9 @@ benchmarks/_pa_baseline.py`, not committed) in place of the current one. Variant
 skip-silu and skip-both are timing only, with WRONG math: the RMSNorms (every one, with their
 residual adds) and / or SiLU·mul launch nothing, which bounds what fusing them into the GEMVs could
 save; a skipped norm hands on the residual stream unchanged (the embedding: it stays finite, so no
-row fails and every variant decodes all its tokens). Variant w4-prev builds its own model with an
+row fails and every variant decodes all its tokens). Variant skip-attn (timing only, wrong math too)
+launches no attention kernel: the layer's attention output is its rotated queries (the cache is
+still written), which bounds what decode attention costs the step. Variant w4-prev builds its own model with an
 earlier fitllm/kernels/w4a16_tiled.py (the module fitllm.kernels._w4_prev, e.g. `git show
 REV:fitllm/kernels/w4a16_tiled.py > fitllm/kernels/_w4_prev.py`, not committed): its packing and
 kernels, e.g. another weight layout. Variant fp8-prev serves the same fp8 model through an earlier
@@ -59,6 +61,7 @@ VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart":
             "w4-prev": {"FITLLM_PDL": "1"}, "fp8-prev": {"FITLLM_PDL": "1"},
             "defer-on": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "1"},
             "defer-off": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"}, "wide-off": {"FITLLM_PDL": "1"},
+            "skip-attn": {"FITLLM_PDL": "1"},
             "fp8q-on": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "1"},
             "fp8q-off": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "0"}}
 
@@ -100,6 +103,7 @@ def main() -> int:
     args = ap.parse_args()
     rows = []
     fuses_rope, apart = PagedKVCache.fuses_rope, property(lambda self: False)
+    attention, no_attention = PagedKVCache.attention, lambda self, layer, q, meta, scale: q
     gemv_row = current_w4.TILED_CONFIGS["sm90"][0][1]  # variant wide-off: every linear at the row's waves
     wide = gemv_row["wide"]
     for scheme in args.schemes.split(","):
@@ -113,6 +117,7 @@ def main() -> int:
                 os.environ.update(VARIANTS[name])
                 gemv_row["wide"] = None if name == "wide-off" else wide
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
+                PagedKVCache.attention = no_attention if name == "skip-attn" else attention
                 skip_kernels(name)
                 use_kernel_module("paged_attention", importlib.import_module("_pa_baseline") if name == "attn-prev"
                                   else current_attention)
