@@ -19,7 +19,9 @@ split-K sums to the fused kernels (kernels._utils.PendingSum; the default), defe
 in each GEMM (FITLLM_SPLITK_DEFER=0), and wide-off runs the batch-1 GEMV's wide linears (gate_up)
 at the table row's own split-K waves. Variant fp8q-on lets the RMSNorms and SiLU·mul quantize the
 fp8 GEMMs' activations (kernels._utils.Fp8Activations; the default), fp8q-off leaves that to each
-GEMM's own quantizer launch (FITLLM_FP8_FUSED_QUANT=0).
+GEMM's own quantizer launch (FITLLM_FP8_FUSED_QUANT=0). Variant fused-prev runs an earlier
+fitllm/kernels/_fused_triton.py (the module fitllm.kernels._fused_prev, made as _w4_prev, not
+committed), small-prev that and _pa_baseline together.
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import build, engine_for  # noqa: E402
 from gpu_engine_check import decode_speed, free, throughput  # noqa: E402
 
+import fitllm.kernels._fused_triton as current_fused  # noqa: E402
 import fitllm.kernels.fp8 as current_fp8  # noqa: E402
 import fitllm.kernels.paged_attention as current_attention  # noqa: E402
 import fitllm.kernels.w4a16_tiled as current_w4  # noqa: E402
@@ -61,7 +64,7 @@ VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart":
             "w4-prev": {"FITLLM_PDL": "1"}, "fp8-prev": {"FITLLM_PDL": "1"},
             "defer-on": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "1"},
             "defer-off": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"}, "wide-off": {"FITLLM_PDL": "1"},
-            "skip-attn": {"FITLLM_PDL": "1"},
+            "skip-attn": {"FITLLM_PDL": "1"}, "fused-prev": {"FITLLM_PDL": "1"}, "small-prev": {"FITLLM_PDL": "1"},
             "fp8q-on": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "1"},
             "fp8q-off": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "0"}}
 
@@ -119,8 +122,10 @@ def main() -> int:
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
                 PagedKVCache.attention = no_attention if name == "skip-attn" else attention
                 skip_kernels(name)
-                use_kernel_module("paged_attention", importlib.import_module("_pa_baseline") if name == "attn-prev"
-                                  else current_attention)
+                use_kernel_module("paged_attention", importlib.import_module("_pa_baseline")
+                                  if name in ("attn-prev", "small-prev") else current_attention)
+                use_kernel_module("_fused_triton", importlib.import_module("fitllm.kernels._fused_prev")
+                                  if name in ("fused-prev", "small-prev") else current_fused)
                 use_kernel_module("w4a16_tiled", importlib.import_module("fitllm.kernels._w4_prev")
                                   if name == "w4-prev" else current_w4)
                 use_kernel_module("fp8", importlib.import_module("fitllm.kernels._fp8_prev")

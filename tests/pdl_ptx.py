@@ -43,8 +43,9 @@ KERNELS = {
                     dict(K="*bf16", V="*bf16", KC="*bf16", VC="*bf16", KS="*fp32", VS="*fp32", KZ="*fp32",
                          VZ="*fp32", SLOTS="*i64"), dict(KV), 1, 1, False),
     "rope_write": ("fitllm.kernels.paged_attention:_rope_write_kernel",
-                   dict(Q="*bf16", K="*bf16", V="*bf16", COS="*fp32", SIN="*fp32", KC="*bf16", VC="*bf16",
-                        SLOTS="*i64"), dict(H=8, G=4, GP=4, D=128, BH=64, RNE=False, RNE_C=False), 1, 1, False),
+                   dict(Q="*bf16", K="*bf16", V="*bf16", QO="*bf16", COS="*fp32", SIN="*fp32", KC="*bf16",
+                        VC="*bf16", SLOTS="*i64"), dict(H=8, G=4, GP=4, D=128, BH=64, RNE=False, RNE_C=False), 1, 1,
+                   False),
     "rms_norm": ("fitllm.kernels._fused_triton:rms_norm_kernel",
                  dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16", eps="fp32"),
                  dict(HAS_RES=True, RNE=False, RNE_OUT=False, BLOCK_N=4096), 8, 1, False),
@@ -64,8 +65,15 @@ KERNELS = {
 }
 
 
-def first(ptx: str, pattern: str) -> int:
-    m = re.search(pattern, ptx)
+# Kernels that read, before their wait, what was written two or more launches earlier or by the host
+# before the step (_pdl.py): RMSNorm its weight and residual, the RoPE + cache write its tables and
+# slots, decode attention the sequence lengths. Their other loads (the previous kernel's output) and
+# every store still come after the wait.
+EARLY_LOADS = {"rms_norm", "rope_write", "decode"}
+
+
+def first(ptx: str, pattern: str, after: int = 0) -> int:
+    m = re.compile(pattern).search(ptx, max(after, 0))
     return m.start() if m else -1
 
 
@@ -89,9 +97,10 @@ def main() -> None:
         mod, fn = path.split(":")
         ptx = compile_kernel(getattr(importlib.import_module(mod), fn), types, {**consts, "PDL": True},
                              warps=warps, stages=stages).asm["ptx"]
-        out[name] = {"big": big, "wait": first(ptx, r"griddepcontrol\.wait"),
+        load, wait = r"\b(ld|cp\.async)\.(global|ca|cg)", first(ptx, r"griddepcontrol\.wait")
+        out[name] = {"big": big, "early": name in EARLY_LOADS, "wait": wait,
                      "release": first(ptx, r"griddepcontrol\.launch_dependents"),
-                     "load": first(ptx, r"\b(ld|cp\.async)\.(global|ca|cg)"),
+                     "load": first(ptx, load), "load_after_wait": first(ptx, load, wait),
                      "store": first(ptx, r"\b(st|atom|red)\.global")}
     print(json.dumps(out))
 

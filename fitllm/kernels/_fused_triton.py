@@ -37,6 +37,17 @@ def _take_sum(ptrs, mask, DT: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
+def _take_two_sums(pa, pb, mask, DT: tl.constexpr, RNE: tl.constexpr):
+    """_take_sum of two slices with one barrier (its wait is a round trip to memory: one, not two)."""
+    a = tl.load(pa, mask=mask, other=0.0, cache_modifier=".cg")
+    b = tl.load(pb, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.debug_barrier()
+    tl.store(pa, tl.zeros_like(a), mask=mask, cache_modifier=".cg")
+    tl.store(pb, tl.zeros_like(b), mask=mask, cache_modifier=".cg")
+    return _cast(a, DT, RNE).to(tl.float32), _cast(b, DT, RNE).to(tl.float32)
+
+
+@triton.jit
 def _store_out(ptrs, v, mask, s_ptr, row, RNE: tl.constexpr, FP8: tl.constexpr, ACT: tl.constexpr,
                EXACT: tl.constexpr):
     """A kernel's output row v (fp32): rounded to the output's dtype, or (FP8 1: dynamic scale per
@@ -57,24 +68,28 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, s_ptr, N, n_inner, sx_o
     # views (q|k slices of the qkv output) without a copy. out and h are contiguous. X_SUM: x is a
     # GEMM's pending fp32 sum (taken here; HAS_RES then, whose dtype is the activations'). FP8: out
     # gets e4m3 codes for an fp8 GEMM and s_ptr the scales (see _store_out).
-    pdl_start(PDL)
+    # The weight and the residual are read before waiting for the previous kernel (PDL): neither is
+    # that kernel's output (the decoder's residual comes from a norm two or more launches back), and
+    # their round trip to memory then overlaps the wait instead of following the sum's.
     row = tl.program_id(0).to(tl.int64)
     outer, inner = row // n_inner, row % n_inner
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_ptr + outer * sr_o + inner * sr_i + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_start(PDL)
     DT = h_ptr.dtype.element_ty if HAS_RES else x_ptr.dtype.element_ty
     if X_SUM:
         x = _take_sum(x_ptr + outer * sx_o + inner * sx_i + cols, mask, DT, RNE)
     else:
         x = tl.load(x_ptr + outer * sx_o + inner * sx_i + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        r = tl.load(r_ptr + outer * sr_o + inner * sr_i + cols, mask=mask, other=0.0).to(tl.float32)
         h = _cast(x + r, DT, RNE)  # the reference adds in the activation dtype
         tl.store(h_ptr + row * N + cols, h, mask=mask)
         x = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
     y = _cast(x * rstd, DT, RNE).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     _store_out(out_ptr + row * N + cols, w * y, mask, s_ptr, row, RNE_OUT, FP8, ACT, EXACT)
 
 
@@ -129,8 +144,7 @@ def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl
     mask = cols < I
     DT = ACT if FP8 else out_ptr.dtype.element_ty
     if X_SUM:
-        g = _take_sum(x_ptr + t * sx_t + cols, mask, DT, RNE)
-        u = _take_sum(x_ptr + t * sx_t + I + cols, mask, DT, RNE)
+        g, u = _take_two_sums(x_ptr + t * sx_t + cols, x_ptr + t * sx_t + I + cols, mask, DT, RNE)
     else:
         g = tl.load(x_ptr + t * sx_t + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + t * sx_t + I + cols, mask=mask, other=0.0).to(tl.float32)

@@ -8,8 +8,13 @@ the previous kernel. `let_next_launch` allows the next kernel to launch that ear
 step of ~10 kernels a layer this overlaps each launch with its predecessor's tail (H200, batch-1
 decode, every weight scheme: about +5 % tokens/s; benchmarks/RESULTS.md, sixth session).
 
-Every PDL kernel waits in every program, so a kernel's completion implies its predecessor's, and
-"waited for the previous kernel" covers all the earlier ones too. Kernels that fill the GPU
+Every PDL kernel waits in every program that does any work (a program with nothing to do may exit
+at once), so a kernel's completion implies its predecessor's, and "waited for the previous kernel"
+covers all the earlier ones too. It follows that a kernel may READ, before its wait, anything written
+two or more launches earlier, or by the host before the step: it starts only once its predecessor
+released it, which every kernel here does after its own wait, so everything before that one is done.
+The small kernels use that to overlap a round trip to memory with the wait (RMSNorm's weight and
+residual, the RoPE tables and slots, the attention's sequence lengths). Kernels that fill the GPU
 release the next one after their main loop; small ones right after their wait (pdl_start).
 Launched without PDL (older GPUs, FITLLM_PDL=0) both are no-ops. The host side is
 _utils.pdl_args; under TRITON_INTERPRET=1 the kernels get PDL=False and never emit them.

@@ -263,12 +263,13 @@ def _config_for(cfg: dict, N: int) -> dict:
 
 
 # Rows (max M, config), first match wins; a row may pick per weight width (_by_width). sm90: H200
-# sweeps, each Llama-3-8B linear alone, its input already quantized (benchmarks/fp8_sweep.py,
-# RESULTS.md 2026-12-03 fourteenth session), µs: M=16 o/down BN64 at 2 waves 8.6/19.4, qkv BN128 at
-# 8 waves 12.5, gate_up 32.1 (layer 72.9; one config at 4 waves: 79.2); M=64 one split 9.8/12.9/24.1
-# (qkv at 2 waves: 21.9), gate_up BN128 BK128 34.3 (layer 81.1, was 104.8); M=256 o/down BM128 BN64
-# BK256 13.0/37.7, qkv 15.0, gate_up BN256 58.8 (124.5, was 137.7); M=1024 qkv BN128 45.2 against 52.6
-# with BN256, whose 192 tiles fill 1.45 waves (others BN256; 359 vs 367); M=4096 BN256 everywhere 1492.
+# sweeps, each Llama-3-8B linear alone, its input already quantized (benchmarks/fp8_sweep.py --more,
+# RESULTS.md 2026-12-03 fourteenth session), µs: M=16 qkv/o/down BN64 BK256 6 stages one split
+# 8.3/8.5/18.7, gate_up BN128 BK128 31.0 (layer 66.5; the old single row 79.2); M=64 o/down BN32
+# 8.1/23.0, qkv BN64 5 stages 9.2, gate_up BN128 BK128 33.3 (73.6, was 104.8); M=256 o/down BM64 BN128
+# BK256 10.9/30.4, qkv BM128 BN128 14.4, gate_up BN256 57.1 (112.8, was 137.7; _scaled_mm 122.1);
+# M=1024 qkv BN128 44.9 against 52.6 with BN256, whose 192 tiles fill 1.45 waves (340.1, was 387.5);
+# M=4096 BN256 everywhere.
 _INF = 1 << 62
 FP8_CONFIGS = {
     "sm90": [
@@ -276,10 +277,11 @@ FP8_CONFIGS = {
         # tensor cores for the wide gate_up (33.8 vs 37.2); second session's gemv_explore.
         (1, _by_width(_cfg(16, 64, 256, 4, 4, waves=4, swap=True),
                       (0, 16384, _cfg(1, 16, 512, 8, 1, waves=4, backend="gemv")))),
-        (16, _by_width(_cfg(16, 64, 256, 4, 4, waves=2, swap=True),
-                       (4096, 16384, _cfg(16, 128, 256, 8, 4, waves=8, swap=True)))),
-        (64, _by_width(_cfg(64, 64, 256, 4, 4, waves=1), (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1)))),
-        (256, _by_width(_cfg(128, 128, 128, 8, 4), (0, 4096, _cfg(128, 64, 256, 4, 4)),
+        (16, _by_width(_cfg(16, 64, 256, 4, 6, waves=1, swap=True),
+                       (16384, _INF, _cfg(16, 128, 128, 4, 4, waves=2, swap=True)))),
+        (64, _by_width(_cfg(64, 32, 256, 4, 4, waves=1), (4096, 16384, _cfg(64, 64, 256, 4, 5, waves=1)),
+                       (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1)))),
+        (256, _by_width(_cfg(64, 128, 256, 4, 4), (4096, 16384, _cfg(128, 128, 128, 8, 5)),
                         (16384, _INF, _cfg(128, 256, 128, 8, 3)))),
         (2048, _by_width(_cfg(128, 256, 128, 8, 3), (4096, 16384, _cfg(128, 128, 128, 8, 4)))),
         (_INF, _cfg(128, 256, 128, 8, 3)),

@@ -291,7 +291,9 @@ def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, res
     """RMSNorm over the last dim, math in float32, output in x's dtype (promoted with weight's).
     With `residual`: h = x + residual first, returns (rms_norm(h), h). x may be a GEMM's
     PendingSum: taken (and its workspace zeroed) here. fp8 (the next GEMM's FusedLinear.fp8_input):
-    the Triton path may return the output quantized for that GEMM (Fp8Activations)."""
+    the Triton path may return the output quantized for that GEMM (Fp8Activations). The kernel reads
+    `weight` and `residual` before it waits for the kernel launched just before it (PDL): they must
+    not be that kernel's output (the decoder's residual is a norm's, two or more launches back)."""
     if isinstance(x, PendingSum) and backend_for(x.acc) != "triton":
         x = x.materialize()
     if backend_for(x.acc if isinstance(x, PendingSum) else x) == "triton":

@@ -259,8 +259,9 @@ def _rope_write_kernel(Q, K, V, QO, COS, SIN, KC, VC, SLOTS, s_qt, s_qh, s_kt, s
     with h's value, and on the G query heads sharing h, rotated in place. One launch instead of
     the RoPE kernel's and the cache write's. RNE / RNE_C: round to bf16 by hand (the interpreter
     truncates) for q and k's dtype / the cache's. X_SUM: Q, K, V are views of the qkv GEMM's
-    pending fp32 sum (_utils.PendingSum), taken here; the rotated queries go to QO."""
-    pdl_start(PDL)
+    pending fp32 sum (_utils.PendingSum), taken here; the rotated queries go to QO. cos, sin and
+    the slots are read before waiting for the previous kernel (PDL: the step made them before its
+    layers, _pdl.py)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BH)[None, :]
@@ -268,6 +269,7 @@ def _rope_write_kernel(Q, K, V, QO, COS, SIN, KC, VC, SLOTS, s_qt, s_qh, s_kt, s
     c = tl.load(COS + t * s_ct + d, mask=dm, other=0.0).to(tl.float32)
     s = tl.load(SIN + t * s_st + d, mask=dm, other=0.0).to(tl.float32)
     slot = tl.load(SLOTS + t).to(tl.int64)
+    pdl_start(PDL)
     ok = slot >= 0  # a negative slot marks a padding token: nothing is written
     row = (tl.maximum(slot, 0) * H + h) * D
     CT = KC.dtype.element_ty
@@ -432,8 +434,9 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
     """One (sequence, kv head, split): the G query heads sharing that kv head against one slice of
     the sequence. Partial results (unnormalised acc, running max, sum) go to PO/PML, or straight to
     OUT when there is a single split (DIRECT). FUSED: the split that finishes last combines them
-    (no reduce launch); else _reduce_kernel does. Splits past a sequence's tokens exit at once."""
-    wait_for_previous(PDL)
+    (no reduce launch); else _reduce_kernel does. Splits past a sequence's tokens exit at once.
+    The lengths are read before waiting for the previous kernel (PDL): the step's inputs, written
+    before its first kernel (_pdl.py), so that round trip to memory overlaps the wait."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -441,6 +444,7 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
     start, lo, hi, used = _split_span(seq_len, window, sp, num_splits, BLOCK_N, WINDOWED)
     if sp >= used:  # nothing of this sequence here: no partials, no ticket (the combine reads `used`)
         return
+    wait_for_previous(PDL)  # q and this step's K/V are the previous kernel's
 
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, GP)  # GQA: the group's heads are the rows of one tile (padded to >= 16)
