@@ -13,6 +13,10 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
   rms_norm (with a residual) and silu_mul also take a split-K GEMM's unfinished sum (_utils.PendingSum):
       they read it, round it as the GEMM would have, and zero its workspace, which spares the GEMM
       the two round trips to L2 that finishing y costs (+8 % int4 batch-1 decode on the H200).
+  rms_norm(..., fp8=Fp8Input) and silu_mul(..., fp8=Fp8Input) (the next layer's
+      FusedLinear.fp8_input): their output comes as e4m3 codes and scales for a W8A8 fp8 GEMM
+      (_utils.Fp8Activations), bit for bit what that GEMM's own quantizer would make of it, so the
+      GEMM skips that launch (fp8 batch-1 decode +2.3 %, the producers of 1000 tokens 34 % faster).
   head_affine(x, rot, shift, pre, post, add, out_dtype, split=None) -> per-head ((x - shift) * pre)
       @ rot * post + add: the KV cache's maps between model space and cache space (kv_cache.py) in
       one launch instead of ~6 elementwise kernels and a matmul each; with split=(h0, dtype2), heads
