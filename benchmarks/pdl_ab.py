@@ -9,7 +9,9 @@ residual adds) and / or SiLU·mul launch nothing, which bounds what fusing them 
 save; a skipped norm hands on the residual stream unchanged (the embedding: it stays finite, so no
 row fails and every variant decodes all its tokens). Variant skip-attn (timing only, wrong math too)
 launches no attention kernel: the layer's attention output is its rotated queries (the cache is
-still written), which bounds what decode attention costs the step. Variant w4-prev builds its own model with an
+still written), which bounds what decode attention costs the step. Variant attn-one-split decodes
+every sequence in one split (no partials, no combine): right, but slow at long contexts; at this
+script's lengths it measures what the split combine costs. Variant w4-prev builds its own model with an
 earlier fitllm/kernels/w4a16_tiled.py (the module fitllm.kernels._w4_prev, e.g. `git show
 REV:fitllm/kernels/w4a16_tiled.py > fitllm/kernels/_w4_prev.py`, not committed): its packing and
 kernels, e.g. another weight layout. Variant fp8-prev serves the same fp8 model through an earlier
@@ -64,7 +66,7 @@ VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart":
             "w4-prev": {"FITLLM_PDL": "1"}, "fp8-prev": {"FITLLM_PDL": "1"},
             "defer-on": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "1"},
             "defer-off": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"}, "wide-off": {"FITLLM_PDL": "1"},
-            "skip-attn": {"FITLLM_PDL": "1"}, "fused-prev": {"FITLLM_PDL": "1"}, "small-prev": {"FITLLM_PDL": "1"},
+            "skip-attn": {"FITLLM_PDL": "1"}, "attn-one-split": {"FITLLM_PDL": "1"}, "fused-prev": {"FITLLM_PDL": "1"}, "small-prev": {"FITLLM_PDL": "1"},
             "fp8q-on": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "1"},
             "fp8q-off": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "0"}}
 
@@ -107,6 +109,8 @@ def main() -> int:
     rows = []
     fuses_rope, apart = PagedKVCache.fuses_rope, property(lambda self: False)
     attention, no_attention = PagedKVCache.attention, lambda self, layer, q, meta, scale: q
+    decode_config = current_attention.decode_config  # variant attn-one-split: one split, no combine
+    one_split = lambda *a, **k: dict(decode_config(*a, **k), num_splits=1)  # noqa: E731
     gemv_row = current_w4.TILED_CONFIGS["sm90"][0][1]  # variant wide-off: every linear at the row's waves
     wide = gemv_row["wide"]
     for scheme in args.schemes.split(","):
@@ -121,6 +125,7 @@ def main() -> int:
                 gemv_row["wide"] = None if name == "wide-off" else wide
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
                 PagedKVCache.attention = no_attention if name == "skip-attn" else attention
+                current_attention.decode_config = one_split if name == "attn-one-split" else decode_config
                 skip_kernels(name)
                 use_kernel_module("paged_attention", importlib.import_module("_pa_baseline")
                                   if name in ("attn-prev", "small-prev") else current_attention)
