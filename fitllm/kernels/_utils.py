@@ -43,6 +43,20 @@ def gpu_arch(device_index: int | None) -> str:
     return f"sm{major}{minor}"
 
 
+@functools.lru_cache(maxsize=None)
+def max_shared_memory(device_index: int | None) -> int | None:
+    """Bytes of shared memory one program may use on this GPU (Triton's own launch limit; 232448 on an
+    H100 / H200), None on the CPU and under the interpreter."""
+    if device_index is None or interpreting():
+        return None
+    try:  # the call Triton's own launcher makes before it raises OutOfResources
+        import triton
+
+        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001  (no limit known: configs launch as tuned)
+        return None
+
+
 def device_index(t: torch.Tensor) -> int | None:
     return t.device.index if t.is_cuda else None
 

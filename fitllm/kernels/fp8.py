@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (Fp8Activations, backend_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms,
-                     pdl_args, pending_or_y, pick_config, split_k_for, splitk_buffers)
+from ._utils import (Fp8Activations, backend_for, defer_splitk, device_index, gpu_arch, interpreting,
+                     max_shared_memory, num_sms, pdl_args, pending_or_y, pick_config, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -262,6 +262,23 @@ def _config_for(cfg: dict, N: int) -> dict:
     return cfg
 
 
+def shared_memory_need(cfg: dict, x_bytes: int) -> int:
+    """Bytes of shared memory _fp8_kernel takes with `cfg`: its pipeline holds num_stages x and weight
+    tiles; with 16-bit x (w8a16) the upcast weight tile takes up to one more BN x BK bytes (Triton's
+    own figure for sm_90, compiled offline: exact for w8a8, an upper bound for w8a16)."""
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    return cfg["num_stages"] * bk * (bm * x_bytes + bn) + (bn * bk if x_bytes == 2 else 0)
+
+
+def _fit_shared_memory(cfg: dict, x_bytes: int, limit: int | None) -> dict:
+    """cfg with fewer pipeline stages where its tiles would not fit `limit` bytes: the sm90 rows are
+    tuned for w8a8, and w8a16 holds x in 16 bits (at 4-6 stages some rows need 240-340 KB of 227)."""
+    stages = cfg["num_stages"]
+    while limit is not None and stages > 1 and shared_memory_need(dict(cfg, num_stages=stages), x_bytes) > limit:
+        stages -= 1
+    return cfg if stages == cfg["num_stages"] else dict(cfg, num_stages=stages)
+
+
 # Rows (max M, config), first match wins; a row may pick per weight width (_by_width). sm90: H200
 # sweeps, each Llama-3-8B linear alone, its input already quantized (benchmarks/fp8_sweep.py --more,
 # RESULTS.md 2026-12-03 fourteenth session), µs: M=16 qkv/o/down BN64 BK256 6 stages one split
@@ -337,6 +354,7 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
             return _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer)
         cfg = _cfg(16, 64, 128, 4, 2, waves=4)  # a GEMV config given for M > 1: tensor cores
 
+    cfg = _fit_shared_memory(cfg, xq.element_size(), max_shared_memory(dev))
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     k_tiles = triton.cdiv(K, BK)
