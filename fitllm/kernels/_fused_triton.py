@@ -23,28 +23,47 @@ def _cast(x, DT: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _sum_words(ptrs, mask):
+    """Words of a GEMM's pending fp32 sum (kernels._utils.PendingSum), read at L2 (.cg): the GEMM's
+    atomics land there."""
+    return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _zero_words(ptrs, mask):
+    """Those words zeroed at L2 for the next split-K GEMM: only after a CTA barrier that follows every
+    thread's _sum_words (see _take_sum)."""
+    tl.store(ptrs, tl.zeros(ptrs.shape, tl.float32), mask=mask, cache_modifier=".cg")
+
+
+@triton.jit
+def _as_stored(v, DT: tl.constexpr, RNE: tl.constexpr):
+    """A pending sum's words rounded to DT as the GEMM would have stored y (back in fp32 for the math)."""
+    return _cast(v, DT, RNE).to(tl.float32)
+
+
+@triton.jit
 def _take_sum(ptrs, mask, DT: tl.constexpr, RNE: tl.constexpr):
     """A GEMM's pending fp32 sum (kernels._utils.PendingSum): rounded to DT as the GEMM would have
     stored it, and its workspace zeroed for the next split-K GEMM. The barrier is needed: the
     compiler may store the zeros in another register layout than the load's, so without it a thread
     could zero words another thread has not read yet (seen on the H200: benchmarks/defer_check.py).
-    Read and written at L2 (.cg): the GEMM's atomics land there. (One atomic exchange a word is also
-    right, but scalar and slower: RESULTS.md, thirteenth session.)"""
-    v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    (One atomic exchange a word is also right, but scalar and slower: RESULTS.md, thirteenth
+    session.)"""
+    v = _sum_words(ptrs, mask)
     tl.debug_barrier()
-    tl.store(ptrs, tl.zeros_like(v), mask=mask, cache_modifier=".cg")
-    return _cast(v, DT, RNE).to(tl.float32)
+    _zero_words(ptrs, mask)
+    return _as_stored(v, DT, RNE)
 
 
 @triton.jit
 def _take_two_sums(pa, pb, mask, DT: tl.constexpr, RNE: tl.constexpr):
     """_take_sum of two slices with one barrier (its wait is a round trip to memory: one, not two)."""
-    a = tl.load(pa, mask=mask, other=0.0, cache_modifier=".cg")
-    b = tl.load(pb, mask=mask, other=0.0, cache_modifier=".cg")
+    a, b = _sum_words(pa, mask), _sum_words(pb, mask)
     tl.debug_barrier()
-    tl.store(pa, tl.zeros_like(a), mask=mask, cache_modifier=".cg")
-    tl.store(pb, tl.zeros_like(b), mask=mask, cache_modifier=".cg")
-    return _cast(a, DT, RNE).to(tl.float32), _cast(b, DT, RNE).to(tl.float32)
+    _zero_words(pa, mask)
+    _zero_words(pb, mask)
+    return _as_stored(a, DT, RNE), _as_stored(b, DT, RNE)
 
 
 @triton.jit

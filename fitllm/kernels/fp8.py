@@ -42,19 +42,27 @@ def quantize_fp8_static_ref(x: torch.Tensor, scale: torch.Tensor):
     return torch.clamp(x.float() / s, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+def _codes_of(x, mode: str):
+    """(codes, scales) of activations their producer quantized (Fp8Activations; w8a8 only), else None."""
+    if not isinstance(x, Fp8Activations):
+        return None
+    if mode != "w8a8":
+        raise ValueError("fp8 GEMM: quantized activations need mode 'w8a8'")
+    return x.q, x.scale
+
+
 def fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode="w8a8"):
     """x: [M, K] in the activation dtype, or Fp8Activations (w8a8: already quantized)."""
     ws = weight_scale.float().reshape(-1)  # [N] or [1]
-    if isinstance(x, Fp8Activations):
-        if mode != "w8a8":
-            raise ValueError("fp8 GEMM: quantized activations need mode 'w8a8'")
-        y = (x.q.float() @ weight_fp8.float().t()) * x.scale.float().reshape(-1, 1) * ws
-    elif mode == "w8a8":
-        if input_scale is None:
+    codes = _codes_of(x, mode)
+    if mode == "w8a8":
+        if codes is not None:
+            xq, xs = codes
+        elif input_scale is None:
             xq, xs = quantize_fp8_per_token_ref(x)
         else:
-            xq, xs = quantize_fp8_static_ref(x, input_scale), input_scale.float().reshape(1, 1)
-        y = (xq.float() @ weight_fp8.float().t()) * xs * ws
+            xq, xs = quantize_fp8_static_ref(x, input_scale), input_scale
+        y = (xq.float() @ weight_fp8.float().t()) * xs.float().reshape(-1, 1) * ws
     elif mode == "w8a16":
         y = (x.float() @ weight_fp8.to(x.dtype).float().t()) * ws
     else:
@@ -317,12 +325,9 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     quantization; config, out, defer: as w4a16_tiled_triton."""
     if mode not in ("w8a8", "w8a16"):
         raise ValueError(f"mode must be 'w8a8' or 'w8a16', got {mode!r}")
-    if isinstance(x, Fp8Activations):
-        if mode != "w8a8":
-            raise ValueError("fp8 GEMM: quantized activations need mode 'w8a8'")
-        x_quant, dtype, x = (x.q, x.scale), x.dtype, x.q
-    else:
-        dtype = x.dtype
+    dtype, codes = x.dtype, _codes_of(x, mode)
+    if codes is not None:
+        x_quant, x = codes, x.q
     M, K = x.shape
     N = weight_fp8.shape[0]
     if weight_fp8.shape[1] != K:

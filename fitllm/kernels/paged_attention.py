@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fitllm.kernels._fused_triton import _cast, _rope_heads, _rotate_half
+from fitllm.kernels._fused_triton import _as_stored, _cast, _rope_heads, _rotate_half, _sum_words, _zero_words
 from fitllm.kernels._pdl import let_next_launch, pdl_start, wait_for_previous
 from fitllm.kernels._utils import (PendingSum, device_index, interpreting, num_sms, patch_interpreter_for_numpy_2_4,
                                    pdl_args, splitk_workspace)
@@ -305,30 +305,21 @@ def _rope_taking_sum(Q, K, V, QO, t, h, c, s, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh
     qp = Q + t * s_qt + (h * G + gi) * s_qh + d
     kp = K + t * s_kt + h * s_kh + d
     vp = V + t * s_vt + h * s_vh + dv
-    q1, q2 = _sum_rounded(qp, qm, DT, RNE), _sum_rounded(qp + HALF, qm, DT, RNE)
-    k1, k2 = _sum_rounded(kp, dm, DT, RNE), _sum_rounded(kp + HALF, dm, DT, RNE)
-    v = _sum_rounded(vp, vm, DT, RNE)
+    q1, q2 = _sum_words(qp, qm), _sum_words(qp + HALF, qm)
+    k1, k2 = _sum_words(kp, dm), _sum_words(kp + HALF, dm)
+    v = _sum_words(vp, vm)
     tl.debug_barrier()
-    _zero(qp, qm)
-    _zero(qp + HALF, qm)
-    _zero(kp, dm)
-    _zero(kp + HALF, dm)
-    _zero(vp, vm)
+    _zero_words(qp, qm)
+    _zero_words(qp + HALF, qm)
+    _zero_words(kp, dm)
+    _zero_words(kp + HALF, dm)
+    _zero_words(vp, vm)
+    q1, q2 = _as_stored(q1, DT, RNE), _as_stored(q2, DT, RNE)
+    k1, k2 = _as_stored(k1, DT, RNE), _as_stored(k2, DT, RNE)
     qo = QO + (t * H * G + h * G + gi) * D + d
     tl.store(qo, _cast(q1 * c - q2 * s, DT, RNE), mask=qm)  # rotated as apply_rope rounds
     tl.store(qo + HALF, _cast(q2 * c + q1 * s, DT, RNE), mask=qm)
     return _cast(k1 * c - k2 * s, DT, RNE), _cast(k2 * c + k1 * s, DT, RNE), _cast(v, DT, RNE)
-
-
-@triton.jit
-def _zero(p, mask):
-    tl.store(p, tl.zeros(p.shape, tl.float32), mask=mask, cache_modifier=".cg")
-
-
-@triton.jit
-def _sum_rounded(p, mask, DT: tl.constexpr, RNE: tl.constexpr):
-    """Words of a pending fp32 sum (read at L2, where the GEMM's atomics land), rounded to DT."""
-    return _cast(tl.load(p, mask=mask, other=0.0, cache_modifier=".cg"), DT, RNE).to(tl.float32)
 
 
 @triton.jit
