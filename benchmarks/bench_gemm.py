@@ -243,6 +243,10 @@ def time_all(dev, layer, results, sweep, deadline):
             # (fused.rms_norm / silu_mul with fp8=...), o_proj's comes from attention and is quantized here
             "fp8_fused": lambda w, a, aq, o: fp8_gemm_triton(a, **w["f8"], out=o) if w["name"] == "o"
             else fp8_gemm_triton(a, **w["f8"], x_quant=aq, out=o),
+            # the same with the tensor-core kernel asking L2 for PREFETCH_ALT weight tiles before the PDL
+            # wait (the table's rows up to M = 64 ask for 2; FITLLM_FP8_PREFETCH, read at graph capture)
+            "fp8_fused_alt": lambda w, a, aq, o: with_env("FITLLM_FP8_PREFETCH", str(PREFETCH_ALT), methods["fp8_fused"],
+                                                          w, a, aq, o),
         }
         row = {"M": M}
         # two passes, the second in reverse order, best of both: at large M the card's clocks sag over
@@ -461,6 +465,22 @@ def f8_candidates(M):
     return [c(128, 256, 128, 8, 3), c(128, 128, 128, 8, 4), c(128, 128, 128, 8, 4, backend="scaled_mm")]
 
 
+PREFETCH_ALT = 0  # --prefetch-alt
+
+
+def with_env(name, value, fn, *args):
+    """fn(*args) with the environment variable `name` set to `value` for the call."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn(*args)
+    finally:
+        if before is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before
+
+
 def floors(M):
     """Lower bounds (µs) per layer: max(bytes / BW, flops / peak)."""
     P = sum(K * N for K, N in SHAPES.values())
@@ -473,8 +493,8 @@ def floors(M):
 
 def table(timing):
     lines = ["| M | bf16 cuBLAS | tinygemm | _scaled_mm | fitllm w4a16 (x bf16, % floor) | fitllm fp8 (x bf16, % floor) "
-             "| fp8 as the decoder runs it (vs bf16) | fp8 gemm only |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"| fp8 as the decoder runs it (vs bf16) | the same, L2 prefetch {PREFETCH_ALT} | fp8 gemm only |",
+             "|---|---|---|---|---|---|---|---|---|"]
     f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     for r in timing:
         fl = floors(r["M"])
@@ -484,7 +504,7 @@ def table(timing):
             f"| {r['M']} | {f(b)} | {f(r.get('tinygemm'))} | {f(r.get('scaled_mm'))} | "
             + (f"{w:.0f} ({b / w:.2f}x, {100 * fl['int4'] / w:.0f}%)" if w and b else "-") + " | "
             + (f"{p:.0f} ({b / p:.2f}x, {100 * fl['fp8'] / p:.0f}%)" if p and b else "-") + " | "
-            + (f"{r['fp8_fused']:.0f} ({b / r['fp8_fused']:.2f}x)" if r.get("fp8_fused") and b else "-")
+            + " | ".join(f"{r[k]:.0f} ({b / r[k]:.2f}x)" if r.get(k) and b else "-" for k in ("fp8_fused", "fp8_fused_alt"))
             + f" | {f(r.get('fp8_gemm'))} |")
     return "\n".join(lines)
 
@@ -495,7 +515,11 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--budget-s", type=float, default=230, help="stop sweeping after this many seconds")
     ap.add_argument("--w4-small", action="store_true", help="w4a16 small-M mode (see the module docstring)")
+    ap.add_argument("--prefetch-alt", type=int, default=0,
+                    help="fp8 weight tiles prefetched to L2 in the A/B column (0: none; the table: 2 up to M = 64)")
     args = ap.parse_args()
+    global PREFETCH_ALT
+    PREFETCH_ALT = args.prefetch_alt
     dev = "cuda"
     torch.manual_seed(int(time.time()))
     results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, arch=_utils.gpu_arch(0),
@@ -503,6 +527,7 @@ def main():
     import triton
     results["triton"] = triton.__version__
     log(results["gpu"], results["torch"], "triton", triton.__version__)
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_gemm.json")
 
     def dump():

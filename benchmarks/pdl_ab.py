@@ -23,7 +23,10 @@ at the table row's own split-K waves. Variant fp8q-on lets the RMSNorms and SiLU
 fp8 GEMMs' activations (kernels._utils.Fp8Activations; the default), fp8q-off leaves that to each
 GEMM's own quantizer launch (FITLLM_FP8_FUSED_QUANT=0). Variant fused-prev runs an earlier
 fitllm/kernels/_fused_triton.py (the module fitllm.kernels._fused_prev, made as _w4_prev, not
-committed), small-prev that and _pa_baseline together.
+committed), small-prev that and _pa_baseline together. Variant early-w-on lets the fp8 batch-1 GEMV load
+its first weight tile before the PDL wait (the default), early-w-off after it (FITLLM_EARLY_WEIGHTS=0);
+fp8-pf-2 lets the fp8 tensor-core kernel ask L2 for its first two weight tiles before the wait, fp8-pf-0
+not (FITLLM_FP8_PREFETCH).
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -68,7 +71,11 @@ VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart":
             "defer-off": {"FITLLM_PDL": "1", "FITLLM_SPLITK_DEFER": "0"}, "wide-off": {"FITLLM_PDL": "1"},
             "skip-attn": {"FITLLM_PDL": "1"}, "attn-one-split": {"FITLLM_PDL": "1"}, "fused-prev": {"FITLLM_PDL": "1"}, "small-prev": {"FITLLM_PDL": "1"},
             "fp8q-on": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "1"},
-            "fp8q-off": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "0"}}
+            "fp8q-off": {"FITLLM_PDL": "1", "FITLLM_FP8_FUSED_QUANT": "0"},
+            "early-w-on": {"FITLLM_PDL": "1", "FITLLM_EARLY_WEIGHTS": "1"},
+            "early-w-off": {"FITLLM_PDL": "1", "FITLLM_EARLY_WEIGHTS": "0"},
+            "fp8-pf-0": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "0"},
+            "fp8-pf-2": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "2"}}
 
 
 def skip_kernels(name: str, real=(fused.rms_norm, fused.silu_mul)) -> None:
@@ -121,6 +128,8 @@ def main() -> int:
                 os.environ.pop("FITLLM_DETERMINISTIC", None)
                 os.environ.pop("FITLLM_SPLITK_DEFER", None)  # the product's default (on)
                 os.environ.pop("FITLLM_FP8_FUSED_QUANT", None)  # the same
+                os.environ.pop("FITLLM_EARLY_WEIGHTS", None)  # the same
+                os.environ.pop("FITLLM_FP8_PREFETCH", None)
                 os.environ.update(VARIANTS[name])
                 gemv_row["wide"] = None if name == "wide-off" else wide
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope

@@ -1,5 +1,6 @@
 """Run as a script (no TRITON_INTERPRET): compile every tensor-core config of the sm90 fp8 table, for
-w8a8 and w8a16, as fp8_gemm_triton would launch it on an H100 / H200 (stages fitted to 232448 bytes),
+w8a8 and w8a16, as fp8_gemm_triton would launch it on an H100 / H200 (stages fitted to 232448 bytes,
+its L2 prefetch where the row asks for one),
 for sm_90, and print one JSON line: per config the shared memory Triton needs and fp8's estimate of
 it. tests/test_kernels_gemm.py reads that line."""
 from __future__ import annotations
@@ -31,7 +32,8 @@ def main() -> None:
             types = dict(x_ptr="*fp8e4nv" if x_bytes == 1 else "*bf16", xs_ptr="*fp32", w_ptr="*fp8e4nv",
                          wsc_ptr="*fp32", bias_ptr="*fp32", y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
             consts = dict(W8A8=x_bytes == 1, XS_PER_ROW=True, WS_PER_CHANNEL=True, HAS_BIAS=False, SWAP=cfg["SWAP"],
-                          SPLIT_K=2, UPCAST=False, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], PDL=True)
+                          SPLIT_K=2, UPCAST=False, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], PDL=True,
+                          PREFETCH=cfg.get("prefetch", 0))  # as launched: the small-M rows prefetch
             k = compile_kernel(_fp8_kernel, types, consts, warps=fitted["num_warps"], stages=fitted["num_stages"])
             out.append(dict(cfg={k: v for k, v in cfg.items() if k != "by_n"}, x_bytes=x_bytes,
                             stages=fitted["num_stages"], shared=k.metadata.shared,

@@ -29,9 +29,15 @@ KERNELS = {
                       ASM=True, SCALE_IN_W=False, UPCAST=False), 4, 3, True),
     "fp8_gemv": ("fitllm.kernels.fp8:_fp8_gemv_kernel", FP8_GEMM,
                  dict(W8A8=True, WS_PER_CHANNEL=True, HAS_BIAS=False, USE_WS=True, BN=16, BK=512), 8, 1, True),
+    "fp8_gemv_early": ("fitllm.kernels.fp8:_fp8_gemv_kernel", FP8_GEMM,
+                       dict(W8A8=True, WS_PER_CHANNEL=True, HAS_BIAS=False, USE_WS=True, BN=16, BK=512,
+                            EARLY_W=1), 8, 1, True),
     "fp8_tc": ("fitllm.kernels.fp8:_fp8_kernel", FP8_GEMM,
                dict(W8A8=True, XS_PER_ROW=True, WS_PER_CHANNEL=True, HAS_BIAS=False, SWAP=True, SPLIT_K=2,
                     UPCAST=False, BM=16, BN=64, BK=256), 4, 4, True),
+    "fp8_tc_prefetch": ("fitllm.kernels.fp8:_fp8_kernel", FP8_GEMM,
+                        dict(W8A8=True, XS_PER_ROW=True, WS_PER_CHANNEL=True, HAS_BIAS=False, SWAP=True, SPLIT_K=2,
+                             UPCAST=False, BM=16, BN=64, BK=256, PREFETCH=2), 4, 4, True),
     "quant_fp8": ("fitllm.kernels.fp8:_quant_fp8_kernel", dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
                   dict(STATIC=False, BLOCK=4096, EXACT_ROUND=False), 8, 1, False),
     "decode": ("fitllm.kernels.paged_attention:_decode_kernel", {**ATTN, "PO": "*fp32", "PML": "*fp32", "CNT": "*i32"},
@@ -67,9 +73,9 @@ KERNELS = {
 
 # Kernels that read, before their wait, what was written two or more launches earlier or by the host
 # before the step (_pdl.py): RMSNorm its weight and residual, the RoPE + cache write its tables and
-# slots, decode attention the sequence lengths. Their other loads (the previous kernel's output) and
-# every store still come after the wait.
-EARLY_LOADS = {"rms_norm", "rope_write", "decode"}
+# slots, decode attention the sequence lengths, the fp8 batch-1 GEMV (EARLY_W) its first weight tile.
+# Their other loads (the previous kernel's output) and every store still come after the wait.
+EARLY_LOADS = {"rms_norm", "rope_write", "decode", "fp8_gemv_early"}
 
 
 def first(ptx: str, pattern: str, after: int = 0) -> int:
@@ -101,7 +107,8 @@ def main() -> None:
         out[name] = {"big": big, "early": name in EARLY_LOADS, "wait": wait,
                      "release": first(ptx, r"griddepcontrol\.launch_dependents"),
                      "load": first(ptx, load), "load_after_wait": first(ptx, load, wait),
-                     "store": first(ptx, r"\b(st|atom|red)\.global")}
+                     "store": first(ptx, r"\b(st|atom|red)\.global"),
+                     "prefetch": first(ptx, r"prefetch\.global\.L2")}
     print(json.dumps(out))
 
 

@@ -232,6 +232,21 @@ def test_fp8_gemv_batch1(mode, per_tensor, static, M, waves, K, N):
                                static, True)
 
 
+@pytest.mark.parametrize("mode", ["w8a8", "w8a16"])
+@pytest.mark.parametrize("waves", [0, 4], ids=["one-split", "split"])
+def test_fp8_gemv_loading_its_first_tile_before_the_wait_gives_the_same_bits(mode, waves, monkeypatch):
+    """EARLY_W (the first K tile's weights loaded before the PDL wait) only moves a load: y is bit
+    for bit the one without it, K tail included."""
+    import fitllm.kernels.fp8 as fp8
+
+    cfg = f8cfg(1, 16, 64, 4, 1, waves=waves, backend="gemv")
+    x = torch.randn(1, 200, generator=GEN).to(torch.bfloat16)
+    w, wsc = fp8_weight(40, 200)
+    plain = fp8_gemm_triton(x, w, wsc, mode=mode, config=cfg)
+    monkeypatch.setattr(fp8, "_early_weights", lambda pdl: {"EARLY_W": 1})
+    assert torch.equal(fp8_gemm_triton(x, w, wsc, mode=mode, config=cfg), plain)
+
+
 @pytest.mark.parametrize("cfg", [f8cfg(1, 16, 64, 4, 1, waves=8, backend="gemv"), FP8_CONFIGS[1]], ids=["gemv", "swap"])
 def test_fp8_deferred_split_k_sum_equals_the_finished_output(cfg, monkeypatch):
     """defer=True (kernels._utils.PendingSum; the consumers are tested with the tiled W4A16 GEMMs):

@@ -25,16 +25,21 @@ def test_pdl_kernels_wait_before_touching_memory_and_release_where_intended():
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert found.pop("_unlisted") == [], "kernels taking PDL that pdl_ptx.py does not check"
     assert len(found) >= 14
-    assert {n for n, at in found.items() if at["early"]} == {"rms_norm", "rope_write", "decode"}
+    assert {n for n, at in found.items() if at["early"]} == {"rms_norm", "rope_write", "decode", "fp8_gemv_early"}
     for name, at in found.items():
         # no global store (atomics included) before the wait: the previous kernel may still be reading
         # memory the allocator has handed to us; no load either, but in the kernels that read what
         # older launches wrote first (_pdl.py), whose loads of the previous kernel's output follow it
         if at["early"]:
-            assert 0 <= at["wait"] < at["load_after_wait"], name
+            assert 0 <= at["load"] < at["wait"] < at["load_after_wait"], name
         else:
             assert 0 <= at["wait"] < at["load"], name
         assert at["wait"] < at["store"], name
+        # L2 prefetches (a hint, no data) of weights only before the wait, and only where asked
+        if name.endswith("_prefetch"):
+            assert 0 <= at["prefetch"] < at["wait"], name
+        else:
+            assert at["prefetch"] < 0, name
         assert at["release"] > at["wait"], name
         load = at["load_after_wait"] if at["early"] else at["load"]
         if at["big"]:  # a kernel that fills the GPU lets the next one launch after its main loop

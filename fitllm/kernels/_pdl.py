@@ -19,9 +19,13 @@ release the next one after their main loop; small ones right after their wait (p
 Launched without PDL (older GPUs, FITLLM_PDL=0) both are no-ops. The host side is
 _utils.pdl_args; under TRITON_INTERPRET=1 the kernels get PDL=False and never emit them.
 
-Asking L2 for the weights while a GEMV waits (`prefetch.global.L2` before the wait) was tried
-twice and lost every time on the H200 (batch-1 decode 2-7 % slower; RESULTS.md, sixth and ninth
-sessions), so nothing is issued before the wait.
+Weights are the other thing nobody writes during a step, but touching them before the wait pays
+only in some kernels (H200, RESULTS.md): the int4 batch-1 GEMV lost every time, with `prefetch.
+global.L2` (2-7 %, sixth and ninth sessions) and with its first tile loaded into registers (1.4 %;
+two tiles 8 %, fifteenth session), so it issues nothing before the wait. The fp8 GEMV loads its first
+tile early (EARLY_W: batch-1 decode +1 %), and the fp8 tensor-core kernel asks L2 for its first two
+tiles up to M = 64 (`prefetch_to_l2`; PREFETCH: one layer's linears 1-3 % faster there; at M = 256
+mixed, at M >= 1024 1 % slower, so not there).
 """
 
 from __future__ import annotations
@@ -53,3 +57,13 @@ def pdl_start(PDL: tl.constexpr):
     slower than without PDL; RESULTS.md, sixth session.)"""
     wait_for_previous(PDL)
     let_next_launch(PDL)
+
+
+@triton.jit
+def prefetch_to_l2(ptrs, mask):
+    """Ask L2 for the 128-byte lines holding `ptrs` where `mask` (`prefetch.global.L2`, sm80+): a
+    hint that returns nothing and holds no registers. Only for memory no kernel of the step writes
+    (weights), and only addresses inside the tensor (masked lanes issue nothing)."""
+    tl.inline_asm_elementwise(
+        "{\n.reg .pred p;\nsetp.ne.s32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

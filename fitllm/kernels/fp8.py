@@ -12,6 +12,8 @@ faster on the card (benchmarks/bench_gemm.py).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ._utils import (Fp8Activations, backend_for, defer_splitk, device_index, gpu_arch, interpreting,
@@ -75,7 +77,7 @@ def fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode=
 # --------------------------------------------------------------------------- Triton kernels
 
 if triton is not None:
-    from ._pdl import let_next_launch, pdl_start, wait_for_previous
+    from ._pdl import let_next_launch, pdl_start, prefetch_to_l2, wait_for_previous
     from .w4a16 import _store_tile
 
     @triton.jit
@@ -144,8 +146,11 @@ if triton is not None:
         W8A8: tl.constexpr, XS_PER_ROW: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
         SWAP: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False,
-        ORDERED: tl.constexpr = False, DEFER: tl.constexpr = False,
+        ORDERED: tl.constexpr = False, DEFER: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     ):
+        """y = x W^T on the tensor cores (SWAP: as (W x^T)^T, for small M); program (mn, k) owns a
+        BM x BN tile and K_ITERS K tiles of BK. PREFETCH: asks L2 for its first PREFETCH weight tiles
+        before the PDL wait (weights: _pdl.py's rule), so the pipeline's first loads hit L2."""
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_pid_m = tl.cdiv(M, BM)
@@ -159,6 +164,9 @@ if triton is not None:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if PREFETCH:
+            lines = (pid_k * K_ITERS * BK + tl.arange(0, PREFETCH * BK // 128) * 128)[None, :]
+            prefetch_to_l2(w_ptr + offs_n[:, None] * stride_wn + lines, n_mask[:, None] & (lines < K))
         wait_for_previous(PDL)
         for it in range(0, K_ITERS):
             offs_k = (pid_k * K_ITERS + it) * BK + tl.arange(0, BK)
@@ -193,29 +201,44 @@ if triton is not None:
 
 
     @triton.jit
+    def _fp8_gemv_weights(w_ptr, offs_n, n_mask, kt, K, stride_wn, BK: tl.constexpr):
+        offs_k = kt * BK + tl.arange(0, BK)
+        return tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                       mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+
+    @triton.jit
+    def _fp8_gemv_step(acc, w, x_ptr, kt, K, BK: tl.constexpr):
+        offs_k = kt * BK + tl.arange(0, BK)
+        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        return acc + w.to(tl.float32) * x[None, :]
+
+    @triton.jit
     def _fp8_gemv_kernel(
         x_ptr, xs_ptr, w_ptr, wsc_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, stride_wn, K_ITERS, SPLIT,
         W8A8: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
-        DEFER: tl.constexpr = False,
+        DEFER: tl.constexpr = False, EARLY_W: tl.constexpr = 0,
     ):
         """Batch-1 GEMV on CUDA cores: program (n, k) owns BN weight rows and K_ITERS tiles of BK.
         Products of e4m3 values (and of an e4m3 and a bf16) are exact in fp32, so this computes the
         tensor-core kernel's function; at M=1 the dot's tile would be 1/16 full, and this reads the
-        weights at full width instead."""
+        weights at full width instead. EARLY_W: the first tile's weights are loaded before the PDL
+        wait (_pdl.py: +1 % fp8 batch-1 decode on the H200; the same in the int4 GEMV lost 1.4 %)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         acc = tl.zeros((BN, BK), dtype=tl.float32)
+        first = 0
+        if EARLY_W:
+            w = _fp8_gemv_weights(w_ptr, offs_n, n_mask, pid_k * K_ITERS, K, stride_wn, BK)
         wait_for_previous(PDL)
-        for it in range(0, K_ITERS):
-            offs_k = (pid_k * K_ITERS + it) * BK + tl.arange(0, BK)
-            k_mask = offs_k < K
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            acc += w * x[None, :]
+        if EARLY_W:
+            acc = _fp8_gemv_step(acc, w, x_ptr, pid_k * K_ITERS, K, BK)
+            first = 1
+        for it in range(first, K_ITERS):
+            w = _fp8_gemv_weights(w_ptr, offs_n, n_mask, pid_k * K_ITERS + it, K, stride_wn, BK)
+            acc = _fp8_gemv_step(acc, w, x_ptr, pid_k * K_ITERS + it, K, BK)
         let_next_launch(PDL)
         out = tl.sum(acc, axis=1)
         if WS_PER_CHANNEL:
@@ -287,6 +310,14 @@ def _fit_shared_memory(cfg: dict, x_bytes: int, limit: int | None) -> dict:
     return cfg if stages == cfg["num_stages"] else dict(cfg, num_stages=stages)
 
 
+def _prefetching(row: dict, tiles: int = 2) -> dict:
+    """A table row (and its per-width configs) whose tensor-core kernel asks L2 for its first `tiles`
+    weight tiles before the PDL wait (_fp8_kernel's PREFETCH)."""
+    by_n = tuple((lo, hi, dict(c, prefetch=tiles) if c["backend"] == "triton" else c)
+                 for lo, hi, c in row.get("by_n", ()))
+    return dict(row, prefetch=tiles, **({"by_n": by_n} if by_n else {}))
+
+
 # Rows (max M, config), first match wins; a row may pick per weight width (_by_width). sm90: H200
 # sweeps, each Llama-3-8B linear alone, its input already quantized (benchmarks/fp8_sweep.py --more,
 # RESULTS.md 2026-12-03 fourteenth session), µs: M=16 qkv/o/down BN64 BK256 6 stages one split
@@ -294,18 +325,22 @@ def _fit_shared_memory(cfg: dict, x_bytes: int, limit: int | None) -> dict:
 # 8.1/23.0, qkv BN64 5 stages 9.2, gate_up BN128 BK128 33.3 (73.6, was 104.8); M=256 o/down BM64 BN128
 # BK256 10.9/30.4, qkv BM128 BN128 14.4, gate_up BN256 57.1 (112.8, was 137.7; _scaled_mm 122.1);
 # M=1024 qkv BN128 44.9 against 52.6 with BN256, whose 192 tiles fill 1.45 waves (340.1, was 387.5);
-# M=4096 BN256 everywhere.
+# M=4096 BN256 everywhere. Fifteenth session: up to M = 64 the kernel asks L2 for its first two
+# weight tiles before the PDL wait (one layer's linears in a graph, A/B in the same graph, three runs:
+# M = 16 74 -> 72, 73 -> 71, 71 vs 73 with 1 or 4 tiles; M = 64 78 -> 76, 77 -> 76; fp8 batch-1
+# decode +0.5 %). Not at M = 256 (that A/B favoured whichever column came second) nor M >= 1024
+# (387 -> 391, 1501 -> 1518).
 _INF = 1 << 62
 FP8_CONFIGS = {
     "sm90": [
         # M=1: the CUDA-core GEMV up to N=16384 (qkv 11.3 vs 16.6 µs, down 23.4 vs 24.8), swap-AB
         # tensor cores for the wide gate_up (33.8 vs 37.2); second session's gemv_explore.
-        (1, _by_width(_cfg(16, 64, 256, 4, 4, waves=4, swap=True),
-                      (0, 16384, _cfg(1, 16, 512, 8, 1, waves=4, backend="gemv")))),
-        (16, _by_width(_cfg(16, 64, 256, 4, 6, waves=1, swap=True),
-                       (16384, _INF, _cfg(16, 128, 128, 4, 4, waves=2, swap=True)))),
-        (64, _by_width(_cfg(64, 32, 256, 4, 4, waves=1), (4096, 16384, _cfg(64, 64, 256, 4, 5, waves=1)),
-                       (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1)))),
+        (1, _prefetching(_by_width(_cfg(16, 64, 256, 4, 4, waves=4, swap=True),
+                                   (0, 16384, _cfg(1, 16, 512, 8, 1, waves=4, backend="gemv"))))),
+        (16, _prefetching(_by_width(_cfg(16, 64, 256, 4, 6, waves=1, swap=True),
+                                    (16384, _INF, _cfg(16, 128, 128, 4, 4, waves=2, swap=True))))),
+        (64, _prefetching(_by_width(_cfg(64, 32, 256, 4, 4, waves=1), (4096, 16384, _cfg(64, 64, 256, 4, 5, waves=1)),
+                                    (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1))))),
         (256, _by_width(_cfg(64, 128, 256, 4, 4), (4096, 16384, _cfg(128, 128, 128, 8, 5)),
                         (16384, _INF, _cfg(128, 256, 128, 8, 3)))),
         (2048, _by_width(_cfg(128, 256, 128, 8, 3), (4096, 16384, _cfg(128, 128, 128, 8, 4)))),
@@ -366,14 +401,28 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
     ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if split > 1 else (y, y, {})
     defer = defer and split > 1
+    pdl = pdl_args(x)
     _fp8_kernel[(tiles_mn, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt,
         M, N, K, xq.stride(0), weight_fp8.stride(0), y.stride(0), k_iters,
         W8A8=mode == "w8a8", XS_PER_ROW=xs.numel() > 1, WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None,
         SWAP=cfg.get("SWAP", False), SPLIT_K=split, UPCAST=interpreting(), BM=BM, BN=BN, BK=BK, DEFER=defer,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x), **order,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl, **_prefetch(pdl, cfg), **order,
     )
     return pending_or_y(y, ws, defer)
+
+
+def _prefetch(pdl: dict, cfg: dict) -> dict:
+    """How many weight tiles the tensor-core kernel asks L2 for before the PDL wait: the config's
+    `prefetch` (the sm90 rows up to M = 64), or FITLLM_FP8_PREFETCH=N (A/B runs; 0 turns it off)."""
+    n = int(os.environ.get("FITLLM_FP8_PREFETCH", cfg.get("prefetch", 0)))
+    return {"PREFETCH": n} if pdl and n else {}
+
+
+def _early_weights(pdl: dict) -> dict:
+    """The batch-1 GEMV loads its first weight tile before the PDL wait (EARLY_W; _pdl.py says why
+    that is safe, and where it lost): under PDL, unless FITLLM_EARLY_WEIGHTS=0 (A/B runs)."""
+    return {"EARLY_W": 1} if pdl and os.environ.get("FITLLM_EARLY_WEIGHTS", "1") != "0" else {}
 
 
 def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer=False):
@@ -383,11 +432,12 @@ def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer=False):
     split, k_iters = split_k_for(n_blocks, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
     ws, cnt, order = splitk_buffers(y.device, N, n_blocks, split) if split > 1 else (y, y, {})
     defer = defer and split > 1
+    pdl = pdl_args(y)
     _fp8_gemv_kernel[(n_blocks, split)](
         xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt, N, K, weight_fp8.stride(0), k_iters, split,
         W8A8=mode == "w8a8", WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None, USE_WS=split > 1,
-        BN=BN, BK=BK, DEFER=defer, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(y),
-        **order)
+        BN=BN, BK=BK, DEFER=defer, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
+        **_early_weights(pdl), **order)
     return pending_or_y(y, ws, defer)
 
 
