@@ -6,7 +6,9 @@ K=14336 N=4096). Every timing is a CUDA-graph replay of two copies of the layer'
 Peers in the same run: cuBLAS bf16 F.linear, torch int4 tinygemm, torch._scaled_mm FP8.
 fitllm fp8 times include the per-token activation quantization kernel (the peer's do not; the
 'fp8 gemm' column is fitllm without it; 'as the decoder runs it' quantizes only o_proj's input, since
-the RMSNorms and SiLU·mul before the other three hand them their input quantized). Then a sweep of tile configs per M (to tune the tables in
+the RMSNorms and SiLU·mul before the other three hand them their input quantized; the column after it
+is the same graph with the fp8 tensor-core kernel asking L2 for --prefetch-alt weight tiles before its
+PDL wait, an A/B in one process). Then a sweep of tile configs per M (to tune the tables in
 fitllm/kernels/*.py offline). Writes $OUT/bench_gemm.json; prints a table at the end.
 
   python3 benchmarks/bench_gemm.py --out $OUT [--no-sweep]
