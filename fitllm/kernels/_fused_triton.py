@@ -113,13 +113,18 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, s_ptr, N, n_inner, sx_o
 
 
 @triton.jit
-def _rotate_half(p1, p2, c, s, mask, RNE: tl.constexpr):
-    """Rotate-half RoPE of the halves at p1 and p2: computed in fp32, rounded to their dtype as the
+def _rotated(x1, x2, c, s, DT: tl.constexpr, RNE: tl.constexpr):
+    """Rotate-half RoPE of the halves x1, x2 (fp32) by cos c and sin s, rounded to DT as the
     reference rounds. Returns the new (first, second) halves."""
+    return _cast(x1 * c - x2 * s, DT, RNE), _cast(x2 * c + x1 * s, DT, RNE)
+
+
+@triton.jit
+def _rotate_half(p1, p2, c, s, mask, RNE: tl.constexpr):
+    """_rotated of the halves at p1 and p2, in their dtype."""
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-    DT = p1.dtype.element_ty
-    return _cast(x1 * c - x2 * s, DT, RNE), _cast(x2 * c + x1 * s, DT, RNE)
+    return _rotated(x1, x2, c, s, p1.dtype.element_ty, RNE)
 
 
 @triton.jit

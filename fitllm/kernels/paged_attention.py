@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fitllm.kernels._fused_triton import _as_stored, _cast, _rope_heads, _rotate_half, _sum_words, _zero_words
+from fitllm.kernels._fused_triton import (_as_stored, _cast, _rope_heads, _rotate_half, _rotated, _sum_words,
+                                          _zero_words)
 from fitllm.kernels._pdl import let_next_launch, pdl_start, wait_for_previous
 from fitllm.kernels._utils import (PendingSum, device_index, interpreting, num_sms, patch_interpreter_for_numpy_2_4,
                                    pdl_args, splitk_workspace)
@@ -317,9 +318,11 @@ def _rope_taking_sum(Q, K, V, QO, t, h, c, s, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh
     q1, q2 = _as_stored(q1, DT, RNE), _as_stored(q2, DT, RNE)
     k1, k2 = _as_stored(k1, DT, RNE), _as_stored(k2, DT, RNE)
     qo = QO + (t * H * G + h * G + gi) * D + d
-    tl.store(qo, _cast(q1 * c - q2 * s, DT, RNE), mask=qm)  # rotated as apply_rope rounds
-    tl.store(qo + HALF, _cast(q2 * c + q1 * s, DT, RNE), mask=qm)
-    return _cast(k1 * c - k2 * s, DT, RNE), _cast(k2 * c + k1 * s, DT, RNE), _cast(v, DT, RNE)
+    q1, q2 = _rotated(q1, q2, c, s, DT, RNE)  # rounded as apply_rope rounds
+    tl.store(qo, q1, mask=qm)
+    tl.store(qo + HALF, q2, mask=qm)
+    k1, k2 = _rotated(k1, k2, c, s, DT, RNE)
+    return k1, k2, _cast(v, DT, RNE)
 
 
 @triton.jit
