@@ -5,7 +5,7 @@ oracle (relative error < 1e-2) before it is timed; the table's own config, torch
 cuBLAS are timed the same way in the same run. Prints per M the best config of each linear and the
 layer sums (table, best per linear, _scaled_mm, bf16). Writes $OUT/fp8_sweep.json.
 
-  python3 benchmarks/fp8_sweep.py --out $OUT [--m 16,64,256,1024,4096] [--budget-s 400] [--more]
+  python3 benchmarks/fp8_sweep.py --out $OUT [--m 16,64,256,1024,4096] [--budget-s 400] [--more] [--tma | --only-tma]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.bench_gemm import SHAPES, make_fp8, rel_err  # noqa: E402
 from benchmarks.gemv_explore import graph_us, log  # noqa: E402
 from fitllm.kernels import _utils  # noqa: E402
-from fitllm.kernels.fp8 import FP8_CONFIGS, _cfg, _config_for, fp8_gemm_triton, quantize_fp8_per_token  # noqa: E402
+from fitllm.kernels.fp8 import FP8_CONFIGS, _cfg, _config_for, _tma_cfg, fp8_gemm_triton, quantize_fp8_per_token  # noqa: E402
 
 
 def candidates(M: int) -> list[dict]:
@@ -63,9 +63,33 @@ def more_candidates(M: int) -> list[dict]:
     return []
 
 
+def tma_candidates(M: int) -> list[dict]:
+    """--tma: the TMA kernel. M <= 64: the pointer rows' winners and neighbours, split over K; M >= 256:
+    tile shapes x (persistent + flattened, persistent, one program a tile, persistent +
+    warp-specialised, persistent with M-fastest order)."""
+    t = _tma_cfg
+    if M <= 16:
+        return [t(16, bn, bk, 4, s, wv, swap=True) for bn, bk, s in ((64, 256, 4), (64, 256, 6), (128, 128, 4),
+                                                                      (128, 256, 3), (32, 256, 6))
+                for wv in (1, 2, 4)]
+    if M <= 64:
+        return ([t(64, bn, bk, 4, s, wv) for bn, bk, s in ((32, 256, 4), (64, 256, 5), (128, 128, 4), (64, 128, 6))
+                 for wv in (1, 2)] + [t(64, bn, 256, 4, 4, wv, swap=True) for bn in (64, 128) for wv in (1, 2)])
+    if M < 256:
+        return []
+    tiles = ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4),
+             (128, 128, 256, 8, 3), (256, 128, 128, 8, 3), (128, 256, 64, 8, 5), (64, 256, 128, 4, 4))
+    kinds = (dict(), dict(flatten=False), dict(persistent=False), dict(warp_spec=True), dict(group_m=64))
+    return [_tma_cfg(*t, **k) for t in tiles for k in kinds]
+
+
 def name(cfg: dict) -> str:
+    tma = ""
+    if cfg.get("backend") == "tma":
+        tma = (f" tma{' persistent' if cfg['persistent'] else ''}{' flat' if cfg['flatten'] and not cfg['waves'] else ''}"
+               f"{' ws' if cfg['warp_spec'] else ''} g{cfg['group_m']}")
     return (f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']} "
-            f"waves{cfg.get('waves', 0)}{' swap' if cfg.get('SWAP') else ''}")
+            f"waves{cfg.get('waves', 0)}{' swap' if cfg.get('SWAP') else ''}{tma}")
 
 
 def main() -> int:
@@ -74,6 +98,8 @@ def main() -> int:
     ap.add_argument("--m", default="16,64,256,1024,4096")
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--more", action="store_true", help="also the table winners' neighbours (M <= 256)")
+    ap.add_argument("--tma", action="store_true", help="also the TMA kernel's configs (M >= 256)")
+    ap.add_argument("--only-tma", action="store_true", help="the table's config and the TMA kernel's only")
     a = ap.parse_args()
     deadline = time.time() + a.budget_s
     dev = torch.device("cuda", 0)
@@ -97,7 +123,9 @@ def main() -> int:
                        xq[0], w["weight_fp8"].t(), scale_a=xq[1], scale_b=w["weight_scale"].view(1, -1),
                        out_dtype=torch.bfloat16) for w in ws])}
             sweep = []
-            for cfg in [table] + candidates(M) + (more_candidates(M) if a.more else []) + [table]:  # table last
+            cands = [] if a.only_tma else candidates(M) + (more_candidates(M) if a.more else [])
+            cands += tma_candidates(M) if a.tma or a.only_tma else []
+            for cfg in [table] + cands + [table]:  # table last
                 # again too: clocks settle
                 if time.time() > deadline:
                     break

@@ -38,6 +38,11 @@ KERNELS = {
     "fp8_tc_prefetch": ("fitllm.kernels.fp8:_fp8_kernel", FP8_GEMM,
                         dict(W8A8=True, XS_PER_ROW=True, WS_PER_CHANNEL=True, HAS_BIAS=False, SWAP=True, SPLIT_K=2,
                              UPCAST=False, BM=16, BN=64, BK=256, PREFETCH=2), 4, 4, True),
+    "fp8_tma": ("fitllm.kernels.fp8:_fp8_tma_kernel",
+                dict(x_desc="tensordesc<fp8e4nv[128, 128]>", w_desc="tensordesc<fp8e4nv[256, 128]>", xs_ptr="*fp32",
+                     wsc_ptr="*fp32", bias_ptr="*fp32", y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32"),
+                dict(XS_PER_ROW=True, WS_PER_CHANNEL=True, HAS_BIAS=False, UPCAST=False, SWAP=False, SPLIT_K=1,
+                     BM=128, BN=256, BK=128, GROUP_M=8, FLATTEN=True, WARP_SPEC=False), 8, 4, True),
     "quant_fp8": ("fitllm.kernels.fp8:_quant_fp8_kernel", dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
                   dict(STATIC=False, BLOCK=4096, EXACT_ROUND=False), 8, 1, False),
     "decode": ("fitllm.kernels.paged_attention:_decode_kernel", {**ATTN, "PO": "*fp32", "PML": "*fp32", "CNT": "*i32"},
@@ -103,7 +108,7 @@ def main() -> None:
         mod, fn = path.split(":")
         ptx = compile_kernel(getattr(importlib.import_module(mod), fn), types, {**consts, "PDL": True},
                              warps=warps, stages=stages).asm["ptx"]
-        load, wait = r"\b(ld|cp\.async)\.(global|ca|cg)", first(ptx, r"griddepcontrol\.wait")
+        load, wait = r"\b((ld|cp\.async)\.(global|ca|cg)|cp\.async\.bulk\.tensor)", first(ptx, r"griddepcontrol\.wait")
         out[name] = {"big": big, "early": name in EARLY_LOADS, "wait": wait,
                      "release": first(ptx, r"griddepcontrol\.launch_dependents"),
                      "load": first(ptx, load), "load_after_wait": first(ptx, load, wait),

@@ -9,8 +9,10 @@ import torch
 pytest.importorskip("triton")
 
 from fitllm.kernels import _utils
+from fitllm.kernels import fp8 as fp8_module
 from fitllm.kernels.fp8 import (
     _cfg as f8cfg,
+    _tma_cfg as f8tma,
     _quantize_triton,
     fp8_gemm,
     fp8_gemm_ref,
@@ -194,10 +196,11 @@ FP8_CASES = [  # (M, K, N, mode, per_tensor_w, static_x, bias)
     (5, 256, 40, "w8a16", False, False, True),
     (33, 128, 24, "w8a16", True, False, False),
 ]
-FP8_CONFIGS = [f8cfg(16, 32, 64, 4, 2, waves=4), f8cfg(16, 32, 64, 4, 2, waves=4, swap=True), f8cfg(32, 32, 32, 4, 2)]
+FP8_CONFIGS = [f8cfg(16, 32, 64, 4, 2, waves=4), f8cfg(16, 32, 64, 4, 2, waves=4, swap=True), f8cfg(32, 32, 32, 4, 2),
+               f8tma(16, 32, 64, 4, 2, group_m=2)]  # tma: w8a16 and K % 16 != 0 run the pointer kernel
 
 
-@pytest.mark.parametrize("cfg", FP8_CONFIGS, ids=["splitk", "swap", "plain"])
+@pytest.mark.parametrize("cfg", FP8_CONFIGS, ids=["splitk", "swap", "plain", "tma"])
 @pytest.mark.parametrize("M,K,N,mode,per_tensor,static,bias", FP8_CASES)
 def test_fp8_triton_vs_float64(cfg, M, K, N, mode, per_tensor, static, bias):
     x = torch.randn(M, K, generator=GEN).to(torch.bfloat16)
@@ -219,6 +222,98 @@ def test_fp8_triton_vs_float64(cfg, M, K, N, mode, per_tensor, static, bias):
     assert rel_err(y, oracle(_quantize_triton(x, isc) if mode == "w8a8" else None)) < 1e-2
     # and the reference agrees with its own quantization's oracle
     assert rel_err(fp8_gemm_ref(x, w, ws, isc, b, mode), oracle(ref_quant)) < 1e-2
+
+
+class KernelSpy:
+    """Stands in for a Triton kernel and records its launches: (grid, keyword arguments)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("cfg", [f8tma(16, 16, 32, 4, 2, group_m=2), f8tma(32, 16, 32, 4, 3, group_m=1, flatten=False),
+                                 f8tma(16, 32, 32, 4, 2, persistent=False), f8tma(16, 16, 32, 4, 2, waves=4, swap=True)],
+                         ids=["persistent", "unflattened", "per-tile", "split-swap"])
+@pytest.mark.parametrize("M,K,N,per_tensor,static,bias", [(37, 96, 70, False, False, True), (5, 128, 16, True, True, False)])
+def test_fp8_tma_kernel_computes_the_pointer_kernels_bits(cfg, M, K, N, per_tensor, static, bias, monkeypatch):
+    """The TMA kernel runs where the descriptors allow it, fills every element of a poisoned output,
+    and gives the pointer kernel's bits with the same tiles: 15 tiles over the interpreter's 8
+    programs, so a persistent program walks two; split over K with swapped operands; row and column
+    tails; either scale kind; bias."""
+    x = torch.randn(M, K, generator=GEN).to(torch.bfloat16)
+    w, ws = fp8_weight(N, K, per_tensor)
+    isc = (x.float().abs().max() / 448.0) if static else None
+    b = torch.randn(N, generator=GEN).to(torch.bfloat16) if bias else None
+    xq = _quantize_triton(x, isc)
+    spy = KernelSpy(fp8_module._fp8_tma_kernel)
+    monkeypatch.setattr(fp8_module, "_fp8_tma_kernel", spy)
+    y = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+    fp8_gemm_triton(x, w, ws, isc, b, config=cfg, x_quant=xq, out=y)
+    assert len(spy.launches) == 1 and (spy.launches[0][0][1] > 1) == (cfg["waves"] > 0)
+    y_ptr = fp8_gemm_triton(x, w, ws, isc, b, config=dict(cfg, backend="triton"), x_quant=xq)
+    assert torch.equal(y, y_ptr)
+    oracle = (xq[0].double() * xq[1].double()) @ (w.double() * (ws.double() if per_tensor else ws.double()[:, None])).t()
+    assert rel_err(y, oracle + (b.double() if bias else 0)) < 1e-2
+
+
+@pytest.mark.parametrize("cfg", [f8tma(16, 16, 32, 4, 2), f8tma(16, 16, 32, 4, 2, persistent=False)],
+                         ids=["persistent", "per-tile"])
+def test_fp8_tma_kernel_compiles_once_for_every_m(cfg, monkeypatch):
+    """Nothing that follows M reaches the TMA kernel as a compile-time constant or a specialised integer,
+    so M = 1000 after a warm-up at M = 2048 does not compile mid-serving (an H200 offline run lost half
+    its throughput to that when the program count was a constexpr)."""
+    spy = KernelSpy(fp8_module._fp8_tma_kernel)
+    monkeypatch.setattr(fp8_module, "_fp8_tma_kernel", spy)
+    w, ws = fp8_weight(48, 64)
+    for M in (3, 37, 200):
+        fp8_gemm_triton(torch.randn(M, 64, generator=GEN).to(torch.bfloat16), w, ws, config=cfg)
+    assert len(spy.launches) == 3 and len({repr(sorted(kw.items())) for _, kw in spy.launches}) == 1
+    kernel = spy.kernel  # JITFunction on a GPU, InterpretedFunction here
+    assert {"M", "PROGRAMS"} <= set(getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"])
+
+
+def test_fp8_tma_rows_launch_the_tma_kernel_where_it_pays(monkeypatch):
+    """CUDA graphs and eager steps of TMA_EAGER_MIN_M tokens or more take the TMA kernel; smaller eager
+    steps (bound by the host's launches) keep the pointer kernel; FITLLM_FP8_TMA=0 never takes it."""
+    from types import SimpleNamespace
+
+    gpu = SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert not fp8_module._tma_pays(fp8_module.TMA_EAGER_MIN_M - 1, gpu)
+    assert fp8_module._tma_pays(fp8_module.TMA_EAGER_MIN_M, gpu)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fp8_module._tma_pays(1, gpu)
+    monkeypatch.setenv("FITLLM_FP8_TMA", "0")
+    assert not fp8_module._tma_pays(4096, gpu)
+
+
+def test_engine_warm_up_compiles_every_fp8_kernel_an_eager_step_launches(monkeypatch):
+    """For every eager step size up to the step budget, the sm90 table's configs (one per weight width)
+    and the kernel each runs on are those of some warm-up length, so no step compiles mid-serving."""
+    from types import SimpleNamespace
+
+    from fitllm.kernels import _utils as utils
+    from fitllm.kernels.fp8 import FP8_CONFIGS as TABLES, _config_for
+    from fitllm.serve.engine import LLMEngine
+
+    monkeypatch.setattr(utils, "gpu_arch", lambda _: "sm90")
+    budget = 16384
+    engine = SimpleNamespace(device=SimpleNamespace(index=0), config=SimpleNamespace(max_num_batched_tokens=budget))
+    lengths = LLMEngine._warm_up_lengths(engine)
+
+    def launched(M):
+        row = utils.pick_config(TABLES, "sm90", M)
+        cfgs = [_config_for(row, n) for n in (4096, 6144, 28672)]
+        return repr([(c, c["backend"] == "tma" and M >= fp8_module.TMA_EAGER_MIN_M) for c in cfgs])
+
+    warmed = {launched(m) for m in lengths}
+    assert all(launched(m) in warmed for m in range(1, budget + 1))
 
 
 @pytest.mark.parametrize("mode,per_tensor,static", [("w8a8", False, False), ("w8a8", True, True), ("w8a16", False, False)])
@@ -293,7 +388,7 @@ def test_fp8_table_rows_pick_a_config_per_weight_width():
         for _, cfg in rows:
             spans = sorted((lo, hi) for lo, hi, _ in cfg.get("by_n", ()))
             assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and all(lo < hi for lo, hi in spans)
-            assert all("by_n" not in c and c["backend"] in ("triton", "gemv", "scaled_mm")
+            assert all("by_n" not in c and c["backend"] in ("triton", "tma", "gemv", "scaled_mm")
                        for _, _, c in cfg.get("by_n", ()))
 
 

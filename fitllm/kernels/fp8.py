@@ -22,6 +22,7 @@ from ._utils import (Fp8Activations, backend_for, defer_splitk, device_index, gp
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     triton = None
 
@@ -187,6 +188,14 @@ if triton is not None:
         let_next_launch(PDL)
         if SWAP:
             acc = tl.trans(acc)
+        acc = _scaled(acc, xs_ptr, wsc_ptr, offs_m, offs_n, m_mask, n_mask, W8A8, XS_PER_ROW, WS_PER_CHANNEL)
+        _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                    pid_mn, SPLIT_K, HAS_BIAS, SPLIT_K > 1, ORDERED, pid_k, M * N, DEFER)
+
+    @triton.jit
+    def _scaled(acc, xs_ptr, wsc_ptr, offs_m, offs_n, m_mask, n_mask, W8A8: tl.constexpr, XS_PER_ROW: tl.constexpr,
+                WS_PER_CHANNEL: tl.constexpr):
+        """An output tile of codes' dot products times the weight scales (and, W8A8, the token scales)."""
         if WS_PER_CHANNEL:
             acc = acc * tl.load(wsc_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         else:
@@ -196,9 +205,64 @@ if triton is not None:
                 acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
             else:
                 acc = acc * tl.load(xs_ptr)
-        _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
-                    pid_mn, SPLIT_K, HAS_BIAS, SPLIT_K > 1, ORDERED, pid_k, M * N, DEFER)
+        return acc
 
+    @triton.jit
+    def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        """(pid_m, pid_n) of output tile number `tile`: GROUP_M row tiles walk the N tiles together, so
+        the programs running at once share their x rows and weight tiles in L2."""
+        width = GROUP_M * num_pid_n
+        first_m = (tile // width) * GROUP_M
+        rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (tile % width) % rows, (tile % width) // rows
+
+    @triton.jit(do_not_specialize=["M", "PROGRAMS"])  # both follow M: one compiled kernel for every M
+    def _fp8_tma_kernel(
+        x_desc, w_desc, xs_ptr, wsc_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, stride_ym, K_ITERS, PROGRAMS,
+        XS_PER_ROW: tl.constexpr, WS_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+        SWAP: tl.constexpr, SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
+        PDL: tl.constexpr = False, ORDERED: tl.constexpr = False, DEFER: tl.constexpr = False,
+    ):
+        """_fp8_kernel's function (w8a8) with TMA loads: the copy engine moves whole tiles, no address
+        math or masks in the main loop (tiles past the tensor's edge read zeros). Program (p, k) walks
+        output tiles p, p + PROGRAMS, ... (persistent when PROGRAMS is about the SM count; FLATTEN lets
+        the pipeline run on into the next tile's loads while this one's epilogue runs) over its
+        K_ITERS K tiles. The descriptors come from the host (encoded at launch, by value in CUDA
+        graphs): made on the device instead, they cut the host's launch time from 124 to 77 µs but cost
+        the GPU 1-15 % a linear (H200, sixteenth session)."""
+        pid_k = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BM)
+        num_pid_n = tl.cdiv(N, BN)
+        wait_for_previous(PDL)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=FLATTEN,
+                             warp_specialize=WARP_SPEC):
+            pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            if SWAP:
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for it in range(K_ITERS):
+                k = (pid_k * K_ITERS + it) * BK
+                x = x_desc.load([pid_m * BM, k])
+                w = w_desc.load([pid_n * BN, k])
+                if UPCAST:
+                    x = x.to(tl.float32)
+                    w = w.to(tl.float32)
+                if SWAP:
+                    acc = tl.dot(w, x.T, acc)
+                else:
+                    acc = tl.dot(x, w.T, acc)
+            if SWAP:
+                acc = tl.trans(acc)
+            offs_m = pid_m * BM + tl.arange(0, BM)
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            m_mask = offs_m < M
+            n_mask = offs_n < N
+            acc = _scaled(acc, xs_ptr, wsc_ptr, offs_m, offs_n, m_mask, n_mask, True, XS_PER_ROW, WS_PER_CHANNEL)
+            _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym,
+                        tile, SPLIT_K, HAS_BIAS, SPLIT_K > 1, ORDERED, pid_k, M * N, DEFER)
+        let_next_launch(PDL)
 
     @triton.jit
     def _fp8_gemv_weights(w_ptr, offs_n, n_mask, kt, K, stride_wn, BK: tl.constexpr):
@@ -280,6 +344,15 @@ def _cfg(bm, bn, bk, warps, stages, waves=0.0, swap=False, backend="triton"):
     return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, waves=waves, SWAP=swap, backend=backend)
 
 
+def _tma_cfg(bm, bn, bk, warps, stages, waves=0.0, swap=False, persistent=True, group_m=8, flatten=True,
+             warp_spec=False):
+    """A config of the TMA kernel (w8a8; w8a16 runs it on the pointer kernel): persistent = one program
+    an SM walking the tiles, else one program a tile (and split-K where waves ask for it); group_m:
+    row tiles that walk the N tiles together (_grouped_tile)."""
+    return dict(_cfg(bm, bn, bk, warps, stages, waves, swap, backend="tma"), persistent=persistent and not waves,
+                group_m=group_m, flatten=flatten, warp_spec=warp_spec)
+
+
 def _by_width(row: dict, *ranges) -> dict:
     """A table row's config for the weights whose N (output width) no range below claims, and
     ranges (lo, hi, config): that config for lo < N <= hi."""
@@ -296,9 +369,14 @@ def _config_for(cfg: dict, N: int) -> dict:
 def shared_memory_need(cfg: dict, x_bytes: int) -> int:
     """Bytes of shared memory _fp8_kernel takes with `cfg`: its pipeline holds num_stages x and weight
     tiles; with 16-bit x (w8a16) the upcast weight tile takes up to one more BN x BK bytes (Triton's
-    own figure for sm_90, compiled offline: exact for w8a8, an upper bound for w8a16)."""
+    own figure for sm_90, compiled offline: exact for w8a8, an upper bound for w8a16). The TMA kernel
+    (w8a8) adds its barriers and, flattened, 2 x BM x BK bytes (the same, for a tma config on the
+    pointer kernel's fallback: an upper bound)."""
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    return cfg["num_stages"] * bk * (bm * x_bytes + bn) + (bn * bk if x_bytes == 2 else 0)
+    need = cfg["num_stages"] * bk * (bm * x_bytes + bn) + (bn * bk if x_bytes == 2 else 0)
+    if cfg.get("backend") == "tma" and x_bytes == 1:
+        need += 64 + (2 * bm * bk if cfg["flatten"] else 0)
+    return need
 
 
 def _fit_shared_memory(cfg: dict, x_bytes: int, limit: int | None) -> dict:
@@ -329,7 +407,13 @@ def _prefetching(row: dict, tiles: int = 2) -> dict:
 # weight tiles before the PDL wait (one layer's linears in a graph, A/B in the same graph, three runs:
 # M = 16 74 -> 72, 73 -> 71, 71 vs 73 with 1 or 4 tiles; M = 64 78 -> 76, 77 -> 76; fp8 batch-1
 # decode +0.5 %). Not at M = 256 (that A/B favoured whichever column came second) nor M >= 1024
-# (387 -> 391, 1501 -> 1518).
+# (387 -> 391, 1501 -> 1518). Sixteenth session: from M = 65 on, the TMA kernel for the wide gate_up,
+# and for every linear from M = 257 on (fp8_sweep.py --only-tma, µs, pointer row -> TMA): M = 256
+# gate_up 56.8 -> 50.2; M = 1024 qkv 44.7 -> 41.4, o 25.8 -> 25.6, gate_up 197.1 -> 169.5-173.9, down
+# 87.6 -> 83.9-85.3 (layer 355 -> 320, _scaled_mm 349); M = 4096 one program a tile beat persistent:
+# qkv 170.7 -> 150.2, o 113.2 -> 104.9, gate_up 791.2 -> 698.0, down 366.0 -> 352.2 (layer 1441 -> 1305,
+# _scaled_mm 1477).
+_TMA_WIDE = _tma_cfg(128, 256, 128, 8, 4)
 _INF = 1 << 62
 FP8_CONFIGS = {
     "sm90": [
@@ -341,10 +425,9 @@ FP8_CONFIGS = {
                                     (16384, _INF, _cfg(16, 128, 128, 4, 4, waves=2, swap=True))))),
         (64, _prefetching(_by_width(_cfg(64, 32, 256, 4, 4, waves=1), (4096, 16384, _cfg(64, 64, 256, 4, 5, waves=1)),
                                     (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1))))),
-        (256, _by_width(_cfg(64, 128, 256, 4, 4), (4096, 16384, _cfg(128, 128, 128, 8, 5)),
-                        (16384, _INF, _cfg(128, 256, 128, 8, 3)))),
-        (2048, _by_width(_cfg(128, 256, 128, 8, 3), (4096, 16384, _cfg(128, 128, 128, 8, 4)))),
-        (_INF, _cfg(128, 256, 128, 8, 3)),
+        (256, _by_width(_cfg(64, 128, 256, 4, 4), (4096, 16384, _cfg(128, 128, 128, 8, 5)), (16384, _INF, _TMA_WIDE))),
+        (2048, _by_width(_TMA_WIDE, (4096, 16384, _tma_cfg(64, 256, 128, 4, 4)))),
+        (_INF, _tma_cfg(128, 256, 128, 8, 4, persistent=False)),
     ],
     "default": [
         (16, _cfg(16, 64, 128, 4, 2, waves=4)),
@@ -402,14 +485,41 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if split > 1 else (y, y, {})
     defer = defer and split > 1
     pdl = pdl_args(x)
-    _fp8_kernel[(tiles_mn, split)](
-        xq, xs, weight_fp8, wsc, bias if bias is not None else wsc, y, ws, cnt,
-        M, N, K, xq.stride(0), weight_fp8.stride(0), y.stride(0), k_iters,
-        W8A8=mode == "w8a8", XS_PER_ROW=xs.numel() > 1, WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None,
-        SWAP=cfg.get("SWAP", False), SPLIT_K=split, UPCAST=interpreting(), BM=BM, BN=BN, BK=BK, DEFER=defer,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl, **_prefetch(pdl, cfg), **order,
-    )
+    common = dict(XS_PER_ROW=xs.numel() > 1, WS_PER_CHANNEL=wsc.numel() > 1, HAS_BIAS=bias is not None,
+                  SWAP=cfg.get("SWAP", False), SPLIT_K=split, UPCAST=interpreting(), BM=BM, BN=BN, BK=BK, DEFER=defer,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl, **order)
+    bias_or_any = bias if bias is not None else wsc
+    if mode == "w8a8" and cfg["backend"] == "tma" and _tma_ok(xq, weight_fp8) and _tma_pays(M, xq):
+        programs = min(tiles_mn, num_sms(dev)) if cfg["persistent"] else tiles_mn
+        _fp8_tma_kernel[(programs, split)](
+            TensorDescriptor.from_tensor(xq, [BM, BK]), TensorDescriptor.from_tensor(weight_fp8, [BN, BK]),
+            xs, wsc, bias_or_any, y, ws, cnt, M, N, y.stride(0), k_iters, programs, GROUP_M=cfg["group_m"],
+            FLATTEN=cfg["flatten"], WARP_SPEC=cfg["warp_spec"], **common)
+    else:
+        _fp8_kernel[(tiles_mn, split)](
+            xq, xs, weight_fp8, wsc, bias_or_any, y, ws, cnt, M, N, K, xq.stride(0), weight_fp8.stride(0), y.stride(0),
+            k_iters, W8A8=mode == "w8a8", **common, **_prefetch(pdl, cfg))
     return pending_or_y(y, ws, defer)
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """What a TMA descriptor needs of a 2-D tensor: rows of unit stride, 16-byte aligned base and row pitch."""
+    return all(t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in ts)
+
+
+# Encoding the two descriptors at launch costs the host 20-40 µs more than a pointer-kernel launch (H200
+# box, sixteenth session: 124 vs 104, 108 vs 68 µs a call). A CUDA graph pays it once, at capture; an
+# eager step of fewer tokens than this is bound by the host's launches anyway (32 layers x 4 GEMMs), so
+# it keeps the pointer kernel, same tiles.
+TMA_EAGER_MIN_M = 1024
+
+
+def _tma_pays(M: int, x: torch.Tensor) -> bool:
+    """Whether a TMA row launches the TMA kernel: in CUDA graphs, eager from TMA_EAGER_MIN_M tokens,
+    always under the interpreter; never with FITLLM_FP8_TMA=0 (A/B runs: the pointer kernel, same tiles)."""
+    if os.environ.get("FITLLM_FP8_TMA", "1") == "0":
+        return False
+    return not x.is_cuda or M >= TMA_EAGER_MIN_M or torch.cuda.is_current_stream_capturing()
 
 
 def _prefetch(pdl: dict, cfg: dict) -> dict:

@@ -173,13 +173,15 @@ class LLMEngine:
 
     def _warm_up_lengths(self) -> list[int]:
         """One prompt length per M row of the GEMM tables: the row's largest M (the GEMMs do not
-        specialise on M, so one M compiles the whole row), and the step budget for the last rows."""
+        specialise on M, so one M compiles the whole row), the step budget for the last rows, and the
+        last eager M below fp8's TMA kernel (such a row runs the pointer kernel there, fp8._tma_pays)."""
         from fitllm.kernels import fp8, w4a16, w4a16_tiled
         from fitllm.kernels._utils import gpu_arch, row_bounds
 
         arch = gpu_arch(self.device.index)
         tables = (w4a16_tiled.TILED_CONFIGS, fp8.FP8_CONFIGS, w4a16.W4A16_CONFIGS)
-        return sorted({m for t in tables for m in row_bounds(t, arch)} | {self.config.max_num_batched_tokens})
+        return sorted({m for t in tables for m in row_bounds(t, arch)}
+                      | {self.config.max_num_batched_tokens, fp8.TMA_EAGER_MIN_M - 1})
 
     def _size_kv_cache(self) -> tuple[int, int]:
         c = self.config
