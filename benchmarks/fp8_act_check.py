@@ -25,13 +25,6 @@ from fitllm.kernels.fp8 import _quantize_triton  # noqa: E402
 HIDDEN, INTER = 4096, 14336
 
 
-def pending(values: torch.Tensor) -> _utils.PendingSum:
-    ws, _ = _utils.splitk_workspace(values.device, values.numel(), 0)
-    acc = ws[: values.numel()].view(values.shape)
-    acc.copy_(values)
-    return _utils.PendingSum(acc, torch.bfloat16)
-
-
 def same(got: _utils.Fp8Activations, want: torch.Tensor, static) -> bool:
     q, s = _quantize_triton(want, static)
     return (isinstance(got, _utils.Fp8Activations) and torch.equal(got.q.view(torch.uint8), q.view(torch.uint8))
@@ -49,7 +42,7 @@ def check(T: int, dev) -> dict:
         want, h = fused.rms_norm(vals.bfloat16(), w, 1e-6, r)
         got, h2 = fused.rms_norm(vals.bfloat16(), w, 1e-6, r, req)
         out[f"rms_norm+residual {kind}"] = same(got, want, static) and torch.equal(h, h2)
-        got, h2 = fused.rms_norm(pending(vals), w, 1e-6, r, req)
+        got, h2 = fused.rms_norm(_utils.PendingSum.holding(vals), w, 1e-6, r, req)
         ws, _ = _utils.splitk_workspace(vals.device, 0, 0)
         out[f"rms_norm+pending {kind}"] = same(got, want, static) and torch.equal(h, h2) and not ws.any().item()
         out[f"rms_norm {kind}"] = same(fused.rms_norm(vals.bfloat16(), w, 1e-6, fp8=req),
@@ -57,7 +50,7 @@ def check(T: int, dev) -> dict:
         gu = torch.randn(T, 2 * INTER, device=dev) * 2
         want = fused.silu_mul(gu.bfloat16())
         out[f"silu_mul {kind}"] = same(fused.silu_mul(gu.bfloat16(), req), want, static)
-        out[f"silu_mul+pending {kind}"] = same(fused.silu_mul(pending(gu), req), want, static) and \
+        out[f"silu_mul+pending {kind}"] = same(fused.silu_mul(_utils.PendingSum.holding(gu), req), want, static) and \
             not _utils.splitk_workspace(dev, 0, 0)[0].any().item()
     return out
 

@@ -362,13 +362,10 @@ def _codes(a):
 
 
 def _pending(values):
-    """values (fp32 [T, N]) as a GEMM's unfinished sum in the split-K workspace."""
+    """values (fp32 [T, N]) as a GEMM's unfinished sum, and the whole split-K workspace it sits in."""
     from fitllm.kernels import _utils
 
-    ws, _ = _utils.splitk_workspace(torch.device("cpu"), values.numel(), 0)
-    acc = ws[: values.numel()].view(values.shape)
-    acc.copy_(values)
-    return _utils.PendingSum(acc, torch.bfloat16), ws
+    return _utils.PendingSum.holding(values), _utils.splitk_workspace(values.device, values.numel(), 0)[0]
 
 
 @pytest.mark.parametrize("producer", ["rms_norm", "rms_norm+residual", "rms_norm+pending", "silu_mul",

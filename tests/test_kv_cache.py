@@ -325,14 +325,12 @@ def test_rope_cache_write_takes_the_qkv_gemms_pending_sum(monkeypatch):
             meta = AttentionMetadata.build(chunk, new, [[5, 2, 9], [7, 1, 3]], PAGE, "cpu")
             t = sum(chunk)
             vals = torch.randn(t, (H * G + 2 * H) * D, generator=torch.Generator().manual_seed(10 + step))
-            ws, _ = _utils.splitk_workspace(torch.device("cpu"), vals.numel(), 0)
-            acc = ws[: vals.numel()].view(vals.shape)
-            acc.copy_(vals)
-            qkv = _utils.PendingSum(acc, torch.bfloat16)
+            qkv = _utils.PendingSum.holding(vals)
             parts = qkv.split([H * G * D, H * D, H * D]) if pending else qkv_views(qkv.materialize())
             q, k, v = (p.reshape(t, -1, D) for p in parts)
             cos, sin = rope_tables(t, step)
             outs.append(ForwardContext(cache, meta).attend(0, q, k, v, 0.25, rope=(cos, sin)))
+            ws = _utils.splitk_workspace(vals.device, vals.numel(), 0)[0]
             assert not ws.any()  # taken (or finished) either way: the next GEMM starts clean
             lens = new
         runs.append((outs, cache.k[0].clone(), cache.v[0].clone()))

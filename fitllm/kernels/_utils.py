@@ -132,6 +132,15 @@ class PendingSum:
     def reshape(self, *shape: int) -> "PendingSum":
         return PendingSum(self.acc.reshape(*shape), self.dtype)
 
+    @classmethod
+    def holding(cls, values: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> "PendingSum":
+        """values (fp32 [M, N]) placed in the split-K workspace as a GEMM would have left them: the
+        input of a consumer under test (tests, benchmarks/fp8_act_check.py)."""
+        ws, _ = splitk_workspace(values.device, values.numel(), 0)
+        acc = ws[: values.numel()].view(values.shape)
+        acc.copy_(values)
+        return cls(acc, dtype)
+
     def materialize(self) -> torch.Tensor:
         """y in `dtype`, leaving the workspace zero (torch ops: any consumer)."""
         y = self.acc.to(self.dtype)
