@@ -157,8 +157,8 @@ def check(dev, results):
 
 # --------------------------------------------------------------------------- timing
 
-def graph_time(fn, target_ms=60.0):
-    """µs per call of fn (which runs two layer copies; result is per layer), via CUDA graph replay."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn in a CUDA graph, run once before and once on a side stream (kernels compiled, allocator warm)."""
     fn()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -169,6 +169,12 @@ def graph_time(fn, target_ms=60.0):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def graph_time(fn, target_ms=60.0):
+    """µs per call of fn (which runs two layer copies; result is per layer), via CUDA graph replay."""
+    g = capture_graph(fn)
     g.replay()
     torch.cuda.synchronize()
     t = time.perf_counter()

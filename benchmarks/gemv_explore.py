@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from benchmarks.bench_gemm import GS, SHAPES, make_w4, rel_err  # noqa: E402
+from benchmarks.bench_gemm import GS, SHAPES, capture_graph, make_w4, rel_err  # noqa: E402
 from fitllm.kernels.fp8 import _cfg as f8cfg, fp8_gemm_triton, quantize_fp8_per_token  # noqa: E402
 from fitllm.kernels.w4a16 import _pairs, _tc, dequantize_packed, w4a16_gemm_triton  # noqa: E402
 
@@ -36,19 +36,7 @@ def log(*a):
 
 def graph_us(fns, target_ms=40.0):
     """µs per call: one CUDA graph runs every fn in `fns` (distinct weight copies) once."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
+    g = capture_graph(lambda: [f() for f in fns])
     g.replay()
     torch.cuda.synchronize()
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
