@@ -6,8 +6,9 @@ scale, in two modes:
     value) and the per-channel scale is applied to the output tile; runs anywhere.
 Small M splits K over programs (serial reduction, see _utils) and can swap the operands (SWAP:
 the weight tile becomes the dot's M side, which the tensor cores want >= 64 wide, and the tokens
-the narrow N side). Large M may use torch._scaled_mm ("scaled_mm" backend) when that measured
-faster on the card (benchmarks/bench_gemm.py).
+the narrow N side). Large M (w8a8) runs a second tensor-core kernel whose tiles arrive by TMA
+(_fp8_tma_kernel, "tma" rows: persistent or one program a tile), or could use torch._scaled_mm
+("scaled_mm" backend) where that measured faster on the card (benchmarks/bench_gemm.py).
 """
 
 from __future__ import annotations
