@@ -342,7 +342,8 @@ def test_fp8_gemv_loading_its_first_tile_before_the_wait_gives_the_same_bits(mod
     assert torch.equal(fp8_gemm_triton(x, w, wsc, mode=mode, config=cfg), plain)
 
 
-@pytest.mark.parametrize("cfg", [f8cfg(1, 16, 64, 4, 1, waves=8, backend="gemv"), FP8_CONFIGS[1]], ids=["gemv", "swap"])
+@pytest.mark.parametrize("cfg", [f8cfg(1, 16, 64, 4, 1, waves=8, backend="gemv"), FP8_CONFIGS[1],
+                                 f8tma(16, 32, 64, 4, 2, waves=4, swap=True)], ids=["gemv", "swap", "tma"])
 def test_fp8_deferred_split_k_sum_equals_the_finished_output(cfg, monkeypatch):
     """defer=True (kernels._utils.PendingSum; the consumers are tested with the tiled W4A16 GEMMs):
     the fp8 GEMMs leave the same sum in the workspace that they would have rounded into y."""
