@@ -80,7 +80,7 @@ def tma_candidates(M: int) -> list[dict]:
     tiles = ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4),
              (128, 128, 256, 8, 3), (256, 128, 128, 8, 3), (128, 256, 64, 8, 5), (64, 256, 128, 4, 4))
     kinds = (dict(), dict(flatten=False), dict(persistent=False), dict(warp_spec=True), dict(group_m=64))
-    return [_tma_cfg(*t, **k) for t in tiles for k in kinds]
+    return [t(*tile, **kind) for tile in tiles for kind in kinds]
 
 
 def name(cfg: dict) -> str:

@@ -2,6 +2,7 @@
 against float64."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -281,8 +282,6 @@ def test_fp8_tma_kernel_compiles_once_for_every_m(cfg, monkeypatch):
 def test_fp8_tma_rows_launch_the_tma_kernel_where_it_pays(monkeypatch):
     """CUDA graphs and eager steps of TMA_EAGER_MIN_M tokens or more take the TMA kernel; smaller eager
     steps (bound by the host's launches) keep the pointer kernel; FITLLM_FP8_TMA=0 never takes it."""
-    from types import SimpleNamespace
-
     gpu = SimpleNamespace(is_cuda=True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert not fp8_module._tma_pays(fp8_module.TMA_EAGER_MIN_M - 1, gpu)
@@ -296,21 +295,21 @@ def test_fp8_tma_rows_launch_the_tma_kernel_where_it_pays(monkeypatch):
 def test_engine_warm_up_compiles_every_fp8_kernel_an_eager_step_launches(monkeypatch):
     """For every eager step size up to the step budget, the sm90 table's configs (one per weight width)
     and the kernel each runs on are those of some warm-up length, so no step compiles mid-serving."""
-    from types import SimpleNamespace
-
     from fitllm.kernels import _utils as utils
     from fitllm.kernels.fp8 import FP8_CONFIGS as TABLES, _config_for
     from fitllm.serve.engine import LLMEngine
 
     monkeypatch.setattr(utils, "gpu_arch", lambda _: "sm90")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # eager
     budget = 16384
     engine = SimpleNamespace(device=SimpleNamespace(index=0), config=SimpleNamespace(max_num_batched_tokens=budget))
     lengths = LLMEngine._warm_up_lengths(engine)
+    gpu = SimpleNamespace(is_cuda=True)
 
     def launched(M):
         row = utils.pick_config(TABLES, "sm90", M)
         cfgs = [_config_for(row, n) for n in (4096, 6144, 28672)]
-        return repr([(c, c["backend"] == "tma" and M >= fp8_module.TMA_EAGER_MIN_M) for c in cfgs])
+        return repr([(c, c["backend"] == "tma" and fp8_module._tma_pays(M, gpu)) for c in cfgs])
 
     warmed = {launched(m) for m in lengths}
     assert all(launched(m) in warmed for m in range(1, budget + 1))
