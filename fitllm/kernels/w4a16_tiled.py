@@ -377,13 +377,13 @@ if triton is not None:
                 _x_pair(base + 32, idx + 32, ok, KP, EVEN_K), _x_pair(base + 48, idx + 48, ok, KP, EVEN_K))
 
     @triton.jit
-    def _gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask, w_mask,
-                   p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE: tl.constexpr, BM: tl.constexpr,
-                   F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
-        """The GEMV's work on K tile kt: acc_m [BN, 16] += (word dot x pairs) * scale, rows m0..
-        w_mask masks the word rows (None: every row exists). The scale and zero loads keep n_mask
-        even then: unmasked, ptxas issued some of a tile's loads after its math (offline SASS) and
-        the GEMV was 2-5 % slower (RESULTS.md, twelfth session)."""
+    def _tile_operands(q_ptr, s_ptr, z_ptr, kt, N, NUM_GROUPS, stride_q, offs_n, n_mask, w_mask, p_ar,
+                       GROUP_SIZE: tl.constexpr, F16: tl.constexpr):
+        """A GEMV's weights for K tile kt: the words [BN, 16], -(magic + zero) as 16-bit pairs
+        broadcast to them, and the scale column [BN, 1] (fp32). w_mask masks the word rows (None:
+        every row exists). The scale and zero loads keep n_mask even then: unmasked, ptxas issued
+        some of a tile's loads after its math (offline SASS) and the GEMV was 2-5 % slower
+        (RESULTS.md, twelfth session)."""
         MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
         DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
         q_ptrs = q_ptr + _word_offsets(offs_n, kt, N, stride_q)[:, None] + p_ar
@@ -392,8 +392,16 @@ if triton is not None:
         else:
             qw = tl.load(q_ptrs, mask=w_mask[:, None], other=0)
         s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
-        s = s[:, None]
-        nz = tl.broadcast_to(_pair16(-(z + MAGICF), DT), qw.shape)
+        return qw, tl.broadcast_to(_pair16(-(z + MAGICF), DT), qw.shape), s[:, None]
+
+    @triton.jit
+    def _gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask, w_mask,
+                   p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE: tl.constexpr, BM: tl.constexpr,
+                   F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+        """The GEMV's work on K tile kt: acc_m [BN, 16] += (word dot x pairs) * scale, rows m0..
+        (w_mask: see _tile_operands)."""
+        qw, nz, s = _tile_operands(q_ptr, s_ptr, z_ptr, kt, N, NUM_GROUPS, stride_q, offs_n, n_mask, w_mask, p_ar,
+                                   GROUP_SIZE, F16)
         KP = K // 2
         if BM == 1:  # M == 1: the row mask folds away
             x0, x1, x2, x3 = _x_pairs(x_ptr, 0, 1, stride_xw, kt, xoff, KP, EVEN_K)
