@@ -92,6 +92,7 @@ def _grid_sync(sync_ptr, target, POLL: tl.constexpr):
             seen = tl.atomic_add(sync_ptr, 0, sem="acquire")
     tl.debug_barrier()
 
+
 @triton.jit
 def _silu_pair(mid_ptr, I, j, ok, F16: tl.constexpr):
     """Elements 2j, 2j + 1 of silu(gate) * up as one int32 pair of 16-bit values, from the fp32
@@ -108,13 +109,14 @@ def _silu_pair(mid_ptr, I, j, ok, F16: tl.constexpr):
     hi = v1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return lo | (hi << 16)
 
+
 @triton.jit
 def _stream_units(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, NUM_GROUPS, stride_q, start, end,
                   GROUP_SIZE: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr, EVEN_N: tl.constexpr,
                   EVEN_K: tl.constexpr):
     """Units [start, end) of out += x W^T, unit u = K tile u % KT of row block u // KT (KT K tiles
-    a row); x_ptr: one row of x as int32 pairs. Each row
-    block's share is added into out (fp32) with atomics."""
+    a row); x_ptr: one row of x as int32 pairs. Each row block's share is added into out (fp32)
+    with atomics."""
     KT = stride_q // 16
     p_ar = tl.arange(0, 16)[None, :]
     xoff = (p_ar % 4) * 4 + p_ar // 4  # pair f = 0 of position p = 4 c + t: 4 t + c
@@ -133,6 +135,7 @@ def _stream_units(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, NUM_GROUPS, stride_
         tl.atomic_add(out_ptr + offs_n, tl.sum(acc, axis=1), mask=n_mask, sem="relaxed")
         u = blk * KT + kt_end
 
+
 @triton.jit
 def _prefetch_units(q_ptr, N, stride_q, start, end, COUNT: tl.constexpr):
     """Ask L2 for the words of units [start, start + COUNT) (those below end): one request per
@@ -146,6 +149,7 @@ def _prefetch_units(q_ptr, N, stride_q, start, end, COUNT: tl.constexpr):
         base = _word_offsets(blk * _BN, u - blk * KT, N, stride_q)
         prefetch_to_l2(q_ptr + base + line, (line < rows * 16) & (u < end))
 
+
 @triton.jit
 def _silu_mul_slice(mid_ptr, xs_ptr, I, pid, P, F16: tl.constexpr):
     """Phase S: this program's share of xs = silu(gate) * up as int32 pairs (64 pairs a step)."""
@@ -153,13 +157,14 @@ def _silu_mul_slice(mid_ptr, xs_ptr, I, pid, P, F16: tl.constexpr):
         j = j0 + tl.arange(0, 64)
         tl.store(xs_ptr + j, _silu_pair(mid_ptr, I, j, j < I // 2, F16), mask=j < I // 2, cache_modifier=".cg")
 
+
 @triton.jit
 def _tiled_mlp_kernel(
     x_ptr, qa_ptr, sa_ptr, za_ptr, qb_ptr, sb_ptr, zb_ptr, mid_ptr, xs_ptr, out_ptr, sync_ptr,
     H, I, NG_A, NG_B, stride_qa, stride_qb, MID_STRIDE,
     GROUP_A: tl.constexpr, GROUP_B: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
     EVEN_NA: tl.constexpr, EVEN_KA: tl.constexpr, EVEN_NB: tl.constexpr, EVEN_KB: tl.constexpr,
-    PHASE: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, POLL: tl.constexpr = 1, PDL: tl.constexpr = False,
+    PHASE: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, POLL: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """out += silu_mul(x W_gu^T) W_down^T for one row x (see the module docstring). PHASE 0: every
     phase, grid barriers between them; 1, 2, 3: phase A, S or B alone (B ends the launch: the
