@@ -76,6 +76,7 @@ VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart":
             "early-w-off": {"FITLLM_PDL": "1", "FITLLM_EARLY_WEIGHTS": "0"},
             "fp8-pf-0": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "0"},
             "fp8-pf-2": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "2"}}
+SWITCHES = sorted({key for env in VARIANTS.values() for key in env})  # every variable a variant sets
 
 
 def skip_kernels(name: str, real=(fused.rms_norm, fused.silu_mul)) -> None:
@@ -125,11 +126,8 @@ def main() -> int:
         reference, own = None, {}
         for r in range(args.rounds):
             for name in args.variants.split(","):
-                os.environ.pop("FITLLM_DETERMINISTIC", None)
-                os.environ.pop("FITLLM_SPLITK_DEFER", None)  # the product's default (on)
-                os.environ.pop("FITLLM_FP8_FUSED_QUANT", None)  # the same
-                os.environ.pop("FITLLM_EARLY_WEIGHTS", None)  # the same
-                os.environ.pop("FITLLM_FP8_PREFETCH", None)
+                for key in SWITCHES:  # back to the product's defaults, then this variant's settings
+                    os.environ.pop(key, None)
                 os.environ.update(VARIANTS[name])
                 gemv_row["wide"] = None if name == "wide-off" else wide
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
