@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.bench_gemm import SHAPES, make_fp8, rel_err  # noqa: E402
 from benchmarks.gemv_explore import graph_us, log  # noqa: E402
 from fitllm.kernels import _utils  # noqa: E402
-from fitllm.kernels.fp8 import FP8_CONFIGS, _cfg, _config_for, _tma_cfg, fp8_gemm_triton, quantize_fp8_per_token  # noqa: E402
+from fitllm.kernels._utils import config_for  # noqa: E402
+from fitllm.kernels.fp8 import FP8_CONFIGS, _cfg, _tma_cfg, fp8_gemm_triton, quantize_fp8_per_token  # noqa: E402
 
 
 def candidates(M: int) -> list[dict]:
@@ -109,7 +110,7 @@ def main() -> int:
         row_cfg = _utils.pick_config(FP8_CONFIGS, _utils.gpu_arch(0), M)
         rows = {}
         for lin, (K, N) in SHAPES.items():
-            table = _config_for(row_cfg, N)
+            table = config_for(row_cfg, N)
             copies = max(2, -(-200_000_000 // (K * N)))
             ws = [make_fp8(K, N, dev) for _ in range(copies)]
             w16 = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(max(2, copies // 2))]

@@ -12,8 +12,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from sass_offline import compile_kernel  # noqa: E402
 
-from fitllm.kernels.fp8 import (FP8_CONFIGS, _config_for, _fit_shared_memory, _fp8_kernel,  # noqa: E402
-                                _fp8_tma_kernel, shared_memory_need)
+from fitllm.kernels._utils import config_for  # noqa: E402
+from fitllm.kernels.fp8 import FP8_CONFIGS, _fit_shared_memory, _fp8_kernel, _fp8_tma_kernel, shared_memory_need  # noqa: E402
 
 H100_SHARED = 232448
 WIDTHS = (4096, 6144, 28672)  # o / down, qkv, gate_up of Llama-3-8B: every range of the rows
@@ -23,7 +23,7 @@ def main() -> None:
     configs = {}
     for _, row in FP8_CONFIGS["sm90"]:
         for n in WIDTHS:
-            cfg = _config_for(row, n)
+            cfg = config_for(row, n)
             if cfg["backend"] in ("triton", "tma"):
                 configs[tuple(sorted((k, str(v)) for k, v in cfg.items() if k != "by_n"))] = cfg
     out = []

@@ -296,7 +296,8 @@ def test_engine_warm_up_compiles_every_fp8_kernel_an_eager_step_launches(monkeyp
     """For every eager step size up to the step budget, the sm90 table's configs (one per weight width)
     and the kernel each runs on are those of some warm-up length, so no step compiles mid-serving."""
     from fitllm.kernels import _utils as utils
-    from fitllm.kernels.fp8 import FP8_CONFIGS as TABLES, _config_for
+    from fitllm.kernels._utils import config_for
+    from fitllm.kernels.fp8 import FP8_CONFIGS as TABLES
     from fitllm.serve.engine import LLMEngine
 
     monkeypatch.setattr(utils, "gpu_arch", lambda _: "sm90")
@@ -308,7 +309,7 @@ def test_engine_warm_up_compiles_every_fp8_kernel_an_eager_step_launches(monkeyp
 
     def launched(M):
         row = utils.pick_config(TABLES, "sm90", M)
-        cfgs = [_config_for(row, n) for n in (4096, 6144, 28672)]
+        cfgs = [config_for(row, n) for n in (4096, 6144, 28672)]
         return repr([(c, c["backend"] == "tma" and fp8_module._tma_pays(M, gpu)) for c in cfgs])
 
     warmed = {launched(m) for m in lengths}
@@ -376,20 +377,22 @@ def test_fp8_gemm_takes_activations_its_producer_quantized(cfg, static):
         fp8_gemm_triton(Fp8Activations(q, s, x.dtype), w, wsc, mode="w8a16", config=cfg)
 
 
-def test_fp8_table_rows_pick_a_config_per_weight_width():
-    """_by_width rows: a range's config for lo < N <= hi, the row's own for every other N, and the
-    ranges of a row never overlap (the first match would hide the second)."""
-    from fitllm.kernels.fp8 import FP8_CONFIGS as TABLES, _by_width, _config_for
+def test_table_rows_pick_a_config_per_weight_width():
+    """by_width rows (fp8 and tiled W4A16 tables): a range's config for lo < N <= hi, the row's own for
+    every other N, and the ranges of a row never overlap (the first match would hide the second)."""
+    from fitllm.kernels._utils import by_width, config_for
+    from fitllm.kernels.fp8 import FP8_CONFIGS
+    from fitllm.kernels.w4a16_tiled import TILED_CONFIGS
 
-    row = _by_width(f8cfg(16, 64, 256, 4, 4), (0, 4096, f8cfg(16, 32, 64, 4, 2)), (8192, 1 << 62, f8cfg(32, 32, 32, 4, 2)))
-    assert [_config_for(row, n)["BN"] for n in (1, 4096, 4097, 8192, 8193, 28672)] == [32, 32, 64, 64, 32, 32]
-    assert _config_for(row, 8193)["BM"] == 32 and _config_for(row, 5000) is row
-    for rows in TABLES.values():
-        for _, cfg in rows:
-            spans = sorted((lo, hi) for lo, hi, _ in cfg.get("by_n", ()))
-            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and all(lo < hi for lo, hi in spans)
-            assert all("by_n" not in c and c["backend"] in ("triton", "tma", "gemv", "scaled_mm")
-                       for _, _, c in cfg.get("by_n", ()))
+    row = by_width(f8cfg(16, 64, 256, 4, 4), (0, 4096, f8cfg(16, 32, 64, 4, 2)), (8192, 1 << 62, f8cfg(32, 32, 32, 4, 2)))
+    assert [config_for(row, n)["BN"] for n in (1, 4096, 4097, 8192, 8193, 28672)] == [32, 32, 64, 64, 32, 32]
+    assert config_for(row, 8193)["BM"] == 32 and config_for(row, 5000) is row
+    for table, backends in ((FP8_CONFIGS, ("triton", "tma", "gemv", "scaled_mm")), (TILED_CONFIGS, ("tiled",))):
+        for rows in table.values():
+            for _, cfg in rows:
+                spans = sorted((lo, hi) for lo, hi, _ in cfg.get("by_n", ()))
+                assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and all(lo < hi for lo, hi in spans)
+                assert all("by_n" not in c and c["backend"] in backends for _, _, c in cfg.get("by_n", ()))
 
 
 def test_fp8_table_configs_fit_shared_memory_in_both_modes():

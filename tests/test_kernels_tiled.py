@@ -117,6 +117,9 @@ TC_CASES = [  # (M, K, N, group, dtype, config)
     (5, 256, 448, 64, torch.bfloat16, _tiled(16, 64, 4, 2, waves=2)),
     (3, 256, 320, 128, torch.float16, _tiled(16, 128, 4, 2, waves=2)),
     (80, 256, 320, 128, torch.bfloat16, _tiled(0, 0, 4, 1, backend="dequant")),
+    # the sm90 table's wide-weight tiles (gate_up): BN 128 at 4 warps (2 row reps), BN 256 at 8 warps
+    (33, 256, 384, 128, torch.bfloat16, _tiled(64, 128, 4, 3, waves=2)),
+    (65, 256, 320, 128, torch.bfloat16, _tiled(128, 256, 8, 3, waves=1, scale_in_w=True)),
 ]
 
 

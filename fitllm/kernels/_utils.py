@@ -211,6 +211,20 @@ def pick_config(table: dict, arch: str, m: int) -> dict:
     return rows[-1][1]
 
 
+def by_width(row: dict, *ranges) -> dict:
+    """A table row's config for the weights whose N (output width) no range below claims, and
+    ranges (lo, hi, config): that config for lo < N <= hi."""
+    return dict(row, by_n=ranges)
+
+
+def config_for(cfg: dict, N: int) -> dict:
+    """The config a by_width row gives a weight N wide (any other config: itself)."""
+    for lo, hi, c in cfg.get("by_n", ()):
+        if lo < N <= hi:
+            return c
+    return cfg
+
+
 def row_bounds(table: dict, arch: str) -> list[int]:
     """The largest M of each bounded row pick_config chooses from for `arch`."""
     return [max_m for max_m, _ in table.get(arch, table["default"]) if max_m < 1 << 62]

@@ -17,8 +17,9 @@ import os
 
 import torch
 
-from ._utils import (Fp8Activations, backend_for, defer_splitk, device_index, gpu_arch, interpreting,
-                     max_shared_memory, num_sms, pdl_args, pending_or_y, pick_config, split_k_for, splitk_buffers)
+from ._utils import (Fp8Activations, backend_for, by_width, config_for, defer_splitk, device_index, gpu_arch,
+                     interpreting, max_shared_memory, num_sms, pdl_args, pending_or_y, pick_config, split_k_for,
+                     splitk_buffers)
 
 try:
     import triton
@@ -354,19 +355,6 @@ def _tma_cfg(bm, bn, bk, warps, stages, waves=0.0, swap=False, persistent=True, 
                 group_m=group_m, flatten=flatten, warp_spec=warp_spec)
 
 
-def _by_width(row: dict, *ranges) -> dict:
-    """A table row's config for the weights whose N (output width) no range below claims, and
-    ranges (lo, hi, config): that config for lo < N <= hi."""
-    return dict(row, by_n=ranges)
-
-
-def _config_for(cfg: dict, N: int) -> dict:
-    for lo, hi, c in cfg.get("by_n", ()):
-        if lo < N <= hi:
-            return c
-    return cfg
-
-
 def shared_memory_need(cfg: dict, x_bytes: int) -> int:
     """Bytes of shared memory _fp8_kernel takes with `cfg`: its pipeline holds num_stages x and weight
     tiles; with 16-bit x (w8a16) the upcast weight tile takes up to one more BN x BK bytes (Triton's
@@ -397,7 +385,7 @@ def _prefetching(row: dict, tiles: int = 2) -> dict:
     return dict(row, prefetch=tiles, **({"by_n": by_n} if by_n else {}))
 
 
-# Rows (max M, config), first match wins; a row may pick per weight width (_by_width). sm90: H200
+# Rows (max M, config), first match wins; a row may pick per weight width (_utils.by_width). sm90: H200
 # sweeps, each Llama-3-8B linear alone, its input already quantized (benchmarks/fp8_sweep.py --more,
 # RESULTS.md 2026-12-03 fourteenth session), µs: M=16 qkv/o/down BN64 BK256 6 stages one split
 # 8.3/8.5/18.7, gate_up BN128 BK128 31.0 (layer 66.5; the old single row 79.2); M=64 o/down BN32
@@ -420,14 +408,14 @@ FP8_CONFIGS = {
     "sm90": [
         # M=1: the CUDA-core GEMV up to N=16384 (qkv 11.3 vs 16.6 µs, down 23.4 vs 24.8), swap-AB
         # tensor cores for the wide gate_up (33.8 vs 37.2); second session's gemv_explore.
-        (1, _prefetching(_by_width(_cfg(16, 64, 256, 4, 4, waves=4, swap=True),
+        (1, _prefetching(by_width(_cfg(16, 64, 256, 4, 4, waves=4, swap=True),
                                    (0, 16384, _cfg(1, 16, 512, 8, 1, waves=4, backend="gemv"))))),
-        (16, _prefetching(_by_width(_cfg(16, 64, 256, 4, 6, waves=1, swap=True),
+        (16, _prefetching(by_width(_cfg(16, 64, 256, 4, 6, waves=1, swap=True),
                                     (16384, _INF, _cfg(16, 128, 128, 4, 4, waves=2, swap=True))))),
-        (64, _prefetching(_by_width(_cfg(64, 32, 256, 4, 4, waves=1), (4096, 16384, _cfg(64, 64, 256, 4, 5, waves=1)),
+        (64, _prefetching(by_width(_cfg(64, 32, 256, 4, 4, waves=1), (4096, 16384, _cfg(64, 64, 256, 4, 5, waves=1)),
                                     (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1))))),
-        (256, _by_width(_cfg(64, 128, 256, 4, 4), (4096, 16384, _cfg(128, 128, 128, 8, 5)), (16384, _INF, _TMA_WIDE))),
-        (2048, _by_width(_TMA_WIDE, (4096, 16384, _tma_cfg(64, 256, 128, 4, 4)))),
+        (256, by_width(_cfg(64, 128, 256, 4, 4), (4096, 16384, _cfg(128, 128, 128, 8, 5)), (16384, _INF, _TMA_WIDE))),
+        (2048, by_width(_TMA_WIDE, (4096, 16384, _tma_cfg(64, 256, 128, 4, 4)))),
         (_INF, _tma_cfg(128, 256, 128, 8, 4, persistent=False)),
     ],
     "default": [
@@ -452,7 +440,7 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     if weight_fp8.shape[1] != K:
         raise ValueError(f"weight must be [N, K={K}], got {tuple(weight_fp8.shape)}")
     dev = device_index(x)
-    cfg = _config_for(dict(config) if config is not None else pick_config(FP8_CONFIGS, gpu_arch(dev), M), N)
+    cfg = config_for(dict(config) if config is not None else pick_config(FP8_CONFIGS, gpu_arch(dev), M), N)
     y = out if out is not None else torch.empty((M, N), dtype=dtype, device=x.device)
     if M == 0:
         return y

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (backend_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms, pdl_args,
-                     pending_or_y, pick_config, split_k_for, splitk_buffers)
+from ._utils import (backend_for, by_width, config_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms,
+                     pdl_args, pending_or_y, pick_config, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -493,15 +493,21 @@ def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None, wide=None):
 # allows (EVEN_N, EVEN_K, row 0): M=1 GEMV 1 tile a step 52.7 (4 tiles 54.5; 55.6 with the scales unmasked
 # too, 60.1 before); M=32 at 4 waves 78 (3 waves 82); M=128 the M=256 tile 179 (BM128/BN64 198).
 # Thirteenth session: at 4 waves gate_up's 224 row blocks make 2 splits, 448 programs for 528 slots;
-# 6 waves (4 splits) take it from 25.3 to 23.1 µs (the other linears are best at 4).
+# 6 waves (4 splits) take it from 25.3 to 23.1 µs (the other linears are best at 4). Eighteenth session
+# (benchmarks/w4_mid_probe.py, each linear alone): the wide gate_up takes wider weight tiles, which read
+# x from L2 half / a quarter as often (its time did not follow those bytes: the kernel is latency-bound,
+# ncu: 16 % occupancy, stalls on fixed-latency waits and CTA barriers): M=48 / 64 BN128 / 4 warps 39.7-40.4
+# vs 49.6-50.2 µs over four runs (layer M=64 111 -> 101); M=96 / 128 / 256 BN256 / 8 warps 61.8 / 62.6 /
+# 122.6 vs 69.0 / 67.9 / 134.8 (the other linears lose with either: qkv at M=256 76 vs 35).
 TILED_CONFIGS = {
     "sm90": [
         (1, _gemv(128, 1, 8, waves=4, wide=(16384, 6))),
         (8, _tiled(16, 64, 4, 3, waves=6)),
         (16, _tiled(16, 64, 4, 3, waves=4)),
         (32, _tiled(32, 64, 4, 3, waves=4)),
-        (64, _tiled(64, 64, 4, 3, waves=3)),
-        (256, _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)),
+        (64, by_width(_tiled(64, 64, 4, 3, waves=3), (16384, 1 << 62, _tiled(64, 128, 4, 3, waves=2)))),
+        (256, by_width(_tiled(128, 128, 8, 3, waves=1, scale_in_w=True),
+                       (16384, 1 << 62, _tiled(128, 256, 8, 3, waves=1, scale_in_w=True)))),
         (1 << 62, _tiled(0, 0, 4, 1, backend="dequant")),
     ],
     "default": [
@@ -562,7 +568,7 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     x = x.contiguous() if x.stride(-1) != 1 else x
     M, N = x.shape[0], qtile.shape[0]
     dev = device_index(x)
-    cfg = dict(config) if config is not None else pick_config(TILED_CONFIGS, gpu_arch(dev), M)
+    cfg = config_for(dict(config) if config is not None else pick_config(TILED_CONFIGS, gpu_arch(dev), M), N)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
