@@ -40,8 +40,7 @@ def candidates(M):
 
 
 def name(c):
-    return (f"BM{c['BM']} BN{c['BN']} w{c['num_warps']} s{c['num_stages']} wv{c['waves']} "
-            f"siw{int(c.get('SCALE_IN_W', False))} r{c.get('maxnreg') or '-'}")
+    return f"BM{c['BM']} BN{c['BN']} w{c['num_warps']} s{c['num_stages']} wv{c['waves']} siw{int(c.get('SCALE_IN_W', False))}"
 
 
 def main():
