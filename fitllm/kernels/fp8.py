@@ -409,11 +409,11 @@ FP8_CONFIGS = {
         # M=1: the CUDA-core GEMV up to N=16384 (qkv 11.3 vs 16.6 µs, down 23.4 vs 24.8), swap-AB
         # tensor cores for the wide gate_up (33.8 vs 37.2); second session's gemv_explore.
         (1, _prefetching(by_width(_cfg(16, 64, 256, 4, 4, waves=4, swap=True),
-                                   (0, 16384, _cfg(1, 16, 512, 8, 1, waves=4, backend="gemv"))))),
+                                  (0, 16384, _cfg(1, 16, 512, 8, 1, waves=4, backend="gemv"))))),
         (16, _prefetching(by_width(_cfg(16, 64, 256, 4, 6, waves=1, swap=True),
-                                    (16384, _INF, _cfg(16, 128, 128, 4, 4, waves=2, swap=True))))),
+                                   (16384, _INF, _cfg(16, 128, 128, 4, 4, waves=2, swap=True))))),
         (64, _prefetching(by_width(_cfg(64, 32, 256, 4, 4, waves=1), (4096, 16384, _cfg(64, 64, 256, 4, 5, waves=1)),
-                                    (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1))))),
+                                   (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1))))),
         (256, by_width(_cfg(64, 128, 256, 4, 4), (4096, 16384, _cfg(128, 128, 128, 8, 5)), (16384, _INF, _TMA_WIDE))),
         (2048, by_width(_TMA_WIDE, (4096, 16384, _tma_cfg(64, 256, 128, 4, 4)))),
         (_INF, _tma_cfg(128, 256, 128, 8, 4, persistent=False)),
