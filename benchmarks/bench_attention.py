@@ -171,8 +171,8 @@ def check_correctness(log) -> bool:
             for window in (None, 100):
                 args = (q, pool.k, pool.v, pool.ks, pool.vs, pool.kz, pool.vz, pool.tables)
                 ref = pa.paged_attention_ref(*args, qs, lens, D ** -0.5, pool.k_id, pool.group, window, torch.float32)
-                variants = ((None, {}), (3, {}), (3, dict(fused_reduce=False)), (40, {})) if max(qlens) == 1 else \
-                    ((None, {}),)
+                variants = ((None, {}), (3, {}), (3, dict(fused_reduce=False)), (40, {}), (3, pa.NARROW),
+                            (40, pa.NARROW)) if max(qlens) == 1 else ((None, {}),)
                 for splits, knobs in variants:
                     out = pa.paged_attention(*args, torch.tensor(qs, dtype=torch.int32, device="cuda"), pool.seq_lens,
                                              D ** -0.5, pool.k_id, pool.group, window, torch.float32,
@@ -272,7 +272,11 @@ def measure(row, b, ctx, kinds, sweep, baseline=None, max_len=0):
             cfg = dict(cfg)
             mul = cfg.pop("split_mul", 1)
             splits = max(1, int(base_splits * mul))
-            us = graph_time_us(lambda: pool.run(num_splits=splits, **cfg))
+            try:
+                us = graph_time_us(lambda: pool.run(num_splits=splits, **cfg))
+            except Exception as exc:  # noqa: BLE001  (a config that does not compile or fit loses, the rest go on)
+                print(f"B={b} ctx={ctx} {kind} {cfg} splits={splits} FAILED: {exc!r}"[:300], flush=True)
+                us = math.inf
             if i == 0:
                 row[f"{kind}_us"] = us
                 row[f"{kind}_GBs"] = pool.bytes / us / 1e3
@@ -320,6 +324,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="default kernel config only")
     ap.add_argument("--skip-check", action="store_true", help="timings only (no correctness checks first)")
     ap.add_argument("--wide", action="store_true", help="add a split x tile x stages grid to the sweep")
+    ap.add_argument("--narrow", action="store_true", help="add programs of 1-2 warps x split counts to the sweep")
     ap.add_argument("--fused-ab", action="store_true", help="time every config also with the separate "
                     "reduce kernel forced (fused_reduce=False)")
     ap.add_argument("--engine-max-len", type=int, default=0, help="tell the kernel this max_seq_len (>= each "
@@ -370,6 +375,10 @@ def main() -> None:
         sweep += [dict(split_mul=mul, block_n=bn, num_warps=w, num_stages=st)
                   for mul in (0.5, 1, 2, 4)
                   for bn, w, st in ((64, 4, 3), (64, 4, 5), (128, 4, 4), (128, 4, 5), (128, 8, 5), (256, 8, 3))]
+    if args.narrow:  # programs of one or two warps: no cross-warp softmax reductions, more programs an SM
+        sweep += [dict(split_mul=mul, block_n=bn, num_warps=w, num_stages=st)
+                  for mul in (1, 2)
+                  for bn, w, st in ((64, 2, 5), (128, 2, 3), (128, 2, 5))]
     log(f"sweep configs, in the order of each 'sweep' line: {sweep}")
     results = []
     for b in map(int, args.batches.split(",")):

@@ -74,6 +74,20 @@ class Weights:
             self.copies.append(c)
 
 
+def probe_start(default_m: str, ref_copy: int = 0):
+    """What the W4A16 probes start with: --out (made) and --m parsed, two weight copies on the GPU
+    (seed 0), float64 dequantized weights of one copy. Returns (args, [M...], weights, references)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--m", default=default_m)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    torch.manual_seed(0)
+    W = Weights("cuda")
+    ref_w = {n: dequantize_packed(**W.copies[ref_copy][n]["w4"], dtype=torch.float64) for n in SHAPES}
+    return a, [int(m) for m in a.m.split(",")], W, ref_w
+
+
 def check_tiled(dev, W, ref_w, M, cfg=None):
     errs = []
     for name, (K, N) in SHAPES.items():

@@ -12,7 +12,6 @@ lose; RESULTS.md.)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,9 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_gemm import SHAPES, graph_time, log, rel_err  # noqa: E402
-from benchmarks.bench_w4_tiled import Weights  # noqa: E402
+from benchmarks.bench_w4_tiled import probe_start  # noqa: E402
 from fitllm.kernels._utils import pick_config  # noqa: E402
-from fitllm.kernels.w4a16 import dequantize_packed  # noqa: E402
 from fitllm.kernels.w4a16_tiled import TILED_CONFIGS, _tiled, w4a16_tiled_triton  # noqa: E402
 
 
@@ -44,17 +42,10 @@ def name(c):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--m", default="16,32,64,128")
-    a = ap.parse_args()
-    os.makedirs(a.out, exist_ok=True)
+    a, ms, W, ref_w = probe_start("16,32,64,128")
     dev = "cuda"
-    torch.manual_seed(0)
-    W = Weights(dev)
-    ref_w = {n: dequantize_packed(**W.copies[0][n]["w4"], dtype=torch.float64) for n in SHAPES}
     res = []
-    for M in [int(m) for m in a.m.split(",")]:
+    for M in ms:
         x = {K: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for K in (4096, 14336)}
         outs = {n: torch.empty(M, N, device=dev, dtype=torch.bfloat16) for n, (K, N) in SHAPES.items()}
         table = pick_config(TILED_CONFIGS, "sm90", M)

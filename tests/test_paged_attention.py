@@ -12,6 +12,7 @@ from fitllm.models.kv_cache import causal_attention
 H, G, D, PAGE = 2, 2, 32, 4
 STORE = {"fp32": (pa.KIND_FLOAT, torch.float32, D), "bf16": (pa.KIND_FLOAT, torch.bfloat16, D),
          "fp8": (pa.KIND_FP8, torch.float8_e4m3fn, D), "int8": (pa.KIND_INT8, torch.int8, D),
+         "int8-g": (pa.KIND_INT8, torch.int8, 8),  # scales per group of channels: applied to the rows
          "int4": (pa.KIND_INT4, torch.uint8, 8),
          "int4-kv": (pa.KIND_INT4, torch.uint8, (4, 16))}  # smaller key groups than value groups
 
@@ -117,7 +118,8 @@ def test_cache_write_triton_matches_reference(name):
             assert close.all()
         # and the stored values are the quantization of the input
         err = rel(ka, a.k_raw[i])
-        assert err < {"fp32": 1e-7, "bf16": 5e-3, "fp8": 5e-2, "int8": 1e-2, "int4": 0.12, "int4-kv": 0.1}[name]
+        assert err < {"fp32": 1e-7, "bf16": 5e-3, "fp8": 5e-2, "int8": 1e-2, "int8-g": 1e-2, "int4": 0.12,
+                       "int4-kv": 0.1}[name]
 
 
 @pytest.mark.parametrize("fn", [pa.cache_write_ref, pa.cache_write])
@@ -146,8 +148,8 @@ def test_padding_slots_are_not_written():
     assert changed.nonzero().flatten().tolist() == [5]
 
 
-@pytest.mark.parametrize("name,window", [(n, None) for n in STORE] + [("bf16", 5), ("fp8", 5), ("int4", 5),
-                                                                      ("int4-kv", 5)])
+@pytest.mark.parametrize("name,window", [(n, None) for n in STORE] + [("bf16", 5), ("fp8", 5), ("int8", 5),
+                                                                      ("int4", 5), ("int4-kv", 5)])
 def test_decode_and_mixed_batches_match_reference(name, window, nan_buffers):
     # every buffer the launcher allocates starts as NaN: outputs must be fully written, and a
     # combine that read a split's partials before they were written would show
@@ -218,17 +220,18 @@ def test_quantized_attention_error_is_small():
 def test_decode_defaults():
     """One wave of single-program-per-SM 16-bit tiles; about two waves for quantized KV; splits of
     >= 256 tokens, or of 128 from 512 tokens on while the combine stays fused; the fused combine
-    only for few splits."""
+    only for few splits; narrow programs where they fill the GPU better (fp8, int4)."""
     cfg = lambda kind, nbytes, b, ctx: pa.decode_config(kind, nbytes, b, 8, ctx, 132)  # noqa: E731
-    assert cfg(pa.KIND_FLOAT, 2, 1, 32768) == dict(num_splits=16, block_n=128, num_stages=5)
-    assert cfg(pa.KIND_FLOAT, 2, 16, 32768) == dict(num_splits=1, block_n=128, num_stages=5)
-    assert cfg(pa.KIND_FLOAT, 2, 80, 32768) == dict(num_splits=1, block_n=64, num_stages=2)  # one wave, 5 per SM
-    assert cfg(pa.KIND_FLOAT, 2, 96, 4096) == dict(num_splits=1, block_n=128, num_stages=3)  # past it
-    assert cfg(pa.KIND_FLOAT, 2, 256, 32768) == dict(num_splits=1, block_n=128, num_stages=3)
+    wide = lambda splits, bn, stages: dict(num_splits=splits, block_n=bn, num_warps=4, num_stages=stages)  # noqa: E731
+    assert cfg(pa.KIND_FLOAT, 2, 1, 32768) == wide(16, 128, 5)
+    assert cfg(pa.KIND_FLOAT, 2, 16, 32768) == wide(1, 128, 5)
+    assert cfg(pa.KIND_FLOAT, 2, 80, 32768) == wide(1, 64, 2)  # one wave, 5 per SM
+    assert cfg(pa.KIND_FLOAT, 2, 96, 4096) == wide(1, 128, 3)  # past it
+    assert cfg(pa.KIND_FLOAT, 2, 256, 32768) == wide(1, 128, 3)
     assert cfg(pa.KIND_FLOAT, 4, 1, 32768)["block_n"] == 64
-    assert cfg(pa.KIND_FP8, 1, 1, 32768) == dict(num_splits=33, block_n=128, num_stages=5)
-    assert cfg(pa.KIND_FP8, 1, 256, 32768) == dict(num_splits=1, block_n=128, num_stages=3)
+    assert cfg(pa.KIND_FP8, 1, 256, 32768) == wide(1, 128, 3)
     assert cfg(pa.KIND_INT8, 1, 1, 100)["num_splits"] == 1
+    assert cfg(pa.KIND_INT8, 1, 16, 32768) == wide(3, 128, 3)
     # short sequences: splits of one 128-token tile, up to the fused combine's limit; not below 512
     assert [cfg(pa.KIND_FLOAT, 2, 1, n)["num_splits"] for n in (256, 511, 512, 1024, 2048, 4096)] == [1, 1, 4, 8, 8, 16]
     assert cfg(pa.KIND_FP8, 1, 1, 1024)["num_splits"] == pa.SHORT_SPLITS_MAX
@@ -236,3 +239,32 @@ def test_decode_defaults():
     assert 1 < pa.SHORT_SPLITS_MAX <= pa.FUSED_COMBINE_MAX_SPLITS < 33
     # an engine graph sized for 4096 tokens at batch 1 combines its splits in the decode kernel
     assert cfg(pa.KIND_FLOAT, 2, 1, 4096)["num_splits"] <= pa.FUSED_COMBINE_MAX_SPLITS
+
+
+def test_decode_defaults_narrow_programs():
+    """fp8: a small batch with enough tokens fills one wave of narrow programs; a split batch whose
+    wide programs would not fit in one wave keeps its splits on narrow ones (int8 too); else the wide
+    tiles. int4: narrow programs with twice the splits at every batch. Splits never shorter than a
+    tile."""
+    cfg = lambda kind, b, ctx: pa.decode_config(kind, 1, b, 8, ctx, 132)  # noqa: E731
+    narrow = lambda splits: dict(num_splits=splits, **pa.NARROW)  # noqa: E731
+    one_wave = pa.NARROW_PER_SM[pa.KIND_FP8] * 132
+    assert cfg(pa.KIND_FP8, 1, 32768) == narrow(64)  # split cap
+    assert cfg(pa.KIND_FP8, 4, 8192) == narrow(one_wave // 32)
+    assert cfg(pa.KIND_FP8, 8, 32768) == narrow(one_wave // 64)
+    assert cfg(pa.KIND_FP8, 1, 8192) == dict(num_splits=32, block_n=128, num_warps=4, num_stages=5)  # too little work
+    assert cfg(pa.KIND_FP8, 16, 32768) == dict(num_splits=3, block_n=128, num_warps=4, num_stages=5)  # 384 fit
+    assert cfg(pa.KIND_FP8, 32, 32768) == narrow(2)  # 512 wide programs would take 1.3 waves
+    for b, ctx in ((1, 32768), (4, 8192), (8, 32768), (32, 2048)):
+        c = cfg(pa.KIND_FP8, b, ctx)
+        assert b * 8 * c["num_splits"] <= one_wave
+    # int8 (wide programs 3 an SM, narrow 4): B = 32 and 64 make 512 programs
+    assert cfg(pa.KIND_INT8, 32, 32768) == narrow(2)
+    assert cfg(pa.KIND_INT8, 64, 2048) == narrow(1)
+    assert cfg(pa.KIND_INT8, 128, 2048)["num_warps"] == 4  # more than a wave either way
+    assert cfg(pa.KIND_INT8, 8, 32768)["num_warps"] == 4  # 320 programs fit the wide wave
+    assert cfg(pa.KIND_INT4, 1, 2048) == narrow(16)
+    assert cfg(pa.KIND_INT4, 1, 32768) == narrow(64)
+    assert cfg(pa.KIND_INT4, 256, 32768) == narrow(2)
+    assert cfg(pa.KIND_INT4, 4, 100) == narrow(1)  # 100 tokens: one 64-token tile's split at most
+    assert cfg(pa.KIND_INT4, 1, 300)["num_splits"] * pa.NARROW["block_n"] <= 300

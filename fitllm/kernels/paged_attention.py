@@ -351,6 +351,40 @@ def _load_rows(CODES, SCALES, ZEROS, slot, head, valid, offs_d,
     return x
 
 
+# Four int8 codes (one 32-bit word) -> four exact fp16 values: bias each byte by 128, place it under
+# fp16's 1024 (a 0x64 high byte: 1024 + byte), subtract 1152. One LOP3, two PRMT, two HSUB2.
+_I8_TO_F16 = tl.constexpr("{\n.reg .b32 u, lo, hi, m;\nxor.b32 u, $4, 0x80808080;\n"
+                          "prmt.b32 lo, u, 0x64646464, 0x5140;\nprmt.b32 hi, u, 0x64646464, 0x5342;\n"
+                          "mov.b32 m, 0x64806480;\nsub.f16x2 lo, lo, m;\nsub.f16x2 hi, hi, m;\n"
+                          "mov.b32 {$0, $1}, lo;\nmov.b32 {$2, $3}, hi;\n}")
+
+
+@triton.jit
+def _load_codes_f16(CODES, SCALES, slot, head, valid, H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    """int8 rows `slot` [N] of one kv head whose one scale covers the head: the codes [N, D] as fp16
+    (exact; fp32 under the interpreter, which runs no PTX) and the scales [N] (fp32, 0 where not
+    `valid`). The caller applies the scales to the [G, N] score and probability tiles, not to the
+    [N, D] rows: a multiply per token instead of an fp32 round trip per value. The codes are
+    converted in the registers they were loaded into, as 32-bit words: left to Triton, an 8-bit
+    P.V operand comes from shared memory a byte at a time (offline SASS: ~200 LDS a 128-token
+    tile); this way the rows go through shared memory as 16-bit values, which ldmatrix transposes
+    (sm_90, a 128-token tile: 1303 instructions against 1774 with the scales on the rows)."""
+    row = slot * H + head
+    scale = tl.load(SCALES + row, mask=valid, other=0.0).to(tl.float32)
+    if UPCAST:
+        offs_d = tl.arange(0, D)
+        codes = tl.load(CODES + row[:, None] * DC + offs_d[None, :], mask=valid[:, None], other=0)
+        return codes.to(tl.float32), scale
+    j = tl.arange(0, D // 4)
+    words = tl.load(CODES.to(tl.pointer_type(tl.int32)) + row[:, None] * (DC // 4) + j[None, :],
+                    mask=valid[:, None], other=0)
+    a, b, c, d = tl.inline_asm_elementwise(_I8_TO_F16, "=h,=h,=h,=h,r", [words],
+                                           dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                                           pack=1)
+    return tl.reshape(tl.join(tl.join(a, c), tl.join(b, d)), (slot.shape[0], D)), scale
+
+
 @triton.jit
 def _load_values_t(VC, page, pos, head, page_ok, offs_d, H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    RUN: tl.constexpr):
@@ -431,6 +465,8 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
     (no reduce launch); else _reduce_kernel does. Splits past a sequence's tokens exit at once.
     The lengths are read before waiting for the previous kernel (PDL): the step's inputs, written
     before its first kernel (_pdl.py), so that round trip to memory overlaps the wait."""
+    ROW_SCALED_K: tl.constexpr = KIND == 2 and KGROUP == D
+    ROW_SCALED_V: tl.constexpr = KIND == 2 and VGROUP == D
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -444,7 +480,7 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
     offs_g = tl.arange(0, GP)  # GQA: the group's heads are the rows of one tile (padded to >= 16)
     heads = kvh * G + offs_g
     q = _mma_query(tl.load(Q + b * s_qt + heads[:, None] * s_qh + offs_d[None, :], mask=(offs_g < G)[:, None],
-                           other=0.0), KIND, UPCAST)
+                           other=0.0), 1 if ROW_SCALED_K else KIND, UPCAST)  # int8 codes as fp16, like fp8
     qk_scale = scale * 1.4426950408889634  # softmax in base 2
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -458,16 +494,27 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
         slot = page * PAGE + pos % PAGE
         # keys masked by page (no per-token predicates): a row past the sequence feeds only its own
         # score, which the next line replaces
-        k = _load_rows(KC, KS, KZ, slot, kvh, page_ok, offs_d, H, D, DC, KIND, KGROUP).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if ROW_SCALED_K:  # int8, a scale per token: on the scores
+            k, k_scale = _load_codes_f16(KC, KS, slot, kvh, page_ok, H, D, DC, UPCAST)
+            s = tl.dot(q, tl.trans(k)) * (k_scale * qk_scale)[None, :]
+        else:
+            k = _load_rows(KC, KS, KZ, slot, kvh, page_ok, offs_d, H, D, DC, KIND, KGROUP).to(q.dtype)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # exactly 0 where masked: the values there may be any finite
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_values(VC, VS, VZ, page, pos, slot, kvh, page_ok, valid, offs_d, H, D, DC, PAGE, RUN, KIND, VGROUP,
-                         VT).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if ROW_SCALED_V:  # int8, a scale per token: on the probabilities (0 past the sequence),
+            # divided by the tile's largest so that the fp16 operand stays in [0, 1]
+            v, v_scale = _load_codes_f16(VC, VS, slot, kvh, valid, H, D, DC, UPCAST)
+            top = tl.maximum(tl.max(v_scale, 0), 1e-30)
+            pv = tl.dot((p * (v_scale / top)[None, :]).to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv * top
+        else:
+            v = _load_values(VC, VS, VZ, page, pos, slot, kvh, page_ok, valid, offs_d, H, D, DC, PAGE, RUN, KIND,
+                             VGROUP, VT).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     let_next_launch(PDL)
@@ -648,21 +695,39 @@ FUSED_COMBINE_MAX_SPLITS = 16
 SHORT_SPLITS_MAX = 8
 
 
+# Programs of the decode kernel an sm_90 SM holds (offline compile), wide (128-token tiles, 4 warps)
+# and narrow (NARROW): fp8 wide double-buffered 75 KB of shared memory (3), one buffer 41 KB (5),
+# narrow 39 KB and 152 registers (5); int8, whose fp16 rows are staged in shared memory, wide 74 KB
+# (3), narrow 56 KB and 208 registers (4).
+WIDE_PER_SM = {(KIND_FP8, 5): 3, (KIND_FP8, 3): 5, (KIND_INT8, 3): 3}
+NARROW_PER_SM = {KIND_FP8: 5, KIND_INT8: 4}
+NARROW = dict(block_n=64, num_warps=2, num_stages=5)
+# fp8 KV spreads a small batch over one wave of narrow programs from this many tokens of work.
+FP8_NARROW_MIN_TOKENS = 32768
+
+
 def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int,
                   sms: int = 132) -> dict:
-    """Default split count, tile and pipeline depth of the decode kernel, from the H200 sweeps
-    (benchmarks/RESULTS.md, 2026-12-01 fourth session). Splits are at least 256 tokens (shorter ones
-    cost more in the combine than they win), or one 128-token tile each for up to SHORT_SPLITS_MAX
-    splits, at most 64. With B sequences x H kv heads:
+    """Default split count, tile, warps and pipeline depth of the decode kernel, from the H200 sweeps
+    (benchmarks/RESULTS.md, 2026-12-01 fourth session; nineteenth session for the narrow programs).
+    Splits are at least 256 tokens (shorter ones cost more in the combine than they win), or one
+    128-token tile each for up to SHORT_SPLITS_MAX splits, at most 64. With B sequences x H kv heads:
     - 16-bit KV, B*H <= SMs: 128-token tiles, double-buffered (Triton does that for this loop only
       from num_stages=5). That is ~128 KB of shared memory, one program per SM, so the sequence is
       split just enough for one wave (B=1 and 16 at 32k: 15 % and 4 % faster than 64-token tiles).
       Several waves of those lose to smaller programs while those fit in one wave: 64-token tiles,
       one buffer, 38 KB of shared memory, so 5 per SM (B=64 and 80: 3-15 % faster). Past that
       wave 128-token tiles with one buffer (74 KB, 3 per SM) win: B=96 1.2-1.3x, B=128 to 256
-      0-8 % (RESULTS.md, ninth session).
+      0-8 % (RESULTS.md, ninth session). Programs of 2 warps lose for 16-bit KV at every batch.
     - quantized KV: rows are short, so 128-token tiles; about two waves of programs. fp8 double-
-      buffers when the sequence is split (few programs each, latency exposed), not otherwise.
+      buffers when the sequence is split (few programs each, latency exposed), not otherwise, and
+      takes narrow programs (64-token tiles, 2 warps, double-buffered) where they fill the GPU
+      better: a small batch with enough tokens gets one wave of them (B=4 at 8k 27.0 -> 25.2 µs,
+      B=8 at 32k 146 -> 139, B=1 at 32k 26.2 -> 25.1), and a split batch whose wide programs would
+      run over into a second wave keeps its splits on narrow ones (B=32: 700 -> 499 µs at 32k);
+      int8 likewise (B=32 and 64: 1170 -> 996 and 2553 -> 2030 µs at 32k). int4 KV, whose
+      unpacking bounds it, is faster on narrow programs with twice the splits at every batch
+      (5-19 %).
     - fp32 KV (tests, parity runs): 64-token tiles, one buffer (a double-buffered 128 x 128 fp32
       K and V tile would not fit in shared memory)."""
     per_wave = batch * kv_heads
@@ -671,18 +736,26 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
     # 7.7 -> 6.3; at 256, two splits lose: 5.5 -> 5.9; RESULTS.md, fifth session).
     by_len = max(max_seq_len // 256, min(max_seq_len // 128, SHORT_SPLITS_MAX) if max_seq_len >= 512 else 0)
 
-    def split(programs: int) -> int:
-        return max(1, min(programs // per_wave, by_len, 64))
+    def split(programs: int, cap: int = by_len) -> int:
+        return max(1, min(programs // per_wave, cap, 64))
 
     two_waves = split(2 * sms + per_wave - 1)
     if kind == KIND_FLOAT and code_bytes == 2:
         if per_wave <= sms:
-            return dict(num_splits=split(sms), block_n=128, num_stages=5)
+            return dict(num_splits=split(sms), block_n=128, num_warps=4, num_stages=5)
         if per_wave > 5 * sms:
-            return dict(num_splits=1, block_n=128, num_stages=3)
+            return dict(num_splits=1, block_n=128, num_warps=4, num_stages=3)
     if kind == KIND_FLOAT:
-        return dict(num_splits=two_waves, block_n=64, num_stages=2)
-    return dict(num_splits=two_waves, block_n=128, num_stages=5 if kind == KIND_FP8 and two_waves > 1 else 3)
+        return dict(num_splits=two_waves, block_n=64, num_warps=4, num_stages=2)
+    narrow_cap = max(1, max_seq_len // NARROW["block_n"])  # a split holds at least one narrow tile
+    if kind == KIND_INT4:
+        return dict(num_splits=split(2 * two_waves * per_wave, narrow_cap), **NARROW)
+    if kind == KIND_FP8 and per_wave <= 64 and batch * max_seq_len >= FP8_NARROW_MIN_TOKENS:
+        return dict(num_splits=split(NARROW_PER_SM[kind] * sms, narrow_cap), **NARROW)
+    stages = 5 if kind == KIND_FP8 and two_waves > 1 else 3
+    if WIDE_PER_SM[kind, stages] * sms < per_wave * two_waves <= NARROW_PER_SM[kind] * sms:
+        return dict(num_splits=two_waves, **NARROW)  # one wave of narrow programs, not 1.x of wide ones
+    return dict(num_splits=two_waves, block_n=128, num_warps=4, num_stages=stages)
 
 
 def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, block_tables,
@@ -712,6 +785,7 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
         num_splits = num_splits or cfg["num_splits"]
         bn = block_n or cfg["block_n"]
         num_stages = num_stages or cfg["num_stages"]
+        num_warps = num_warps or cfg["num_warps"]
         direct = num_splits == 1
         fused = not direct and (num_splits <= FUSED_COMBINE_MAX_SPLITS if fused_reduce is None else fused_reduce)
         po = pml = cnt = out
@@ -727,7 +801,7 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
             H=h, G=g, GP=max(16, gq), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
             KIND=kind, **groups, DIRECT=direct, UPCAST=upcast, VT=vt, RUN=min(page, bn), WINDOWED=window > 0,
             FUSED=fused, GQ=gq, SP=sp,
-            num_warps=num_warps or 4, num_stages=num_stages, **pdl_args(q))
+            num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
         if not direct and not fused:
             _reduce_kernel[(batch, hq)](po, pml, seq_lens, out, num_splits, window, out.stride(0), out.stride(1),
                                         HQ=hq, D=d, SP=sp, BLOCK_N=bn, WINDOWED=window > 0, num_warps=4)
