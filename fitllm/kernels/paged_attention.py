@@ -441,7 +441,9 @@ def _mma_query(q, KIND: tl.constexpr, UPCAST: tl.constexpr):
     """q in the dtype the tile's MMAs run in. fp32 under the interpreter (its bf16/fp16 tl.dot is
     wrong). fp16 over an fp8 cache: e4m3 -> fp16 is one conversion per pair and exact, -> bf16 goes
     through fp32 (offline SASS, sm_90, a 128-token tile: 759 vs 1146 instructions); q is clamped to
-    fp16's range (bf16 reaches further) and P in [0, 1] keeps more bits in fp16. Else q's dtype."""
+    fp16's range (bf16 reaches further) and P in [0, 1] keeps more bits in fp16. The decode kernel
+    asks for the same over int8 rows with one scale per head (their codes are exact fp16). Else q's
+    dtype."""
     if UPCAST:
         r = q.to(tl.float32)
     elif KIND == 1:
