@@ -728,8 +728,8 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
       B=8 at 32k 146 -> 139, B=1 at 32k 26.2 -> 25.1), and a split batch whose wide programs would
       run over into a second wave keeps its splits on narrow ones (B=32: 700 -> 499 µs at 32k);
       int8 likewise (B=32 and 64: 1170 -> 996 and 2553 -> 2030 µs at 32k). int4 KV, whose
-      unpacking bounds it, is faster on narrow programs with twice the splits at every batch
-      (5-19 %).
+      unpacking bounds it, is faster on narrow programs with twice the splits at nearly every
+      shape (5-28 %; B=1 at 8k 4 % slower).
     - fp32 KV (tests, parity runs): 64-token tiles, one buffer (a double-buffered 128 x 128 fp32
       K and V tile would not fit in shared memory)."""
     per_wave = batch * kv_heads
