@@ -6,7 +6,8 @@ Triton kernel in fitllm.kernels after start-up, runs an offline generation, and 
 compiled during it (its specialisation key says which argument changed). Run on a cold Triton cache
 (`rm -rf ~/.triton/cache`) to see compile times too. Exit status 1 if anything compiled.
 
-  python3 benchmarks/compile_watch.py [--scheme fp8] [--requests 1000] [--max-num-seqs 1024] [--batched-tokens 16384]
+  python3 benchmarks/compile_watch.py [--scheme fp8] [--kv-dtype auto|fp8|int8|int4] [--requests 1000]
+      [--max-num-seqs 1024] [--batched-tokens 16384]
 """
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--batched-tokens", type=int, default=16384)
+    ap.add_argument("--kv-dtype", default="auto", help="the KV cache's dtype: the decode kernel's configs depend on it")
     a = ap.parse_args()
     model = build(a.scheme)
     t0 = time.perf_counter()
-    engine = engine_for(model, kv_dtype="auto", max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.batched_tokens)
+    engine = engine_for(model, kv_dtype=a.kv_dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.batched_tokens)
     before = variants()
     print(f"engine + warm-up {time.perf_counter() - t0:.1f} s; {sum(map(len, before.values()))} kernel variants")
     late = 0
