@@ -28,20 +28,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_gemm import SHAPES, capture_graph, log, rel_err  # noqa: E402
 from benchmarks.bench_w4_tiled import probe_start  # noqa: E402
-from fitllm.kernels.w4a16_tiled import _tiled_dequant_kernel, _magic2, _packed_math_ok  # noqa: E402
-from fitllm.kernels._utils import device_index  # noqa: E402
+from fitllm.kernels.w4a16_tiled import dequantize_tiled  # noqa: E402
 
 
 def dequant_into(buf, qt, dtype):
-    """dequantize_tiled into a preallocated buffer (view of the right shape)."""
-    qtile, scales, zeros, gs, K = qt["qtile"], qt["scales"], qt["zeros"], qt["group_size"], qt["K"]
-    N = qtile.shape[0]
-    w = buf[: N * K].view(N, K)
-    _tiled_dequant_kernel[(qtile.shape[1] // 16, (N + 63) // 64)](
-        qtile, scales, zeros, w, N, K, scales.shape[0], qtile.shape[1], _magic2(dtype),
-        GROUP_SIZE=min(gs, K), BN=64, F16=dtype == torch.float16,
-        ASM=_packed_math_ok(device_index(qtile), dtype), num_warps=4)
-    return w
+    """dequantize_tiled into the front of a preallocated flat buffer."""
+    N, K = qt["qtile"].shape[0], qt["K"]
+    return dequantize_tiled(**qt, dtype=dtype, out=buf[: N * K].view(N, K))
 
 
 class Runner:

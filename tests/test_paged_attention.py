@@ -217,21 +217,29 @@ def test_quantized_attention_error_is_small():
         assert rel(out, plain) < bound, name
 
 
+def _wide(splits, bn, stages):
+    """A decode_config of 4-warp programs."""
+    return dict(num_splits=splits, block_n=bn, num_warps=4, num_stages=stages)
+
+
+def _narrow(splits):
+    return dict(num_splits=splits, **pa.NARROW)
+
+
 def test_decode_defaults():
     """One wave of single-program-per-SM 16-bit tiles; about two waves for quantized KV; splits of
     >= 256 tokens, or of 128 from 512 tokens on while the combine stays fused; the fused combine
-    only for few splits; narrow programs where they fill the GPU better (fp8, int4)."""
+    only for few splits; narrow programs where they fill the GPU better (fp8, int8, int4)."""
     cfg = lambda kind, nbytes, b, ctx: pa.decode_config(kind, nbytes, b, 8, ctx, 132)  # noqa: E731
-    wide = lambda splits, bn, stages: dict(num_splits=splits, block_n=bn, num_warps=4, num_stages=stages)  # noqa: E731
-    assert cfg(pa.KIND_FLOAT, 2, 1, 32768) == wide(16, 128, 5)
-    assert cfg(pa.KIND_FLOAT, 2, 16, 32768) == wide(1, 128, 5)
-    assert cfg(pa.KIND_FLOAT, 2, 80, 32768) == wide(1, 64, 2)  # one wave, 5 per SM
-    assert cfg(pa.KIND_FLOAT, 2, 96, 4096) == wide(1, 128, 3)  # past it
-    assert cfg(pa.KIND_FLOAT, 2, 256, 32768) == wide(1, 128, 3)
+    assert cfg(pa.KIND_FLOAT, 2, 1, 32768) == _wide(16, 128, 5)
+    assert cfg(pa.KIND_FLOAT, 2, 16, 32768) == _wide(1, 128, 5)
+    assert cfg(pa.KIND_FLOAT, 2, 80, 32768) == _wide(1, 64, 2)  # one wave, 5 per SM
+    assert cfg(pa.KIND_FLOAT, 2, 96, 4096) == _wide(1, 128, 3)  # past it
+    assert cfg(pa.KIND_FLOAT, 2, 256, 32768) == _wide(1, 128, 3)
     assert cfg(pa.KIND_FLOAT, 4, 1, 32768)["block_n"] == 64
-    assert cfg(pa.KIND_FP8, 1, 256, 32768) == wide(1, 128, 3)
+    assert cfg(pa.KIND_FP8, 1, 256, 32768) == _wide(1, 128, 3)
     assert cfg(pa.KIND_INT8, 1, 1, 100)["num_splits"] == 1
-    assert cfg(pa.KIND_INT8, 1, 16, 32768) == wide(3, 128, 3)
+    assert cfg(pa.KIND_INT8, 1, 16, 32768) == _wide(3, 128, 3)
     # short sequences: splits of one 128-token tile, up to the fused combine's limit; not below 512
     assert [cfg(pa.KIND_FLOAT, 2, 1, n)["num_splits"] for n in (256, 511, 512, 1024, 2048, 4096)] == [1, 1, 4, 8, 8, 16]
     assert cfg(pa.KIND_FP8, 1, 1, 1024)["num_splits"] == pa.SHORT_SPLITS_MAX
@@ -247,24 +255,23 @@ def test_decode_defaults_narrow_programs():
     tiles. int4: narrow programs with twice the splits at every batch. Splits never shorter than a
     tile."""
     cfg = lambda kind, b, ctx: pa.decode_config(kind, 1, b, 8, ctx, 132)  # noqa: E731
-    narrow = lambda splits: dict(num_splits=splits, **pa.NARROW)  # noqa: E731
     one_wave = pa.NARROW_PER_SM[pa.KIND_FP8] * 132
-    assert cfg(pa.KIND_FP8, 1, 32768) == narrow(64)  # split cap
-    assert cfg(pa.KIND_FP8, 4, 8192) == narrow(one_wave // 32)
-    assert cfg(pa.KIND_FP8, 8, 32768) == narrow(one_wave // 64)
-    assert cfg(pa.KIND_FP8, 1, 8192) == dict(num_splits=32, block_n=128, num_warps=4, num_stages=5)  # too little work
-    assert cfg(pa.KIND_FP8, 16, 32768) == dict(num_splits=3, block_n=128, num_warps=4, num_stages=5)  # 384 fit
-    assert cfg(pa.KIND_FP8, 32, 32768) == narrow(2)  # 512 wide programs would take 1.3 waves
+    assert cfg(pa.KIND_FP8, 1, 32768) == _narrow(64)  # split cap
+    assert cfg(pa.KIND_FP8, 4, 8192) == _narrow(one_wave // 32)
+    assert cfg(pa.KIND_FP8, 8, 32768) == _narrow(one_wave // 64)
+    assert cfg(pa.KIND_FP8, 1, 8192) == _wide(32, 128, 5)  # too little work
+    assert cfg(pa.KIND_FP8, 16, 32768) == _wide(3, 128, 5)  # 384 fit
+    assert cfg(pa.KIND_FP8, 32, 32768) == _narrow(2)  # 512 wide programs would take 1.3 waves
     for b, ctx in ((1, 32768), (4, 8192), (8, 32768), (32, 2048)):
         c = cfg(pa.KIND_FP8, b, ctx)
         assert b * 8 * c["num_splits"] <= one_wave
     # int8 (wide programs 3 an SM, narrow 4): B = 32 and 64 make 512 programs
-    assert cfg(pa.KIND_INT8, 32, 32768) == narrow(2)
-    assert cfg(pa.KIND_INT8, 64, 2048) == narrow(1)
+    assert cfg(pa.KIND_INT8, 32, 32768) == _narrow(2)
+    assert cfg(pa.KIND_INT8, 64, 2048) == _narrow(1)
     assert cfg(pa.KIND_INT8, 128, 2048)["num_warps"] == 4  # more than a wave either way
     assert cfg(pa.KIND_INT8, 8, 32768)["num_warps"] == 4  # 320 programs fit the wide wave
-    assert cfg(pa.KIND_INT4, 1, 2048) == narrow(16)
-    assert cfg(pa.KIND_INT4, 1, 32768) == narrow(64)
-    assert cfg(pa.KIND_INT4, 256, 32768) == narrow(2)
-    assert cfg(pa.KIND_INT4, 4, 100) == narrow(1)  # 100 tokens: one 64-token tile's split at most
+    assert cfg(pa.KIND_INT4, 1, 2048) == _narrow(16)
+    assert cfg(pa.KIND_INT4, 1, 32768) == _narrow(64)
+    assert cfg(pa.KIND_INT4, 256, 32768) == _narrow(2)
+    assert cfg(pa.KIND_INT4, 4, 100) == _narrow(1)  # 100 tokens: one 64-token tile's split at most
     assert cfg(pa.KIND_INT4, 1, 300)["num_splits"] * pa.NARROW["block_n"] <= 300

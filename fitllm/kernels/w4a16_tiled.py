@@ -550,10 +550,11 @@ def _magic2(dtype) -> int:
     return 0x64006400 if dtype == torch.float16 else 0x43004300  # 1024 (fp16) / 128 (bf16), twice
 
 
-def dequantize_tiled(qtile, scales, zeros, group_size, K, dtype):
-    """W [N, K] in `dtype` by the Triton dequant kernel (the large-M path's first step)."""
+def dequantize_tiled(qtile, scales, zeros, group_size, K, dtype, out=None):
+    """W [N, K] in `dtype` by the Triton dequant kernel (the large-M path's first step); `out`, a
+    contiguous [N, K] tensor of that dtype, receives it (benchmarks reuse buffers)."""
     N = qtile.shape[0]
-    w = torch.empty((N, K), dtype=dtype, device=qtile.device)
+    w = out if out is not None else torch.empty((N, K), dtype=dtype, device=qtile.device)
     _tiled_dequant_kernel[(qtile.shape[1] // 16, triton.cdiv(N, 64))](
         qtile, scales, zeros, w, N, K, scales.shape[0], qtile.shape[1], _magic2(dtype),
         GROUP_SIZE=min(group_size, K), BN=64, F16=dtype == torch.float16,
