@@ -188,6 +188,35 @@ def test_head_affine_split_outputs(T, h0):
     torch.testing.assert_close(b, rb, rtol=1e-5, atol=1e-5)
 
 
+# Runtime arguments that follow a step's token count. Triton specialises an integer argument on
+# == 1 and on % 16 == 0, so each would compile another variant the first time a step size of the
+# other kind comes by: mid-serving, after the warm-up (benchmarks/compile_watch.py caught
+# head_affine's T with fp8 and int4 KV: a 1.2 s stall in the first batch, RESULTS.md twentieth session).
+STEP_SIZED = {"M", "T"}
+# The batch-1..4 GEMVs: their M is one table row of at most 4 rows of x, each size warmed or captured.
+SMALL_M_GEMVS = {"_w4a16_gemv_kernel", "_w4a16_gemv_pairs_kernel", "_tiled_gemv_kernel"}
+
+
+def test_no_kernel_specialises_on_the_step_size():
+    import importlib
+    import inspect
+
+    checked = []
+    for mod in ("fp8", "w4a16", "w4a16_tiled", "paged_attention", "_fused_triton"):
+        m = importlib.import_module(f"fitllm.kernels.{mod}")
+        for name, k in vars(m).items():
+            fn = getattr(k, "fn", None)
+            if fn is None or fn.__module__ != m.__name__ or not name.endswith("_kernel") or name in SMALL_M_GEMVS:
+                continue
+            step = STEP_SIZED & {p for p, v in inspect.signature(fn).parameters.items()
+                                 if "constexpr" not in str(v.annotation)}
+            if step:
+                frozen = set(getattr(k, "do_not_specialize", None) or k.kwargs.get("do_not_specialize") or ())
+                assert step <= frozen, f"{mod}.{name} specialises on {sorted(step - frozen)}"
+                checked.append(name)
+    assert "head_affine_kernel" in checked and "_fp8_tma_kernel" in checked and len(checked) >= 6
+
+
 def test_head_affine_reference_is_the_documented_map():
     """Against the formula in float64, head h using parameter row h // (H // P)."""
     T, H, P, D = 5, 6, 3, 16

@@ -176,7 +176,7 @@ def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl
     _store_out(out_ptr + t * I + cols, a * u, mask, s_ptr, t, RNE, FP8, DT, EXACT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # else T % 16 == 0 (or T == 1) compiles again, mid-serving
 def head_affine_kernel(x_ptr, r_ptr, shift_ptr, pre_ptr, post_ptr, add_ptr, y_ptr, y2_ptr, H0, T, G, sx_t, sx_h,
                        sr_0, sr_1, D: tl.constexpr, BT: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SHIFT: tl.constexpr,
                        HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr, HAS_ADD: tl.constexpr,
