@@ -1,7 +1,7 @@
 """Paged decode attention on the GPU: correctness, then speed against torch SDPA (same run).
 
 Llama-3-8B heads (32 query / 8 KV heads, head_dim 128), pages of the product's default size per KV
-dtype (16 tokens; 64 for fp8; --block-size overrides) scattered at random over the pool, batch x
+dtype (16 tokens; 64 for fp8 and int8; --block-size overrides) scattered at random over the pool, batch x
 context grid, KV in bf16 / fp8 / int8 / int4. Times are CUDA-graph replays of back-to-back calls
 (launch overhead excluded, as a served decode step sees it); bandwidth counts the K/V bytes each
 call must read (codes + scales), against the measured copy bandwidth.
@@ -171,8 +171,10 @@ def check_correctness(log) -> bool:
             for window in (None, 100):
                 args = (q, pool.k, pool.v, pool.ks, pool.vs, pool.kz, pool.vz, pool.tables)
                 ref = pa.paged_attention_ref(*args, qs, lens, D ** -0.5, pool.k_id, pool.group, window, torch.float32)
-                variants = ((None, {}), (3, {}), (3, dict(fused_reduce=False)), (40, {}), (3, pa.NARROW),
-                            (40, pa.NARROW)) if max(qlens) == 1 else ((None, {}),)
+                narrow = pa.NARROW_INT8 if pool.k_id == pa.KIND_INT8 else pa.NARROW  # the kind's own
+                variants = [(None, {}), (3, {}), (3, dict(fused_reduce=False)), (40, {}), (3, narrow), (40, narrow)]
+                variants += [(3, pa.NARROW)] if narrow is not pa.NARROW else []
+                variants = variants if max(qlens) == 1 else [(None, {})]
                 for splits, knobs in variants:
                     out = pa.paged_attention(*args, torch.tensor(qs, dtype=torch.int32, device="cuda"), pool.seq_lens,
                                              D ** -0.5, pool.k_id, pool.group, window, torch.float32,
@@ -220,9 +222,10 @@ def check_correctness(log) -> bool:
             c = [None if t is None else t.clone() for t in (pool.k, pool.v, pool.ks, pool.vs, pool.kz, pool.vz)]
             fn(k, v, c[0], c[1], c[2], c[3], c[4], c[5], slots, pool.k_id, pool.group)
             rows = lambda t: None if t is None else t.flatten(0, 1)  # noqa: E731
+            v_codes = c[1].permute(0, 3, 1, 2) if pa.values_transposed(pool.k_id) else c[1]  # as rows
             outs.append(torch.cat([
                 pa.dequantize_ref(rows(c[0]), rows(c[2]), rows(c[4]), pool.k_id, pool.k_group).flatten(),
-                pa.dequantize_ref(rows(c[1]), rows(c[3]), rows(c[5]), pool.k_id, pool.v_group).flatten()]))
+                pa.dequantize_ref(rows(v_codes), rows(c[3]), rows(c[5]), pool.k_id, pool.v_group).flatten()]))
         e = rel(outs[0], outs[1])
         good = e < 1e-3 and (kind != "fp8" or torch.equal(*outs))  # fp8: bit for bit
         ok &= good
@@ -333,7 +336,7 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=0, help="also time the extend kernel: 4 sequences at "
                     "each context, their last N tokens as new queries")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per block for every kind "
-                    "[default: the product's per KV dtype: 64 for fp8, else 16]")
+                    "[default: the product's per KV dtype: 64 for fp8 and int8, else 16]")
     ap.add_argument("--baseline", default=None, help="module name of an earlier paged_attention.py timed in the "
                     "same run with its default config, on the value layout it reads: column 'baseline'")
     args = ap.parse_args()

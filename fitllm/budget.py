@@ -46,12 +46,12 @@ DEQUANT_GEMM_MIN_TOKENS = 256  # above this M a W4A16 GEMM may dequantize to bf1
 ATTN_SPLIT_TOKENS = 512  # fused decode attention: context chunk per split (partials kept in fp32)
 
 DEFAULT_BLOCK_SIZE = 16
-# fp8 values are stored transposed per block (kernels/paged_attention.py, values_transposed): each
-# channel's tokens of a block are one contiguous run, and decode attention reads them run by run.
+# fp8 and int8 values are stored transposed per block (kernels/paged_attention.py, values_transposed):
+# each channel's tokens of a block are one contiguous run, and decode attention reads them run by run.
 # 16-byte runs cost the L2 one tag lookup per 64 bytes (the limit: 84 % busy at 67 % of DRAM
 # bandwidth); 64-token blocks make the runs whole cache lines: fp8 decode attention 1.7-1.9x bf16
 # on an H200 instead of 1.4x (benchmarks/RESULTS.md). Only the value layout cares.
-FP8_KV_BLOCK_SIZE = 64
+TRANSPOSED_KV_BLOCK_SIZE = 64
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 64  # = `quant serve --max-num-seqs` default
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -209,8 +209,9 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bf16") -> int:
 
 
 def default_block_size(kv_dtype: str) -> int:
-    """Tokens per KV block when none is asked for: 64 for fp8 KV (see FP8_KV_BLOCK_SIZE), else 16."""
-    return FP8_KV_BLOCK_SIZE if kv_dtype == "fp8" else DEFAULT_BLOCK_SIZE
+    """Tokens per KV block when none is asked for: 64 for fp8 and int8 KV (TRANSPOSED_KV_BLOCK_SIZE),
+    else 16."""
+    return TRANSPOSED_KV_BLOCK_SIZE if kv_dtype in ("fp8", "int8") else DEFAULT_BLOCK_SIZE
 
 
 def blocks_for_tokens(tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:

@@ -323,11 +323,12 @@ def test_cli_errors_are_one_line():
 
 
 def test_block_size_defaults_follow_the_kv_dtype():
-    """fp8 KV gets 64-token blocks (its transposed values load in whole cache lines), others 16;
-    an explicit size always wins, and the engine and the calculator agree."""
+    """fp8 and int8 KV get 64-token blocks (their transposed values load in whole cache lines), others
+    16; an explicit size always wins, and the engine and the calculator agree."""
     from fitllm.serve.engine import EngineConfig
 
     assert bm.Settings(kv_dtype="fp8").block_size == EngineConfig(kv_dtype="fp8").block_size == 64
+    assert bm.Settings(kv_dtype="int8").block_size == EngineConfig(kv_dtype="int8").block_size == 64
     assert bm.Settings(kv_dtype="bf16").block_size == EngineConfig(kv_dtype="auto").block_size == 16
-    assert bm.Settings(kv_dtype="int4").block_size == EngineConfig(kv_dtype="int8").block_size == 16
+    assert bm.Settings(kv_dtype="int4").block_size == EngineConfig(kv_dtype="int4").block_size == 16
     assert bm.Settings(kv_dtype="fp8", block_size=16).block_size == EngineConfig(kv_dtype="fp8", block_size=16).block_size == 16

@@ -139,6 +139,23 @@ def test_fp8_values_are_stored_transposed_and_never_nan(fn):
             assert torch.equal(pool.k[s // PAGE, s % PAGE, h, :].float(), k[i, h])
 
 
+@pytest.mark.parametrize("name", ["int8", "int8-g"])
+@pytest.mark.parametrize("fn", [pa.cache_write_ref, pa.cache_write])
+def test_int8_values_are_stored_transposed_with_row_scales(fn, name):
+    """int8 codes of token slot s, head h at v[s // PAGE, h, :, s % PAGE] (keys rows, as fp8), their
+    scales in rows beside them: vs[s // PAGE, s % PAGE, h, :], one per group of the head."""
+    pool = Pool(name, [8])
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 3, H, D, generator=g).unbind(0)
+    slots = torch.tensor([2, 5, 7])
+    fn(k, v, *pool.tensors(), slots, pool.kind, pool.group)
+    codes, scales, _ = pa.quantize_ref(v, pa.KIND_INT8, pool.v_group, torch.int8)
+    for i, s in enumerate(slots.tolist()):
+        for h in range(H):
+            assert torch.equal(pool.v[s // PAGE, h, :, s % PAGE], codes[i, h])
+            assert torch.equal(pool.vs[s // PAGE, s % PAGE, h], scales[i, h])
+
+
 def test_padding_slots_are_not_written():
     pool = Pool("int8", [8])
     k, v = torch.randn(3, H, D), torch.randn(3, H, D)
@@ -222,8 +239,9 @@ def _wide(splits, bn, stages):
     return dict(num_splits=splits, block_n=bn, num_warps=4, num_stages=stages)
 
 
-def _narrow(splits):
-    return dict(num_splits=splits, **pa.NARROW)
+def _narrow(splits, kind=pa.KIND_FP8):
+    """A decode_config of 2-warp programs (int8's hold 128-token tiles)."""
+    return dict(num_splits=splits, **(pa.NARROW_INT8 if kind == pa.KIND_INT8 else pa.NARROW))
 
 
 def test_decode_defaults():
@@ -250,8 +268,8 @@ def test_decode_defaults():
 
 
 def test_decode_defaults_narrow_programs():
-    """fp8: a small batch with enough tokens fills one wave of narrow programs; a split batch whose
-    wide programs would not fit in one wave keeps its splits on narrow ones (int8 too); else the wide
+    """fp8 and int8: a small batch with enough tokens fills one wave of narrow programs; a split batch
+    whose wide programs would not fit in one wave keeps its splits on narrow ones; else the wide
     tiles. int4: narrow programs with twice the splits at every batch. Splits never shorter than a
     tile."""
     cfg = lambda kind, b, ctx: pa.decode_config(kind, 1, b, 8, ctx, 132)  # noqa: E731
@@ -265,11 +283,15 @@ def test_decode_defaults_narrow_programs():
     for b, ctx in ((1, 32768), (4, 8192), (8, 32768), (32, 2048)):
         c = cfg(pa.KIND_FP8, b, ctx)
         assert b * 8 * c["num_splits"] <= one_wave
-    # int8 (wide programs 3 an SM, narrow 4): B = 32 and 64 make 512 programs
-    assert cfg(pa.KIND_INT8, 32, 32768) == _narrow(2)
-    assert cfg(pa.KIND_INT8, 64, 2048) == _narrow(1)
+    # int8 (wide programs 3 an SM, narrow ones of 128-token tiles 4): B = 32 and 64 make 512 programs
+    assert cfg(pa.KIND_INT8, 32, 32768) == _narrow(2, pa.KIND_INT8)
+    assert cfg(pa.KIND_INT8, 64, 2048) == _narrow(1, pa.KIND_INT8)
     assert cfg(pa.KIND_INT8, 128, 2048)["num_warps"] == 4  # more than a wave either way
-    assert cfg(pa.KIND_INT8, 8, 32768)["num_warps"] == 4  # 320 programs fit the wide wave
+    assert cfg(pa.KIND_INT8, 16, 32768) == _wide(3, 128, 3)  # 384 fit the wide wave
+    assert cfg(pa.KIND_INT8, 1, 32768) == _narrow(64, pa.KIND_INT8)  # one narrow wave (4 an SM), split cap
+    assert cfg(pa.KIND_INT8, 8, 32768) == _narrow(528 // 64, pa.KIND_INT8)
+    assert cfg(pa.KIND_INT8, 1, 8192) == _wide(32, 128, 3)  # too little work
+    assert cfg(pa.KIND_INT8, 1, 256)["num_splits"] * pa.NARROW_INT8["block_n"] <= 256
     assert cfg(pa.KIND_INT4, 1, 2048) == _narrow(16)
     assert cfg(pa.KIND_INT4, 1, 32768) == _narrow(64)
     assert cfg(pa.KIND_INT4, 256, 32768) == _narrow(2)

@@ -4,8 +4,8 @@ Each Triton kernel has a torch reference with the same signature (`*_ref`), whic
 and the test oracle. Kernels know tensors only; the cache (fitllm/models/kv_cache.py) owns layout.
 
 Cache layout, per layer (`codes`): `[num_blocks, block_size, kv_heads, codes_per_head]`; a flat slot
-is `block * block_size + offset`. fp8 *values* are the exception, stored transposed within each block,
-`[num_blocks, kv_heads, head_dim, block_size]` (see `values_transposed`; `cache_shape` gives both).
+is `block * block_size + offset`. fp8 and int8 *values* are the exception, stored transposed within each
+block, `[num_blocks, kv_heads, head_dim, block_size]` (see `values_transposed`; `cache_shape` gives both).
 `kind` says how a stored row decodes (see `KIND_*`):
   float: codes are the values (fp32/fp16/bf16), codes_per_head = head_dim
   fp8:   e4m3 codes; any per-tensor/per-head scale is folded into q and the output by the caller.
@@ -53,8 +53,9 @@ def values_transposed(kind: int) -> bool:
     P.V sums over tokens, and a tensor-core operand must hold consecutive tokens in each register;
     16-bit values get that transpose free on load (ldmatrix.trans), bytes do not: read row-major,
     fp8 values cost one shared-memory load per byte plus the repacking, 1.6x the instructions of the
-    whole decode loop (benchmarks/RESULTS.md). int8/int4 keep rows: their scales run along head_dim."""
-    return kind == KIND_FP8
+    whole decode loop (benchmarks/RESULTS.md). int8 likewise (its scales stay in rows beside the
+    blocks: one per token and head, or per group of a row); int4 keeps rows (two codes a byte)."""
+    return kind in (KIND_FP8, KIND_INT8)
 
 
 def cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, kind: int,
@@ -224,7 +225,7 @@ def _store_quantized(X, x_row, CODES, SCALES, ZEROS, row_c, row_s, ok,
             s = tl.maximum(tl.max(tl.abs(x), 1) / 127.0, 1e-5).to(tl.float16)
             c = tl.floor(x / s.to(tl.float32)[:, None] + 0.5)
             c = tl.minimum(tl.maximum(c, -127.0), 127.0)
-            tl.store(CODES + row_c + off, c.to(tl.int8), mask=ok)
+            tl.store(CODES + row_c + off * STRIDE, c.to(tl.int8), mask=ok)
             tl.store(SCALES + row_s + g, s, mask=ok)
         else:
             if KIND == 1:  # e4m3 has no infinity: saturate, and store NaN as 0 (see the module doc)
@@ -341,35 +342,61 @@ def _load_rows(CODES, SCALES, ZEROS, slot, head, valid, offs_d,
     else:
         x = tl.load(CODES + row[:, None] * DC + offs_d[None, :], mask=valid[:, None], other=0.0)
     if KIND >= 2:
-        g = tl.arange(0, NG)
-        sp = row[:, None] * NG + g[None, :]
-        s = tl.load(SCALES + sp, mask=valid[:, None], other=0.0).to(tl.float32)
-        x = tl.reshape(x.to(tl.float32), (N, NG, GROUP)) * s[:, :, None]
+        x = _times_scales(x, SCALES, row, valid, D, GROUP)
         if KIND == 3:
+            sp = row[:, None] * NG + tl.arange(0, NG)[None, :]
             x += tl.load(ZEROS + sp, mask=valid[:, None], other=0.0).to(tl.float32)[:, :, None]
         x = tl.reshape(x, (N, D))
     return x
 
 
-# Four int8 codes (one 32-bit word) -> four exact fp16 values: bias each byte by 128, place it under
-# fp16's 1024 (a 0x64 high byte: 1024 + byte), subtract 1152. One LOP3, two PRMT, two HSUB2.
-_I8_TO_F16 = tl.constexpr("{\n.reg .b32 u, lo, hi, m;\nxor.b32 u, $4, 0x80808080;\n"
-                          "prmt.b32 lo, u, 0x64646464, 0x5140;\nprmt.b32 hi, u, 0x64646464, 0x5342;\n"
-                          "mov.b32 m, 0x64806480;\nsub.f16x2 lo, lo, m;\nsub.f16x2 hi, hi, m;\n"
-                          "mov.b32 {$0, $1}, lo;\nmov.b32 {$2, $3}, hi;\n}")
+@triton.jit
+def _times_scales(x, SCALES, row, valid, D: tl.constexpr, GROUP: tl.constexpr):
+    """Codes x [N, D] times the scales of rows `row` [N] (one per GROUP values; 0 where not `valid`),
+    as [N, D // GROUP, GROUP] fp32."""
+    NG: tl.constexpr = D // GROUP
+    s = tl.load(SCALES + row[:, None] * NG + tl.arange(0, NG)[None, :], mask=valid[:, None], other=0.0)
+    return tl.reshape(x.to(tl.float32), (x.shape[0], NG, GROUP)) * s.to(tl.float32)[:, :, None]
+
+
+def _i8x4_to_f16x2(word: str, lo: str, hi: str) -> str:
+    """PTX: four int8 codes (one 32-bit word) -> four exact fp16 values in two f16x2 registers: bias
+    each byte by 128, place it under fp16's 1024 (a 0x64 high byte: 1024 + byte), subtract 1152.
+    One LOP3, two PRMT, two HSUB2."""
+    return (f"xor.b32 u, {word}, 0x80808080;\nprmt.b32 {lo}, u, 0x64646464, 0x5140;\n"
+            f"prmt.b32 {hi}, u, 0x64646464, 0x5342;\nmov.b32 m, 0x64806480;\n"
+            f"sub.f16x2 {lo}, {lo}, m;\nsub.f16x2 {hi}, {hi}, m;\n")
+
+
+# on int32 words: four fp16 outputs; on an int8 tile (pack=4): four neighbouring codes a call
+_I8_TO_F16 = tl.constexpr("{\n.reg .b32 u, lo, hi, m;\n" + _i8x4_to_f16x2("$4", "lo", "hi")
+                          + "mov.b32 {$0, $1}, lo;\nmov.b32 {$2, $3}, hi;\n}")
+_I8X4_TO_F16 = tl.constexpr("{\n.reg .b32 u, m;\n" + _i8x4_to_f16x2("$2", "$0", "$1") + "}")
+
+
+@triton.jit
+def _codes_f16(codes, UPCAST: tl.constexpr):
+    """An int8 tile as exact fp16 (fp32 under the interpreter, which runs no PTX). Elementwise on
+    the tile, so Triton converts after moving the codes into the P.V operand's layout: over the
+    transposed value blocks each register's four codes are neighbouring tokens, one 32-bit
+    shared-memory load (offline SASS, sm_90, a 128-token tile of 4 warps: 1105 instructions; value
+    rows converted as words went through shared memory as fp16, 1303). The keys keep
+    _load_codes_f16: this on key rows compiled to fewer instructions (1080) but ran 6-20 % slower
+    (H200, RESULTS.md twentieth session)."""
+    if UPCAST:
+        return codes.to(tl.float32)
+    return tl.inline_asm_elementwise(_I8X4_TO_F16, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
 def _load_codes_f16(CODES, SCALES, slot, head, valid, H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
                     UPCAST: tl.constexpr):
-    """int8 rows `slot` [N] of one kv head whose one scale covers the head: the codes [N, D] as fp16
-    (exact; fp32 under the interpreter, which runs no PTX) and the scales [N] (fp32, 0 where not
-    `valid`). The caller applies the scales to the [G, N] score and probability tiles, not to the
-    [N, D] rows: a multiply per token instead of an fp32 round trip per value. The codes are
-    converted in the registers they were loaded into, as 32-bit words: left to Triton, an 8-bit
-    P.V operand comes from shared memory a byte at a time (offline SASS: ~200 LDS a 128-token
-    tile); this way the rows go through shared memory as 16-bit values, which ldmatrix transposes
-    (sm_90, a 128-token tile: 1303 instructions against 1774 with the scales on the rows)."""
+    """int8 key rows `slot` [N] of one kv head whose one scale covers the head: the codes [N, D] as
+    fp16 (exact; fp32 under the interpreter, which runs no PTX) and the scales [N] (fp32, 0 where
+    not `valid`). The caller applies the scales to the [G, N] score tile, not to the [N, D] rows: a
+    multiply per token instead of an fp32 round trip per value (offline SASS, sm_90, a 128-token
+    tile: 1303 instructions against 1774 with the scales on the rows, values then in rows too). The
+    codes are converted in the registers they were loaded into, as 32-bit words."""
     row = slot * H + head
     scale = tl.load(SCALES + row, mask=valid, other=0.0).to(tl.float32)
     if UPCAST:
@@ -402,9 +429,13 @@ def _load_values_t(VC, page, pos, head, page_ok, offs_d, H: tl.constexpr, D: tl.
 def _load_values(VC, VS, VZ, page, pos, slot, head, page_ok, valid, offs_d, H: tl.constexpr, D: tl.constexpr,
                  DC: tl.constexpr, PAGE: tl.constexpr, RUN: tl.constexpr, KIND: tl.constexpr, VGROUP: tl.constexpr,
                  VT: tl.constexpr):
-    """A tile's value rows [N, D]: from the transposed fp8 blocks (masked by page) or from rows."""
+    """A tile's value rows [N, D]: from the transposed fp8 / int8 blocks (masked by page; int8 times
+    its scales, 0 past the sequence) or from rows."""
     if VT:
-        return _load_values_t(VC, page, pos, head, page_ok, offs_d, H, D, PAGE, RUN)
+        v = _load_values_t(VC, page, pos, head, page_ok, offs_d, H, D, PAGE, RUN)
+        if KIND == 2:
+            v = tl.reshape(_times_scales(v, VS, slot * H + head, valid, D, VGROUP), (pos.shape[0], D))
+        return v
     return _load_rows(VC, VS, VZ, slot, head, valid, offs_d, H, D, DC, KIND, VGROUP)
 
 
@@ -509,7 +540,8 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
         l_i = l_i * alpha + tl.sum(p, 1)
         if ROW_SCALED_V:  # int8, a scale per token: on the probabilities (0 past the sequence),
             # divided by the tile's largest so that the fp16 operand stays in [0, 1]
-            v, v_scale = _load_codes_f16(VC, VS, slot, kvh, valid, H, D, DC, UPCAST)
+            v = _codes_f16(_load_values_t(VC, page, pos, kvh, page_ok, offs_d, H, D, PAGE, RUN), UPCAST)
+            v_scale = tl.load(VS + slot * H + kvh, mask=valid, other=0.0).to(tl.float32)
             top = tl.maximum(tl.max(v_scale, 0), 1e-30)
             pv = tl.dot((p * (v_scale / top)[None, :]).to(v.dtype), v)
             acc = acc * alpha[:, None] + pv * top
@@ -698,14 +730,16 @@ SHORT_SPLITS_MAX = 8
 
 
 # Programs of the decode kernel an sm_90 SM holds (offline compile), wide (128-token tiles, 4 warps)
-# and narrow (NARROW): fp8 wide double-buffered 75 KB of shared memory (3), one buffer 41 KB (5),
-# narrow 39 KB and 152 registers (5); int8, whose fp16 rows are staged in shared memory, wide 74 KB
-# (3), narrow 56 KB and 208 registers (4).
+# and narrow (2 warps): fp8 wide double-buffered 75 KB of shared memory (3), one buffer 41 KB (5),
+# narrow (NARROW: 64-token tiles) 39 KB and 152 registers (5); int8 wide 41 KB but 150 registers (3),
+# narrow (NARROW_INT8: 128-token tiles) 41 KB and 245 registers (4). int8's 64-token narrow twin (5 an
+# SM) lost to NARROW_INT8 by 1.1-1.2x at B = 32-64 (RESULTS.md, twentieth session).
 WIDE_PER_SM = {(KIND_FP8, 5): 3, (KIND_FP8, 3): 5, (KIND_INT8, 3): 3}
 NARROW_PER_SM = {KIND_FP8: 5, KIND_INT8: 4}
 NARROW = dict(block_n=64, num_warps=2, num_stages=5)
-# fp8 KV spreads a small batch over one wave of narrow programs from this many tokens of work.
-FP8_NARROW_MIN_TOKENS = 32768
+NARROW_INT8 = dict(block_n=128, num_warps=2, num_stages=3)
+# fp8 / int8 KV spread a small batch over one wave of narrow programs from this many tokens of work.
+NARROW_MIN_TOKENS = 32768
 
 
 def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int,
@@ -727,7 +761,8 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
       better: a small batch with enough tokens gets one wave of them (B=4 at 8k 27.0 -> 25.2 µs,
       B=8 at 32k 146 -> 139, B=1 at 32k 26.2 -> 25.1), and a split batch whose wide programs would
       run over into a second wave keeps its splits on narrow ones (B=32: 700 -> 499 µs at 32k);
-      int8 likewise (B=32 and 64: 1170 -> 996 and 2553 -> 2030 µs at 32k). int4 KV, whose
+      int8 likewise, on narrow programs of 128-token tiles (B=1 at 32k: 35.6 -> 32.0 µs; B=32 and
+      64: 933 -> 793 and 1776 -> 1448 µs at 32k; twentieth session). int4 KV, whose
       unpacking bounds it, is faster on narrow programs with twice the splits at nearly every
       shape (5-28 %; B=1 at 8k 4 % slower).
     - fp32 KV (tests, parity runs): 64-token tiles, one buffer (a double-buffered 128 x 128 fp32
@@ -749,14 +784,15 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
             return dict(num_splits=1, block_n=128, num_warps=4, num_stages=3)
     if kind == KIND_FLOAT:
         return dict(num_splits=two_waves, block_n=64, num_warps=4, num_stages=2)
-    narrow_cap = max(1, max_seq_len // NARROW["block_n"])  # a split holds at least one narrow tile
+    narrow = NARROW_INT8 if kind == KIND_INT8 else NARROW
+    narrow_cap = max(1, max_seq_len // narrow["block_n"])  # a split holds at least one narrow tile
     if kind == KIND_INT4:
         return dict(num_splits=split(2 * two_waves * per_wave, narrow_cap), **NARROW)
-    if kind == KIND_FP8 and per_wave <= 64 and batch * max_seq_len >= FP8_NARROW_MIN_TOKENS:
-        return dict(num_splits=split(NARROW_PER_SM[kind] * sms, narrow_cap), **NARROW)
+    if per_wave <= 64 and batch * max_seq_len >= NARROW_MIN_TOKENS:
+        return dict(num_splits=split(NARROW_PER_SM[kind] * sms, narrow_cap), **narrow)
     stages = 5 if kind == KIND_FP8 and two_waves > 1 else 3
     if WIDE_PER_SM[kind, stages] * sms < per_wave * two_waves <= NARROW_PER_SM[kind] * sms:
-        return dict(num_splits=two_waves, **NARROW)  # one wave of narrow programs, not 1.x of wide ones
+        return dict(num_splits=two_waves, **narrow)  # one wave of narrow programs, not 1.x of wide ones
     return dict(num_splits=two_waves, block_n=128, num_warps=4, num_stages=stages)
 
 

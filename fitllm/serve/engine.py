@@ -65,7 +65,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available
     dtype: Optional[str] = None  # None/auto: bf16 on GPU, fp32 on CPU
     kv_dtype: str = "auto"  # auto (the model's dtype) | bf16 | fp16 | fp8 | int8 | int4
-    block_size: Optional[int] = None  # tokens per KV block; None: 64 for fp8 KV, else 16 (budget.default_block_size)
+    block_size: Optional[int] = None  # tokens per KV block; None: 64 for fp8 / int8 KV, else 16 (budget.default_block_size)
     max_model_len: Optional[int] = None  # None: the model's, capped by what the KV pool holds
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
