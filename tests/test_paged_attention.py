@@ -4,8 +4,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from fitllm.kernels import paged_attention as pa
+from fitllm.kernels.paged_attention import _load_rows
 from fitllm.kernels._utils import splitk_workspace
 from fitllm.models.kv_cache import causal_attention
 
@@ -297,3 +300,29 @@ def test_decode_defaults_narrow_programs():
     assert cfg(pa.KIND_INT4, 256, 32768) == _narrow(2)
     assert cfg(pa.KIND_INT4, 4, 100) == _narrow(1)  # 100 tokens: one 64-token tile's split at most
     assert cfg(pa.KIND_INT4, 1, 300)["num_splits"] * pa.NARROW["block_n"] <= 300
+
+
+@triton.jit
+def _rows_kernel(C, S, Z, SLOT, OUT, H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, KIND: tl.constexpr,
+                 GROUP: tl.constexpr, N: tl.constexpr):
+    slot = tl.load(SLOT + tl.arange(0, N))
+    x = _load_rows(C, S, Z, slot, 1, slot >= 0, tl.arange(0, D), H, D, DC, KIND, GROUP)
+    tl.store(OUT + tl.arange(0, N)[:, None] * D + tl.arange(0, D)[None, :], x.to(tl.float32))
+
+
+@pytest.mark.parametrize("name", ["int8", "int8-g", "int4", "int4-kv"])
+def test_load_rows_is_the_reference_dequantization(name):
+    """The kernels' row dequantization (keys of every quantized kind, int4 values, the extend kernel's
+    int8 keys) against dequantize_ref, bit for bit, in a shuffled order with a masked row (zeros)."""
+    pool = Pool(name, [8])
+    pool.write_all(pa.cache_write_ref)
+    written = pool.slots(0, 0, 8)
+    slots = torch.tensor([written[i] if i >= 0 else -1 for i in (3, 0, 7, -1, 5, 1, 6, 2)], dtype=torch.int32)
+    out = torch.full((8, D), float("nan"))
+    g = pool.k_group
+    _rows_kernel[(1,)](pool.k, pool.ks, pool.kz if pool.kz is not None else pool.ks, slots, out, H=H, D=D,
+                       DC=pool.k.shape[-1], KIND=pool.kind, GROUP=g, N=8)
+    rows = lambda t: None if t is None else t.flatten(0, 1)[slots.clamp(min=0).long(), 1]  # noqa: E731
+    want = pa.dequantize_ref(rows(pool.k), rows(pool.ks), rows(pool.kz), pool.kind, g)
+    want[3] = 0.0  # the masked row: codes and scales read as 0
+    assert torch.equal(out, want)
