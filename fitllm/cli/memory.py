@@ -53,7 +53,7 @@ def memory(
                                            help="Token budget of one step (as `quant serve`)."),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV block "
-                                             "(default: 64 with --kv-dtype fp8, else 16; as `quant serve`)"),
+                                             "(default: 64 with --kv-dtype fp8 or int8, else 16; as `quant serve`)"),
     utilization: float = typer.Option(bm.DEFAULT_GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (bytes) instead of tables."),
 ) -> None:

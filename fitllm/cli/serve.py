@@ -30,7 +30,8 @@ def serve(
                                                help="Token budget of one step (prefill chunk size)."),
     num_kv_blocks: Optional[int] = typer.Option(None, "--num-kv-blocks", help="Fix the KV pool size (blocks)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV block (default: 64 with "
-                                             "--kv-dtype fp8, whose attention then reads whole cache lines; else 16)."),
+                                             "--kv-dtype fp8 or int8, whose attention then reads whole cache lines; "
+                                             "else 16)."),
     max_waiting: int = typer.Option(256, "--max-waiting", help="Queued requests before answering 429."),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds a request may take."),
     max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes", help="Largest request body."),
