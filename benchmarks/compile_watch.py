@@ -7,7 +7,10 @@ compiled during it (its specialisation key says which argument changed). Run on 
 (`rm -rf ~/.triton/cache`) to see compile times too. Exit status 1 if anything compiled.
 
   python3 benchmarks/compile_watch.py [--scheme fp8] [--kv-dtype auto|fp8|int8|int4] [--requests 1000]
-      [--max-num-seqs 1024] [--batched-tokens 16384]
+      [--max-num-seqs 1024] [--batched-tokens 16384] [--eager]
+
+--eager runs without CUDA graphs (`quant serve --no-cuda-graphs`): decode steps then size their attention
+by the batch's longest sequence rather than max_model_len, so they may meet configs no warm-up ran.
 """
 from __future__ import annotations
 
@@ -43,10 +46,12 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--batched-tokens", type=int, default=16384)
     ap.add_argument("--kv-dtype", default="auto", help="the KV cache's dtype: the decode kernel's configs depend on it")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (decode steps launched eagerly)")
     a = ap.parse_args()
     model = build(a.scheme)
     t0 = time.perf_counter()
-    engine = engine_for(model, kv_dtype=a.kv_dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.batched_tokens)
+    engine = engine_for(model, kv_dtype=a.kv_dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.batched_tokens,
+                        cuda_graphs=not a.eager)
     before = variants()
     print(f"engine + warm-up {time.perf_counter() - t0:.1f} s; {sum(map(len, before.values()))} kernel variants")
     late = 0
