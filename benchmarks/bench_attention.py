@@ -171,7 +171,7 @@ def check_correctness(log) -> bool:
             for window in (None, 100):
                 args = (q, pool.k, pool.v, pool.ks, pool.vs, pool.kz, pool.vz, pool.tables)
                 ref = pa.paged_attention_ref(*args, qs, lens, D ** -0.5, pool.k_id, pool.group, window, torch.float32)
-                narrow = pa.NARROW_INT8 if pool.k_id == pa.KIND_INT8 else pa.NARROW  # the kind's own
+                narrow = pa.narrow_program(pool.k_id)
                 variants = [(None, {}), (3, {}), (3, dict(fused_reduce=False)), (40, {}), (3, narrow), (40, narrow)]
                 variants += [(3, pa.NARROW)] if narrow is not pa.NARROW else []
                 variants = variants if max(qlens) == 1 else [(None, {})]

@@ -24,13 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import build, engine_for  # noqa: E402
 from gpu_engine_check import throughput  # noqa: E402
 
-MODULES = ("fp8", "w4a16", "w4a16_tiled", "paged_attention", "_fused_triton")
+from fitllm.kernels import TRITON_MODULES  # noqa: E402
 
 
 def variants() -> dict[str, set[str]]:
     """kernel name -> the specialisation keys compiled so far in this process."""
     out = {}
-    for mod in MODULES:
+    for mod in TRITON_MODULES:
         m = importlib.import_module(f"fitllm.kernels.{mod}")
         for name, k in vars(m).items():
             caches = getattr(k, "device_caches", None)

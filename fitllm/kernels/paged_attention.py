@@ -742,6 +742,11 @@ NARROW_INT8 = dict(block_n=128, num_warps=2, num_stages=3)
 NARROW_MIN_TOKENS = 32768
 
 
+def narrow_program(kind: int) -> dict:
+    """The tile, warps and stages of a quantized kind's narrow decode program."""
+    return NARROW_INT8 if kind == KIND_INT8 else NARROW
+
+
 def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int,
                   sms: int = 132) -> dict:
     """Default split count, tile, warps and pipeline depth of the decode kernel, from the H200 sweeps
@@ -784,10 +789,10 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
             return dict(num_splits=1, block_n=128, num_warps=4, num_stages=3)
     if kind == KIND_FLOAT:
         return dict(num_splits=two_waves, block_n=64, num_warps=4, num_stages=2)
-    narrow = NARROW_INT8 if kind == KIND_INT8 else NARROW
+    narrow = narrow_program(kind)
     narrow_cap = max(1, max_seq_len // narrow["block_n"])  # a split holds at least one narrow tile
     if kind == KIND_INT4:
-        return dict(num_splits=split(2 * two_waves * per_wave, narrow_cap), **NARROW)
+        return dict(num_splits=split(2 * two_waves * per_wave, narrow_cap), **narrow)
     if per_wave <= 64 and batch * max_seq_len >= NARROW_MIN_TOKENS:
         return dict(num_splits=split(NARROW_PER_SM[kind] * sms, narrow_cap), **narrow)
     stages = 5 if kind == KIND_FP8 and two_waves > 1 else 3
