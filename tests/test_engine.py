@@ -314,7 +314,7 @@ def test_longrope_factors_go_by_the_prompt_then_by_each_token(tmp_path):
     write_tiny_model("phi3-longrope", tmp_path)
     model = load_model(tmp_path, dtype=torch.float32)
     runner = ModelRunner(model, block_size=8)
-    runner.allocate_cache(32)
+    runner.allocate_cache(32, 128)
     seen = []
     rope = model.rope
     model.rope = lambda positions, ctx=None: (seen.append(ctx.last_positions(positions).tolist()), rope(positions, ctx))[1]
@@ -322,3 +322,22 @@ def test_longrope_factors_go_by_the_prompt_then_by_each_token(tmp_path):
     runner.execute([StepSeq(list(range(24)), 0, table, 1, prompt_len=100),  # the first chunk of a long prompt
                     StepSeq([5] * 5, 61, table, 5, prompt_len=30)])  # a draft window over positions 61..65
     assert seen == [[99] * 24 + [61, 62, 63, 64, 65]]
+
+
+def test_eager_decode_warm_up_steps_touch_only_the_scratch_block(embedded_model, embedded_tokenizer, prompts,
+                                                                  reference):
+    """Without CUDA graphs the warm-up decodes one batch size per variant of the decode attention
+    kernel (the cache names them; none on the CPU, so stubbed here): one eager step each, on the
+    scratch block, leaving every real block and later outputs as they were."""
+    eng = make_engine(embedded_model, embedded_tokenizer, max_num_seqs=8, max_model_len=128)
+    runner = eng.runner
+    assert runner.cache.decode_batch_classes(8, 128) == []  # the torch path compiles nothing
+    runner.cache.decode_batch_classes = lambda max_batch, max_seq_len: [1, 3, max_batch]
+    steps, execute = [], runner.execute
+    runner.execute = lambda seqs, *a: steps.append(seqs) or execute(seqs, *a)
+    real = [t[:, :-1].clone() for t in (runner.cache.k, runner.cache.v)]  # all but the scratch block
+    runner.warm_up_decode(eng.config.max_num_seqs)
+    assert [len(s) for s in steps] == [1, 3, 8]
+    assert all(q.block_table == [runner.scratch_block] and len(q.token_ids) == 1 for s in steps for q in s)
+    assert all(torch.equal(b, t[:, :-1]) for b, t in zip(real, (runner.cache.k, runner.cache.v)))
+    assert eng.generate([prompts[0]], GREEDY)[0].new_token_ids == reference[0]

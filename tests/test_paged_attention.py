@@ -326,3 +326,48 @@ def test_load_rows_is_the_reference_dequantization(name):
     want = pa.dequantize_ref(rows(pool.k), rows(pool.ks), rows(pool.kz), pool.kind, g)
     want[3] = 0.0  # the masked row: codes and scales read as 0
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kind,storage,max_len", [
+    (pa.KIND_FLOAT, torch.bfloat16, 2048), (pa.KIND_FLOAT, torch.bfloat16, 32768),
+    (pa.KIND_FP8, torch.float8_e4m3fn, 2048), (pa.KIND_FP8, torch.float8_e4m3fn, 32768),
+    (pa.KIND_INT8, torch.int8, 32768), (pa.KIND_INT4, torch.uint8, 8192)])
+def test_decode_batch_classes_meet_every_compiled_variant(monkeypatch, kind, storage, max_len):
+    """decode_batch_classes promises that decoding its batch sizes launches every compiled variant
+    of the decode (and reduce) kernels that any batch up to the maximum launches. Observed at the
+    launches themselves: the kernels are replaced by recorders of what Triton keys a compile on
+    (constexprs, warps, stages, and the split count being 1 or a multiple of 16)."""
+    launches: list[tuple] = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                splits = next(a for a in args if isinstance(a, int) and not isinstance(a, bool))
+                launches.append((self.name, splits == 1, splits % 16 == 0, tuple(sorted(kw.items()))))
+            return launch
+
+    monkeypatch.setattr(pa, "_decode_kernel", Recorder("decode"))
+    monkeypatch.setattr(pa, "_reduce_kernel", Recorder("reduce"))
+    monkeypatch.setattr(pa, "num_sms", lambda index: 132)
+    h, d, page, max_batch = 8, 32, 16, 300
+    k_shape, v_shape = (pa.cache_shape(2, page, h, d, kind, values) for values in (False, True))
+    k_cache, v_cache = torch.zeros(k_shape, dtype=storage), torch.zeros(v_shape, dtype=storage)
+    group = (16, 32) if kind == pa.KIND_INT4 else d
+
+    def variants(batch: int) -> set:
+        launches.clear()
+        q = torch.zeros(batch, h, d)
+        pa.paged_attention(q, k_cache, v_cache, None, None, None, None, torch.zeros(batch, 1, dtype=torch.int32),
+                           torch.arange(batch + 1, dtype=torch.int32), torch.ones(batch, dtype=torch.int32), 1.0,
+                           kind, group, max_query_len=1, max_seq_len=max_len)
+        return set(launches)
+
+    classes = pa.decode_batch_classes(kind, k_cache.element_size(), h, max_len, max_batch, 132)
+    assert classes == sorted(set(classes)) and classes[0] == 1 and classes[-1] <= max_batch
+    assert len(classes) < 20  # a handful of variants, not one per batch size
+    covered = set().union(*(variants(b) for b in classes))
+    for b in range(1, max_batch + 1):
+        assert variants(b) <= covered, b

@@ -31,7 +31,7 @@ def stub_runner():
 
     model.forward = forward
     runner = ModelRunner(model, BS)
-    runner.allocate_cache(200)
+    runner.allocate_cache(200, MAX_LEN)
     return runner, seen
 
 
@@ -56,11 +56,16 @@ def test_eager_inputs_equal_the_per_token_build():
                                       [s.block_table for s in seqs], BS, "cpu")
         assert ids.tolist() == [t for s in seqs for t in s.token_ids]
         assert pos.tolist() == [p for s in seqs for p in range(s.start, s.start + len(s.token_ids))]
-        for name in ("slot_mapping", "query_start", "seq_lens", "block_tables"):
+        for name in ("slot_mapping", "query_start", "seq_lens"):
             got, want = getattr(meta, name), getattr(ref, name)
             assert got.dtype == want.dtype and torch.equal(got, want), name
-        for name in ("query_start_list", "seq_lens_list", "max_query_len", "max_seq_len"):
+        # tables: the reference's columns, then zeros up to a width that is a multiple of 16
+        got, want = meta.block_tables, ref.block_tables
+        assert got.dtype == want.dtype and got.shape[1] % 16 == 0 and got.shape[1] - want.shape[1] < 16
+        assert torch.equal(got[:, :want.shape[1]], want) and not got[:, want.shape[1]:].any()
+        for name in ("query_start_list", "seq_lens_list", "max_query_len"):
             assert getattr(meta, name) == getattr(ref, name), name
+        assert meta.max_seq_len == MAX_LEN  # the bound the decode kernel is sized by, not this step's longest
         flat, end = [], 0
         for s in seqs:
             end += len(s.token_ids)

@@ -801,6 +801,35 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
     return dict(num_splits=two_waves, block_n=128, num_warps=4, num_stages=stages)
 
 
+def decode_launch(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int, sms: int,
+                  num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: Optional[int] = None,
+                  num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None) -> dict:
+    """decode_config with the caller's overrides, and what the split count decides: `direct` (one
+    split writes the output), `fused` (the last split to finish combines; else _reduce_kernel) and
+    `sp`, the combine's tile of splits."""
+    cfg = decode_config(kind, code_bytes, batch, kv_heads, max_seq_len, sms)
+    splits = num_splits or cfg["num_splits"]
+    direct = splits == 1
+    return dict(num_splits=splits, block_n=block_n or cfg["block_n"], num_warps=num_warps or cfg["num_warps"],
+                num_stages=num_stages or cfg["num_stages"], direct=direct,
+                fused=not direct and (splits <= FUSED_COMBINE_MAX_SPLITS if fused_reduce is None else fused_reduce),
+                sp=1 << (splits - 1).bit_length())
+
+
+def decode_batch_classes(kind: int, code_bytes: int, kv_heads: int, max_seq_len: int, max_batch: int,
+                         sms: int) -> list[int]:
+    """The smallest batch size of each distinct compiled decode program for batches 1..max_batch
+    at this max_seq_len: decoding these sizes once compiles every variant a step can meet (an eager
+    step that met a new one would stall on the compiler mid-serving). Besides the launch, Triton
+    keys a compile on the split count's divisibility by 16."""
+    first: dict[tuple, int] = {}
+    for b in range(1, max_batch + 1):
+        launch = decode_launch(kind, code_bytes, b, kv_heads, max_seq_len, sms)
+        key = tuple(sorted((k, v) for k, v in launch.items() if k != "num_splits")) + (launch["num_splits"] % 16,)
+        first.setdefault(key, b)
+    return sorted(first.values())
+
+
 def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, block_tables,
                     query_start: torch.Tensor, seq_lens: torch.Tensor, scale: float, kind: int, group,
                     sliding_window: Optional[int] = None, out_dtype=None, *, max_query_len: int,
@@ -824,27 +853,24 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
     upcast = not q.is_cuda
     vt = values_transposed(kind)
     if max_query_len == 1 and t == batch:
-        cfg = decode_config(kind, k_cache.element_size(), batch, h, max_seq_len, num_sms(device_index(q)))
-        num_splits = num_splits or cfg["num_splits"]
-        bn = block_n or cfg["block_n"]
-        num_stages = num_stages or cfg["num_stages"]
-        num_warps = num_warps or cfg["num_warps"]
-        direct = num_splits == 1
-        fused = not direct and (num_splits <= FUSED_COMBINE_MAX_SPLITS if fused_reduce is None else fused_reduce)
+        launch = decode_launch(kind, k_cache.element_size(), batch, h, max_seq_len, num_sms(device_index(q)),
+                               num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                               fused_reduce=fused_reduce)
+        num_splits, bn, direct, fused, sp = (launch[k] for k in ("num_splits", "block_n", "direct", "fused", "sp"))
         po = pml = cnt = out
         if not direct:
             po = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device)
             pml = torch.empty(batch, hq, num_splits, 2, dtype=torch.float32, device=q.device)
         if fused:
             cnt = splitk_workspace(q.device, 0, batch * h)[1]
-        gq, sp = triton.next_power_of_2(g), triton.next_power_of_2(num_splits)
+        gq = triton.next_power_of_2(g)
         _decode_kernel[(batch, h, num_splits)](
             q, *args, out, po, pml, cnt, scale, window, num_splits,
             q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
             H=h, G=g, GP=max(16, gq), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
             KIND=kind, **groups, DIRECT=direct, UPCAST=upcast, VT=vt, RUN=min(page, bn), WINDOWED=window > 0,
             FUSED=fused, GQ=gq, SP=sp,
-            num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
+            num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl_args(q))
         if not direct and not fused:
             _reduce_kernel[(batch, hq)](po, pml, seq_lens, out, num_splits, window, out.stride(0), out.stride(1),
                                         HQ=hq, D=d, SP=sp, BLOCK_N=bn, WINDOWED=window > 0, num_warps=4)

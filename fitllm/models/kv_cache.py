@@ -484,6 +484,17 @@ class PagedKVCache:
                                          self.group, self.sliding_window, out_dtype)
         return out
 
+    def decode_batch_classes(self, max_batch: int, max_seq_len: int) -> list[int]:
+        """Batch sizes up to max_batch whose decode steps, one each, compile every variant of the
+        Triton decode kernel this cache can launch (none off that path)."""
+        from fitllm.kernels import paged_attention as pa
+        from fitllm.kernels._utils import device_index, num_sms
+
+        if not self._use_triton():
+            return []
+        return pa.decode_batch_classes(self.kind, self.k.element_size(), self.num_kv_heads, max_seq_len, max_batch,
+                                       num_sms(device_index(self.k)))
+
     @staticmethod
     def _m(t: Optional[torch.Tensor], layer: int) -> Optional[torch.Tensor]:
         return None if t is None else t[layer]

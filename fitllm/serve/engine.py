@@ -124,7 +124,7 @@ class LLMEngine:
             config.speculative, model, config.block_size, draft_model,
             lambda path: load_model_and_tokenizer(replace(config, model=path), self.device, self.dtype)[0])
         self.max_model_len, num_blocks = self._size_kv_cache()
-        self.runner.allocate_cache(num_blocks)
+        self.runner.allocate_cache(num_blocks, self.max_model_len)
         if self.drafter is not None and self.drafter.needs_cache:
             self.drafter.allocate(num_blocks, config.max_num_seqs, self.max_model_len,
                                   config.max_num_batched_tokens, config.cuda_graphs)
@@ -159,7 +159,8 @@ class LLMEngine:
         """Triton compiles each kernel config at its first use (seconds each on a machine whose
         cache is cold), and the GEMM and attention tables pick configs by step size: without this,
         the first requests of each size class wait for compilers (seen: TTFT p99 1-2 s at 4 req/s).
-        One prompt per size class runs to two tokens (decode graphs are already captured); then the
+        One prompt per size class runs to two tokens (decode graphs are already captured; without
+        graphs, one eager decode step per variant of the decode attention kernel follows); then the
         counters are reset. Its blocks stay in the prefix cache as evictable (random tokens)."""
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(0)
@@ -168,6 +169,10 @@ class LLMEngine:
             n = min(n, self.max_model_len - 2, self.config.max_num_batched_tokens)
             if n > 0:
                 self.generate([torch.randint(0, self.model_config.vocab_size, (n,), generator=gen).tolist()], params)
+        if not self.cuda_graphs:  # eager decode steps meet every batch size: compile their attention now
+            for runner in (self.runner, getattr(self.drafter, "runner", None)):
+                if runner is not None:
+                    runner.warm_up_decode(self.config.max_num_seqs)
         self._reset_counters()
         log.info("warm-up (kernel compilation per step size) took %.1f s", time.perf_counter() - t0)
 

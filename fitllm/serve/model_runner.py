@@ -47,6 +47,7 @@ CPU_KV_CACHE_BYTES = 1 << 30  # the CPU default: 1 GiB of KV (~23k tokens of Smo
 FALLBACK_GRAPH_GATHER_BYTES = 512 << 20
 NEEDS_CALIBRATION = ("fp8", "int4")  # PagedKVCache refuses these without K/V statistics
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+TABLE_WIDTH_MULTIPLE = 16  # eager steps' block tables: see _run_eager
 MULTI_TOKEN_GRAPH_MAX_BATCH = 64  # q > 1 graphs (speculation): speculation pays at small batches
 
 
@@ -127,10 +128,15 @@ class ModelRunner:
         del hidden
         return int(1.25 * (torch.cuda.max_memory_allocated(self.device) - before))  # 25%: allocator slack
 
-    def allocate_cache(self, num_blocks: int) -> None:
-        """`num_blocks` usable blocks plus one scratch block (the last) for padded graph rows."""
+    def allocate_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """`num_blocks` usable blocks plus one scratch block (the last) for padded graph rows.
+        Every step then tells attention that its sequences may be `max_model_len` long: the decode
+        kernel's tiles and splits (each sequence still cuts its own span) depend on the batch size
+        alone, in eager steps as in the graphs, so a warm-up can compile all of them
+        (`warm_up_decode`)."""
         self.cache = self._new_cache(num_blocks + 1)
         self.scratch_block = num_blocks
+        self.max_model_len = max_model_len
 
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
         c = self.model.config
@@ -187,7 +193,10 @@ class ModelRunner:
         n = np.fromiter((len(s.token_ids) for s in seqs), np.int64, b)
         starts = np.fromiter((s.start for s in seqs), np.int64, b)
         first = np.cumsum(n) - n  # each sequence's first row in the flat batch
-        tables = np.zeros((b, max((len(s.block_table) for s in seqs), default=1) or 1), np.int32)
+        # Table width rounded up to 16: Triton keys a compile on an integer argument (the table's
+        # row stride) being 1 or a multiple of 16, and the width changes from step to step.
+        width = max((len(s.block_table) for s in seqs), default=1)
+        tables = np.zeros((b, -(-max(width, 1) // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE), np.int32)
         _fill_rows(tables, [s.block_table for s in seqs])
         owner = np.repeat(np.arange(b), n)
         pos = np.arange(int(n.sum())) - first[owner] + starts[owner]
@@ -202,7 +211,7 @@ class ModelRunner:
             slot_mapping=to_device(slots, torch.long, dev), query_start=to_device(query_start, torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev), block_tables=to_device(tables, torch.int32, dev),
             query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(),
-            max_query_len=int(n.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)), rope_last_positions=rope_last)
+            max_query_len=int(n.max(initial=0)), max_seq_len=self.max_model_len, rope_last_positions=rope_last)
         ids = input_ids if input_ids is not None else to_device(
             np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64), torch.long, dev)
         hidden = self.model(ids, to_device(pos, torch.long, dev), ForwardContext(self.cache, meta))
@@ -210,6 +219,14 @@ class ModelRunner:
         if len(rows) == 0 or rows[-1] == len(rows) - 1:  # decode-like: every row, in order (no index to copy)
             return hidden, slice(0, len(rows))
         return hidden, to_device(rows, torch.long, dev)
+
+    @torch.inference_mode()
+    def warm_up_decode(self, max_num_seqs: int) -> None:
+        """Eager decode steps (no graphs, which compile theirs at capture) at one batch size per
+        compiled variant of the decode attention kernel, so that no step meets a new one: empty
+        sequences of one token on the scratch block."""
+        for b in self.cache.decode_batch_classes(max_num_seqs, self.max_model_len):
+            self.execute([StepSeq([0], 0, [self.scratch_block]) for _ in range(b)])
 
     def _inside_long_prompt(self, seqs: list[StepSeq]) -> bool:
         """A LongRoPE step with prompt tokens before their prompt's last: their factors go by that

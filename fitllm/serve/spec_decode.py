@@ -111,7 +111,7 @@ class DraftModelDrafter:
 
     def allocate(self, num_blocks: int, max_num_seqs: int, max_model_len: int, max_batched_tokens: int,
                  cuda_graphs: bool) -> None:
-        self.runner.allocate_cache(num_blocks)
+        self.runner.allocate_cache(num_blocks, max_model_len)
         self.bm = BlockManager(num_blocks, self.block_size)
         self.max_batched_tokens = max_batched_tokens
         if cuda_graphs:
