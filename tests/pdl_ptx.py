@@ -47,7 +47,7 @@ KERNELS = {
                   dict(STATIC=False, BLOCK=4096, EXACT_ROUND=False), 8, 1, False),
     "decode": ("fitllm.kernels.paged_attention:_decode_kernel", {**ATTN, "PO": "*fp32", "PML": "*fp32", "CNT": "*i32"},
                dict(KV, G=4, GP=16, BLOCK_N=128, DIRECT=False, UPCAST=False, RUN=16, WINDOWED=False, FUSED=True,
-                    GQ=4, SP=8), 4, 5, True),
+                    GQ=4, SP=8, COMBINE_CHUNK=8), 4, 5, True),
     "prefill": ("fitllm.kernels.paged_attention:_prefill_kernel", {**ATTN, "QSTART": "*i32"},
                 dict(KV, G=4, BLOCK_M=16, BLOCK_N=64, UPCAST=False, RUN=16), 4, 2, True),
     "cache_write": ("fitllm.kernels.paged_attention:_cache_write_kernel",

@@ -371,3 +371,22 @@ def test_decode_batch_classes_meet_every_compiled_variant(monkeypatch, kind, sto
     covered = set().union(*(variants(b) for b in classes))
     for b in range(1, max_batch + 1):
         assert variants(b) <= covered, b
+
+
+def test_decode_launch_combines_past_16_splits_only_in_fp8_narrow_programs():
+    """Past FUSED_COMBINE_MAX_SPLITS the reduce kernel combines the splits, except for fp8's narrow
+    (2-warp) programs, which still combine in their last split, up to 64 splits; one split combines
+    nothing."""
+    launch = lambda kind, b, ctx, **kw: pa.decode_launch(kind, 1, b, 8, ctx, 132, **kw)  # noqa: E731
+    narrow = launch(pa.KIND_FP8, 1, 32768)  # B = 1 at 32k: one wave of narrow programs
+    assert narrow["num_warps"] == 2 and narrow["num_splits"] > pa.FUSED_COMBINE_MAX_SPLITS and narrow["fused"]
+    wide = launch(pa.KIND_FP8, 1, 16384)
+    assert wide["num_warps"] == 4 and wide["num_splits"] > pa.FUSED_COMBINE_MAX_SPLITS and not wide["fused"]
+    for kind in (pa.KIND_INT8, pa.KIND_INT4):  # narrow programs too, but slower fused (RESULTS.md)
+        other = launch(kind, 1, 32768)
+        assert other["num_warps"] == 2 and other["num_splits"] > pa.FUSED_COMBINE_MAX_SPLITS and not other["fused"]
+    assert launch(pa.KIND_FP8, 1, 16384, num_splits=pa.FUSED_COMBINE_MAX_SPLITS)["fused"]
+    assert not launch(pa.KIND_FP8, 1, 32768, fused_reduce=False)["fused"]
+    one = launch(pa.KIND_FLOAT, 256, 32768, num_splits=1)
+    assert one["direct"] and not one["fused"] and one["sp"] == 1
+    assert [launch(pa.KIND_FP8, 1, 32768, num_splits=s)["sp"] for s in (2, 3, 33, 64)] == [2, 4, 64, 64]

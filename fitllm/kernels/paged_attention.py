@@ -491,7 +491,7 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
                    VGROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr,
                    RUN: tl.constexpr, WINDOWED: tl.constexpr, FUSED: tl.constexpr, GQ: tl.constexpr,
-                   SP: tl.constexpr, PDL: tl.constexpr = False):
+                   SP: tl.constexpr, COMBINE_CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """One (sequence, kv head, split): the G query heads sharing that kv head against one slice of
     the sequence. Partial results (unnormalised acc, running max, sum) go to PO/PML, or straight to
     OUT when there is a single split (DIRECT). FUSED: the split that finishes last combines them
@@ -568,28 +568,45 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
             arrived = tl.atomic_add(CNT + b * H + kvh, 1, sem="acq_rel")
             if arrived == used - 1:
                 offs_q = tl.arange(0, GQ)
-                out = _combine_partials(PO, PML, b * (H * G) + kvh * G + offs_q, offs_q < G, num_splits, used, D, SP)
+                out = _combine_partials(PO, PML, b * (H * G) + kvh * G + offs_q, offs_q < G, num_splits, used, D, SP,
+                                        COMBINE_CHUNK)
                 tl.store(OUT + b * s_ot + (kvh * G + offs_q)[:, None] * s_oh + offs_d[None, :],
                          out.to(OUT.dtype.element_ty), mask=(offs_q < G)[:, None])
                 tl.atomic_xchg(CNT + b * H + kvh, 0)
 
 
 @triton.jit
-def _combine_partials(PO, PML, rows, rmask, num_splits, used, D: tl.constexpr, SP: tl.constexpr):
+def _combine_partials(PO, PML, rows, rmask, num_splits, used, D: tl.constexpr, SP: tl.constexpr,
+                      CHUNK: tl.constexpr):
     """Normalised outputs [R, D] (fp32) of the (sequence, head) rows `rows` [R] from the partials
-    of their first `used` splits (of num_splits): weights exp2(m_s - max m), empty splits 0. One
-    [R, SP, D] tile. Loads bypass L1: in the fused combine, other programs wrote these during this
+    of their first `used` splits (of num_splits): weights exp2(m_s - max m), empty splits 0. The
+    partial outputs come as one [R, SP, D] tile (CHUNK = SP), or as [R, CHUNK, D] tiles over the
+    used splits (a narrow program combining up to 64 splits keeps that in registers). Loads bypass L1: in the fused combine, other programs wrote these during this
     launch."""
     s = tl.arange(0, SP)
     pm = rmask[:, None] & (s < used)[None, :]
     part = rows[:, None] * num_splits + s[None, :]
     m = tl.load(PML + part * 2, mask=pm, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(PML + part * 2 + 1, mask=pm, other=0.0, cache_modifier=".cg")
-    w = tl.where(m > float("-inf"), tl.exp2(m - tl.max(m, 1)[:, None]), 0.0)
+    top = tl.max(m, 1)
+    w = tl.where(m > float("-inf"), tl.exp2(m - top[:, None]), 0.0)
     offs_d = tl.arange(0, D)
-    a = tl.load(PO + part[:, :, None] * D + offs_d[None, None, :], mask=pm[:, :, None], other=0.0,
-                cache_modifier=".cg")
-    return tl.sum(a * w[:, :, None], 1) / tl.maximum(tl.sum(l * w, 1), 1e-30)[:, None]
+    if CHUNK == SP:  # one tile
+        a = tl.load(PO + part[:, :, None] * D + offs_d[None, None, :], mask=pm[:, :, None], other=0.0,
+                    cache_modifier=".cg")
+        acc = tl.sum(a * w[:, :, None], 1)
+    else:
+        acc = tl.zeros([rows.shape[0], D], tl.float32)
+        for c in range(0, used, CHUNK):
+            sc = c + tl.arange(0, CHUNK)
+            pc = rmask[:, None] & (sc < used)[None, :]
+            partc = rows[:, None] * num_splits + sc[None, :]
+            mc = tl.load(PML + partc * 2, mask=pc, other=float("-inf"), cache_modifier=".cg")
+            wc = tl.where(mc > float("-inf"), tl.exp2(mc - top[:, None]), 0.0)
+            a = tl.load(PO + partc[:, :, None] * D + offs_d[None, None, :], mask=pc[:, :, None], other=0.0,
+                        cache_modifier=".cg")
+            acc += tl.sum(a * wc[:, :, None], 1)
+    return acc / tl.maximum(tl.sum(l * w, 1), 1e-30)[:, None]
 
 
 @triton.jit
@@ -597,12 +614,13 @@ def _reduce_kernel(PO, PML, SEQ, OUT, num_splits, window, s_ot, s_oh, HQ: tl.con
                    SP: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
     """Combine one (sequence, head)'s split partials (the unfused path). Launched without PDL: with
     it, decode -> reduce -> decode chains lost at batch 1 (H200, fp8 KV at 32k: 25.7 -> 29.1 µs;
-    bf16 won 1 µs; RESULTS.md, sixth session)."""
+    bf16 won 1 µs; RESULTS.md, sixth session; the twenty-first measured 4-6 % gains at 16k-32k and
+    2-13 % losses at 8k)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     one = tl.arange(0, 1)
     used = _split_span(tl.load(SEQ + b), window, 0, num_splits, BLOCK_N, WINDOWED)[3]
-    out = _combine_partials(PO, PML, b * HQ + h + one, one < 1, num_splits, used, D, SP)
+    out = _combine_partials(PO, PML, b * HQ + h + one, one < 1, num_splits, used, D, SP, SP)
     tl.store(OUT + b * s_ot + h * s_oh + tl.arange(0, D)[None, :], out.to(OUT.dtype.element_ty))
 
 
@@ -721,10 +739,14 @@ def _group_args(kind: int, group, d: int) -> dict:
 
 # The split combine runs in the decode kernel itself (its last split to finish) up to this many
 # splits: one small tile to read, and only the splits that hold tokens (H200, B=1, 16 splits: 8.3
-# vs 9.3 µs with the reduce kernel at 4k, 37.6 vs 39.0 at 32k; RESULTS.md, tenth session). Far
-# beyond it the reduce kernel's 32 programs are faster than one program reading all partials (66
-# splits: 30.2 vs 33.7 µs fused).
+# vs 9.3 µs with the reduce kernel at 4k, 37.6 vs 39.0 at 32k; RESULTS.md, tenth session). Beyond
+# it the reduce kernel takes the partials (B=1, fp8 at 16k, 33 splits of 4 warps: 15.2 µs, fused
+# 15.5; int8 and int4 on 2 warps 5-11 % slower fused), except fp8's narrow programs, which still
+# combine faster themselves, up to 64 splits (B=1 / 2 at 32k: 24.6-24.9 / 41.6-42.3 µs fused,
+# 25.5-26.0 / 43.6-43.8 with the reduce kernel; twenty-first session), in tiles of
+# FUSED_COMBINE_CHUNK splits.
 FUSED_COMBINE_MAX_SPLITS = 16
+FUSED_COMBINE_CHUNK = 16  # [G, 16, D] fp32 over a program's threads
 # Short sequences are cut into one 128-token tile per split up to this many splits.
 SHORT_SPLITS_MAX = 8
 
@@ -808,11 +830,12 @@ def decode_launch(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
     split writes the output), `fused` (the last split to finish combines; else _reduce_kernel) and
     `sp`, the combine's tile of splits."""
     cfg = decode_config(kind, code_bytes, batch, kv_heads, max_seq_len, sms)
-    splits = num_splits or cfg["num_splits"]
+    splits, warps = num_splits or cfg["num_splits"], num_warps or cfg["num_warps"]
     direct = splits == 1
-    return dict(num_splits=splits, block_n=block_n or cfg["block_n"], num_warps=num_warps or cfg["num_warps"],
-                num_stages=num_stages or cfg["num_stages"], direct=direct,
-                fused=not direct and (splits <= FUSED_COMBINE_MAX_SPLITS if fused_reduce is None else fused_reduce),
+    if fused_reduce is None:
+        fused_reduce = splits <= FUSED_COMBINE_MAX_SPLITS or (kind == KIND_FP8 and warps == NARROW["num_warps"])
+    return dict(num_splits=splits, block_n=block_n or cfg["block_n"], num_warps=warps,
+                num_stages=num_stages or cfg["num_stages"], direct=direct, fused=not direct and fused_reduce,
                 sp=1 << (splits - 1).bit_length())
 
 
@@ -869,7 +892,7 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
             q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
             H=h, G=g, GP=max(16, gq), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
             KIND=kind, **groups, DIRECT=direct, UPCAST=upcast, VT=vt, RUN=min(page, bn), WINDOWED=window > 0,
-            FUSED=fused, GQ=gq, SP=sp,
+            FUSED=fused, GQ=gq, SP=sp, COMBINE_CHUNK=min(sp, FUSED_COMBINE_CHUNK),
             num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl_args(q))
         if not direct and not fused:
             _reduce_kernel[(batch, hq)](po, pml, seq_lens, out, num_splits, window, out.stride(0), out.stride(1),
