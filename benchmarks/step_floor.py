@@ -39,7 +39,8 @@ for scheme in sys.argv[1].split(","):
     full = lambda: eng.model.compute_logits(replay()[:1]).float().argmax(-1)  # noqa: E731
     f = t(full)
     tps2 = decode_speed(eng, 128, 256)
-    print(f"{scheme}: engine {tps[0]:.1f} / {tps[1]:.1f} / {tps2:.1f} tok/s = {1e3 / max(tps + [tps2]):.3f} ms a step at best; "
-          f"graph replay {g:.3f} ms; + lm_head + argmax {f:.3f} ms ({1e3 / f:.1f} tok/s if the host cost nothing)", flush=True)
+    print(f"{scheme}: engine {tps[0]:.1f} / {tps[1]:.1f} / {tps2:.1f} tok/s = {1e3 / max(tps + [tps2]):.3f} ms "
+          f"a step at best; graph replay {g:.3f} ms; + lm_head + argmax {f:.3f} ms ({1e3 / f:.1f} tok/s if the "
+          "host cost nothing)", flush=True)
     del eng, model
     torch.cuda.empty_cache()

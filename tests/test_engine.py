@@ -324,8 +324,8 @@ def test_longrope_factors_go_by_the_prompt_then_by_each_token(tmp_path):
     assert seen == [[99] * 24 + [61, 62, 63, 64, 65]]
 
 
-def test_eager_decode_warm_up_steps_touch_only_the_scratch_block(embedded_model, embedded_tokenizer, prompts,
-                                                                  reference):
+def test_eager_decode_warm_up_steps_touch_only_the_scratch_block(embedded_model, embedded_tokenizer,
+                                                                  prompts, reference):
     """Without CUDA graphs the warm-up decodes one batch size per variant of the decode attention
     kernel (the cache names them; none on the CPU, so stubbed here): one eager step each, on the
     scratch block, leaving every real block and later outputs as they were."""

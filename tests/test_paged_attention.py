@@ -340,17 +340,17 @@ def test_decode_batch_classes_meet_every_compiled_variant(monkeypatch, kind, sto
     launches: list[tuple] = []
 
     class Recorder:
-        def __init__(self, name):
-            self.name = name
+        def __init__(self, kernel):
+            self.kernel = kernel
 
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                splits = next(a for a in args if isinstance(a, int) and not isinstance(a, bool))
-                launches.append((self.name, splits == 1, splits % 16 == 0, tuple(sorted(kw.items()))))
+                splits = dict(zip(self.kernel.arg_names, args))["num_splits"]
+                launches.append((self.kernel.fn.__name__, splits == 1, splits % 16 == 0, tuple(sorted(kw.items()))))
             return launch
 
-    monkeypatch.setattr(pa, "_decode_kernel", Recorder("decode"))
-    monkeypatch.setattr(pa, "_reduce_kernel", Recorder("reduce"))
+    monkeypatch.setattr(pa, "_decode_kernel", Recorder(pa._decode_kernel))
+    monkeypatch.setattr(pa, "_reduce_kernel", Recorder(pa._reduce_kernel))
     monkeypatch.setattr(pa, "num_sms", lambda index: 132)
     h, d, page, max_batch = 8, 32, 16, 300
     k_shape, v_shape = (pa.cache_shape(2, page, h, d, kind, values) for values in (False, True))

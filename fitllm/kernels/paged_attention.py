@@ -581,8 +581,8 @@ def _combine_partials(PO, PML, rows, rmask, num_splits, used, D: tl.constexpr, S
     """Normalised outputs [R, D] (fp32) of the (sequence, head) rows `rows` [R] from the partials
     of their first `used` splits (of num_splits): weights exp2(m_s - max m), empty splits 0. The
     partial outputs come as one [R, SP, D] tile (CHUNK = SP), or as [R, CHUNK, D] tiles over the
-    used splits (a narrow program combining up to 64 splits keeps that in registers). Loads bypass L1: in the fused combine, other programs wrote these during this
-    launch."""
+    used splits (so that a narrow program combining up to 64 splits keeps a tile in registers).
+    Loads bypass L1: in the fused combine, other programs wrote these during this launch."""
     s = tl.arange(0, SP)
     pm = rmask[:, None] & (s < used)[None, :]
     part = rows[:, None] * num_splits + s[None, :]

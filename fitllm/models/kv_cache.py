@@ -35,6 +35,8 @@ class AttentionMetadata:
     query_start_list: list[int]
     seq_lens_list: list[int]
     max_query_len: int
+    # A bound on seq_lens that sizes the decode kernel's splits and tiles; engine steps pass
+    # max_model_len (graphs and eager steps alike), so those depend on the batch size alone
     max_seq_len: int
     # [T] int64, where the step gives it (the engine: max(the token's position, its prompt's last)):
     # the position each token's LongRoPE factors go by (decoder.rope_long_context); without it,
