@@ -580,8 +580,8 @@ def _combine_partials(PO, PML, rows, rmask, num_splits, used, D: tl.constexpr, S
                       CHUNK: tl.constexpr):
     """Normalised outputs [R, D] (fp32) of the (sequence, head) rows `rows` [R] from the partials
     of their first `used` splits (of num_splits): weights exp2(m_s - max m), empty splits 0. The
-    partial outputs come as one [R, SP, D] tile (CHUNK = SP), or as [R, CHUNK, D] tiles over the
-    used splits (so that a narrow program combining up to 64 splits keeps a tile in registers).
+    partial outputs are read in [R, CHUNK, D] tiles over the used splits (CHUNK = SP: one tile; less,
+    so that a narrow program combining up to 64 splits keeps a tile in registers).
     Loads bypass L1: in the fused combine, other programs wrote these during this launch."""
     s = tl.arange(0, SP)
     pm = rmask[:, None] & (s < used)[None, :]
@@ -589,24 +589,27 @@ def _combine_partials(PO, PML, rows, rmask, num_splits, used, D: tl.constexpr, S
     m = tl.load(PML + part * 2, mask=pm, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(PML + part * 2 + 1, mask=pm, other=0.0, cache_modifier=".cg")
     top = tl.max(m, 1)
-    w = tl.where(m > float("-inf"), tl.exp2(m - top[:, None]), 0.0)
-    offs_d = tl.arange(0, D)
     if CHUNK == SP:  # one tile
+        w = tl.where(m > float("-inf"), tl.exp2(m - top[:, None]), 0.0)
+        offs_d = tl.arange(0, D)
         a = tl.load(PO + part[:, :, None] * D + offs_d[None, None, :], mask=pm[:, :, None], other=0.0,
                     cache_modifier=".cg")
         acc = tl.sum(a * w[:, :, None], 1)
-    else:
+        denom = tl.sum(l * w, 1)
+    else:  # (the weights are recomputed per tile: kept for the whole loop, they cost registers)
+        denom = tl.sum(l * tl.where(m > float("-inf"), tl.exp2(m - top[:, None]), 0.0), 1)
+        offs_d = tl.arange(0, D)
         acc = tl.zeros([rows.shape[0], D], tl.float32)
         for c in range(0, used, CHUNK):
             sc = c + tl.arange(0, CHUNK)
             pc = rmask[:, None] & (sc < used)[None, :]
             partc = rows[:, None] * num_splits + sc[None, :]
             mc = tl.load(PML + partc * 2, mask=pc, other=float("-inf"), cache_modifier=".cg")
-            wc = tl.where(mc > float("-inf"), tl.exp2(mc - top[:, None]), 0.0)
+            w = tl.where(mc > float("-inf"), tl.exp2(mc - top[:, None]), 0.0)
             a = tl.load(PO + partc[:, :, None] * D + offs_d[None, None, :], mask=pc[:, :, None], other=0.0,
                         cache_modifier=".cg")
-            acc += tl.sum(a * wc[:, :, None], 1)
-    return acc / tl.maximum(tl.sum(l * w, 1), 1e-30)[:, None]
+            acc += tl.sum(a * w[:, :, None], 1)
+    return acc / tl.maximum(denom, 1e-30)[:, None]
 
 
 @triton.jit
