@@ -62,7 +62,7 @@ def make_engine(args) -> LLMEngine:
                           num_kv_blocks=args.max_num_seqs * 2048 // 16 // 2, **extra)  # (older trees: no look-ahead)
     engine = LLMEngine(config, model=stub_model(args.vocab))
     # The GPU replays graphs for decode steps: run the same input-building path (eagerly).
-    engine.runner.capture_graphs(config.max_num_seqs, engine.max_model_len, emulate_on_cpu=True,
+    engine.runner.capture_graphs(config.max_num_seqs, emulate_on_cpu=True,
                                  max_batched_tokens=config.max_num_batched_tokens)
     return engine
 

@@ -9,8 +9,8 @@ compiled during it (its specialisation key says which argument changed). Run on 
   python3 benchmarks/compile_watch.py [--scheme fp8] [--kv-dtype auto|fp8|int8|int4] [--requests 1000]
       [--max-num-seqs 1024] [--batched-tokens 16384] [--eager]
 
---eager runs without CUDA graphs (`quant serve --no-cuda-graphs`): decode steps then size their attention
-by the batch's longest sequence rather than max_model_len, so they may meet configs no warm-up ran.
+--eager runs without CUDA graphs (`quant serve --no-cuda-graphs`): every decode step is launched eagerly at
+its own batch size, which the warm-up must have compiled (ModelRunner.warm_up_decode).
 """
 from __future__ import annotations
 

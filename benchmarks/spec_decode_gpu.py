@@ -180,9 +180,9 @@ def check_lossless(device: str) -> bool:
         engine = LLMEngine(EngineConfig(**config, speculative=speculative, num_speculative_tokens=4),
                            model=model, draft_model=draft_model)
         if device == "cpu":  # a dry run: the graph path's padding and buffers, run eagerly
-            engine.runner.capture_graphs(8, engine.max_model_len, emulate_on_cpu=True, query_lens=(1, 2, 3, 4, 5))
+            engine.runner.capture_graphs(8, emulate_on_cpu=True, query_lens=(1, 2, 3, 4, 5))
             if engine.drafter is not None and engine.drafter.needs_cache:
-                engine.drafter.runner.capture_graphs(8, engine.max_model_len, emulate_on_cpu=True, query_lens=(1, 2))
+                engine.drafter.runner.capture_graphs(8, emulate_on_cpu=True, query_lens=(1, 2))
         shapes = []  # (runner, q) of every graph replay
         for name, runner in (("target", engine.runner), ("draft", getattr(engine.drafter, "runner", None))):
             graphs = getattr(runner, "graphs", None)

@@ -194,7 +194,7 @@ def test_decode_graph_path_emulated_on_cpu(embedded_model, embedded_tokenizer, p
     """The CUDA-graph path's static buffers, padding to captured sizes, scratch block and padded
     attention, run eagerly: greedy tokens must not change."""
     eng = make_engine(embedded_model, embedded_tokenizer, max_num_seqs=8, max_model_len=128)
-    assert eng.runner.capture_graphs(8, eng.max_model_len, emulate_on_cpu=True)
+    assert eng.runner.capture_graphs(8, emulate_on_cpu=True)
     assert eng.runner.graphs.shapes == {1: [1, 2, 4, 8]}
     used = []
     run = eng.runner.graphs.run
@@ -238,7 +238,7 @@ def test_look_ahead_steps_change_no_output(embedded_model, embedded_tokenizer, p
         eng = make_engine(embedded_model, embedded_tokenizer, max_num_seqs=8, max_model_len=128,
                           max_num_batched_tokens=256, async_scheduling=ahead)
         if graphs:
-            assert eng.runner.capture_graphs(8, eng.max_model_len, emulate_on_cpu=True)
+            assert eng.runner.capture_graphs(8, emulate_on_cpu=True)
         outs = eng.generate([prompts[i] for i in picks], params)
         results[ahead, graphs] = outs
         assert (eng.num_look_ahead_steps > 5) == ahead

@@ -110,10 +110,10 @@ def test_graph_paths_emulated_on_cpu_are_token_identical(embedded_model, embedde
     graphs (shorter drafts and plain decodes in the same batch padded up to q), and the draft
     model's catch-up on its q = 2 graphs. Greedy tokens and logprobs must not change."""
     eng = make_engine(embedded_model, embedded_tokenizer, int4_drafter, speculative=speculative, max_num_seqs=8)
-    assert eng.runner.capture_graphs(8, eng.max_model_len, emulate_on_cpu=True, query_lens=(1, 2, 3, 4, 5))
+    assert eng.runner.capture_graphs(8, emulate_on_cpu=True, query_lens=(1, 2, 3, 4, 5))
     runners = [eng.runner]
     if eng.drafter.needs_cache:
-        assert eng.drafter.runner.capture_graphs(8, eng.max_model_len, emulate_on_cpu=True, query_lens=(1, 2))
+        assert eng.drafter.runner.capture_graphs(8, emulate_on_cpu=True, query_lens=(1, 2))
         runners.append(eng.drafter.runner)
     used = [[] for _ in runners]  # per runner: (q, lengths of the real sequences)
     for runner, log in zip(runners, used):

@@ -95,7 +95,7 @@ def reference_graph_inputs(seqs: list[StepSeq], q: int, size: int, width: int, s
 
 def test_graph_inputs_equal_a_direct_build_across_steps():
     runner, _ = stub_runner()
-    assert runner.capture_graphs(MAX_SEQS, MAX_LEN, emulate_on_cpu=True, query_lens=(1, 3))
+    assert runner.capture_graphs(MAX_SEQS, emulate_on_cpu=True, query_lens=(1, 3))
     graphs = runner.graphs
     graphs.replays = {key: (lambda: None) for key in graphs.replays}  # inputs only
     rng = random.Random(1)

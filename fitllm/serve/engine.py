@@ -131,7 +131,7 @@ class LLMEngine:
         # Graphs for decode (q = 1) and, with speculation, verification of 1..k drafts (q = 2..k + 1).
         spec_k = config.num_speculative_tokens if self.drafter is not None else 0
         self.cuda_graphs = config.cuda_graphs and self.runner.capture_graphs(
-            config.max_num_seqs, self.max_model_len, query_lens=tuple(range(1, spec_k + 2)),
+            config.max_num_seqs, query_lens=tuple(range(1, spec_k + 2)),
             max_batched_tokens=config.max_num_batched_tokens)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

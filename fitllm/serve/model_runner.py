@@ -144,11 +144,13 @@ class ModelRunner:
                             dtype=self.model.dtype, device=self.device, sliding_window=c.sliding_window,
                             kv_dtype=self.kv_dtype, calibration=self.kv_calibration)
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int, emulate_on_cpu: bool = False,
+    def capture_graphs(self, max_num_seqs: int, emulate_on_cpu: bool = False,
                        query_lens: tuple[int, ...] = (1,), max_batched_tokens: Optional[int] = None) -> bool:
         """Capture step graphs for every q in `query_lens` (1: decode; more for speculation), GPU
-        only; `emulate_on_cpu` runs the graph path's padding and buffers eagerly, for tests.
-        False when the cache's attention cannot be captured."""
+        only, sized for the cache's max_model_len (`allocate_cache`, the bound eager steps pass too);
+        `emulate_on_cpu` runs the graph path's padding and buffers eagerly, for tests. False when
+        the cache's attention cannot be captured."""
+        max_model_len = self.max_model_len
         if self.device.type != "cuda" and not emulate_on_cpu:
             return False
         attend = graph_safe_attention(self.cache)

@@ -115,7 +115,7 @@ class DraftModelDrafter:
         self.bm = BlockManager(num_blocks, self.block_size)
         self.max_batched_tokens = max_batched_tokens
         if cuda_graphs:
-            self.runner.capture_graphs(max_num_seqs, max_model_len, query_lens=(1, 2),
+            self.runner.capture_graphs(max_num_seqs, query_lens=(1, 2),
                                        max_batched_tokens=max_batched_tokens)
 
     def free(self, seq_id: Hashable) -> None:
