@@ -329,7 +329,7 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="add a split x tile x stages grid to the sweep")
     ap.add_argument("--narrow", action="store_true", help="add programs of 1-2 warps x split counts to the sweep")
     ap.add_argument("--fused-ab", action="store_true", help="time every config also with the separate "
-                    "reduce kernel forced (fused_reduce=False)")
+                    "reduce kernel forced (fused_reduce=False) and with the kernel's own combine forced (True)")
     ap.add_argument("--engine-max-len", type=int, default=0, help="tell the kernel this max_seq_len (>= each "
                     "context), as the engine's CUDA graphs do with max_model_len; adds the fused combine forced on")
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip combos whose bf16 K/V exceed this")
@@ -372,8 +372,8 @@ def main() -> None:
              dict(block_n=128, num_warps=4, num_stages=6)][: 1 if args.no_sweep else None]
     if args.engine_max_len:  # the default, and the split combine forced into the decode kernel
         sweep += [dict(fused_reduce=True), dict(split_mul=0.5), dict(split_mul=0.5, fused_reduce=True)]
-    if args.fused_ab:  # each config also with the separate reduce kernel
-        sweep += [dict(cfg, fused_reduce=False) for cfg in sweep]
+    if args.fused_ab:  # each config also with the separate reduce kernel, and with the fused combine
+        sweep += [dict(cfg, fused_reduce=f) for f in (False, True) for cfg in sweep]
     if args.wide:  # split count x tile shape x pipeline depth, for the small-batch regime (fused only)
         sweep += [dict(split_mul=mul, block_n=bn, num_warps=w, num_stages=st)
                   for mul in (0.5, 1, 2, 4)

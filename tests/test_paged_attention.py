@@ -390,3 +390,15 @@ def test_decode_launch_combines_past_16_splits_only_in_fp8_narrow_programs():
     one = launch(pa.KIND_FLOAT, 256, 32768, num_splits=1)
     assert one["direct"] and not one["fused"] and one["sp"] == 1
     assert [launch(pa.KIND_FP8, 1, 32768, num_splits=s)["sp"] for s in (2, 3, 33, 64)] == [2, 4, 64, 64]
+
+
+def test_fp8_narrow_splits_past_two_combine_chunks_are_whole_chunks():
+    """The fused combine reads its splits one chunk per round trip: past two chunks a partial last
+    chunk costs a full one, so fp8's narrow split count is rounded down to whole chunks there."""
+    chunk = pa.FUSED_COMBINE_CHUNK
+    assert [pa.whole_combine_chunks(s) for s in (1, 16, 27, 2 * chunk, 2 * chunk + 1, 41, 50, 64)] == \
+        [1, 16, 27, 2 * chunk, 2 * chunk, 32, 48, 64]
+    cfg = lambda kind, b: pa.decode_config(kind, 1, b, 8, 32768, 132)  # noqa: E731
+    assert cfg(pa.KIND_FP8, 2)["num_splits"] == 32 and cfg(pa.KIND_FP8, 2)["num_warps"] == 2  # one wave: 41
+    assert cfg(pa.KIND_FP8, 3)["num_splits"] == 27 and cfg(pa.KIND_FP8, 1)["num_splits"] == 64
+    assert cfg(pa.KIND_INT8, 2)["num_splits"] == 4 * 132 // 16  # the reduce kernel combines int8: no rounding

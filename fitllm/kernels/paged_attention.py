@@ -768,6 +768,16 @@ NARROW_INT8 = dict(block_n=128, num_warps=2, num_stages=3)
 NARROW_MIN_TOKENS = 32768
 
 
+def whole_combine_chunks(splits: int) -> int:
+    """fp8's narrow split count past two FUSED_COMBINE_CHUNKs, rounded down to whole chunks. The
+    combine runs after the last split, one dependent round trip to memory per chunk, so a last,
+    partial chunk costs as much as a full one (H200, fp8 at B = 2, all programs in one wave: 32
+    splits 39.6 µs at 32k and 24.2 at 16k, 33 splits 41.6 / 24.7, 41 (the wave's 5 programs an SM)
+    41.6 / 26.0; fewer than two chunks' worth loses the programs (B = 3: 16 splits 61.1 µs, 27 splits
+    55.8); RESULTS.md, twenty-second session)."""
+    return splits if splits <= 2 * FUSED_COMBINE_CHUNK else splits // FUSED_COMBINE_CHUNK * FUSED_COMBINE_CHUNK
+
+
 def narrow_program(kind: int) -> dict:
     """The tile, warps and stages of a quantized kind's narrow decode program."""
     return NARROW_INT8 if kind == KIND_INT8 else NARROW
@@ -790,7 +800,8 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
       buffers when the sequence is split (few programs each, latency exposed), not otherwise, and
       takes narrow programs (64-token tiles, 2 warps, double-buffered) where they fill the GPU
       better: a small batch with enough tokens gets one wave of them (B=4 at 8k 27.0 -> 25.2 µs,
-      B=8 at 32k 146 -> 139, B=1 at 32k 26.2 -> 25.1), and a split batch whose wide programs would
+      B=8 at 32k 146 -> 139, B=1 at 32k 26.2 -> 25.1; past 32 splits a whole number of combine
+      chunks, whole_combine_chunks: B=2 at 32k 41.6 -> 39.6), and a split batch whose wide programs would
       run over into a second wave keeps its splits on narrow ones (B=32: 700 -> 499 µs at 32k);
       int8 likewise, on narrow programs of 128-token tiles (B=1 at 32k: 35.6 -> 32.0 µs; B=32 and
       64: 933 -> 793 and 1776 -> 1448 µs at 32k; twentieth session). int4 KV, whose
@@ -820,7 +831,8 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
     if kind == KIND_INT4:
         return dict(num_splits=split(2 * two_waves * per_wave, narrow_cap), **narrow)
     if per_wave <= 64 and batch * max_seq_len >= NARROW_MIN_TOKENS:
-        return dict(num_splits=split(NARROW_PER_SM[kind] * sms, narrow_cap), **narrow)
+        splits = split(NARROW_PER_SM[kind] * sms, narrow_cap)
+        return dict(num_splits=whole_combine_chunks(splits) if kind == KIND_FP8 else splits, **narrow)
     stages = 5 if kind == KIND_FP8 and two_waves > 1 else 3
     if WIDE_PER_SM[kind, stages] * sms < per_wave * two_waves <= NARROW_PER_SM[kind] * sms:
         return dict(num_splits=two_waves, **narrow)  # one wave of narrow programs, not 1.x of wide ones
