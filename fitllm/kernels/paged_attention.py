@@ -769,12 +769,12 @@ NARROW_MIN_TOKENS = 32768
 
 
 def whole_combine_chunks(splits: int) -> int:
-    """fp8's narrow split count past two FUSED_COMBINE_CHUNKs, rounded down to whole chunks. The
-    combine runs after the last split, one dependent round trip to memory per chunk, so a last,
-    partial chunk costs as much as a full one (H200, fp8 at B = 2, all programs in one wave: 32
-    splits 39.6 µs at 32k and 24.2 at 16k, 33 splits 41.6 / 24.7, 41 (the wave's 5 programs an SM)
-    41.6 / 26.0; fewer than two chunks' worth loses the programs (B = 3: 16 splits 61.1 µs, 27 splits
-    55.8); RESULTS.md, twenty-second session)."""
+    """A split count past two FUSED_COMBINE_CHUNKs rounded down to whole chunks (fp8's narrow
+    programs, which combine their own splits). The combine runs after the last split, one
+    dependent round trip to memory per chunk, so a last, partial chunk costs as much as a full one
+    (H200, fp8 at B = 2, all programs in one wave: 32 splits 39.6 µs at 32k and 24.2 at 16k, 33
+    splits 41.6 / 24.7, 41 (the wave's 5 programs an SM) 41.6 / 26.0). Fewer than two chunks' worth
+    loses the programs (B = 3: 16 splits 61.1 µs, 27 splits 55.8; RESULTS.md, twenty-second session)."""
     return splits if splits <= 2 * FUSED_COMBINE_CHUNK else splits // FUSED_COMBINE_CHUNK * FUSED_COMBINE_CHUNK
 
 
@@ -800,9 +800,9 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
       buffers when the sequence is split (few programs each, latency exposed), not otherwise, and
       takes narrow programs (64-token tiles, 2 warps, double-buffered) where they fill the GPU
       better: a small batch with enough tokens gets one wave of them (B=4 at 8k 27.0 -> 25.2 µs,
-      B=8 at 32k 146 -> 139, B=1 at 32k 26.2 -> 25.1; past 32 splits a whole number of combine
-      chunks, whole_combine_chunks: B=2 at 32k 41.6 -> 39.6), and a split batch whose wide programs would
-      run over into a second wave keeps its splits on narrow ones (B=32: 700 -> 499 µs at 32k);
+      B=8 at 32k 146 -> 139, B=1 at 32k 26.2 -> 25.1; fp8 past 32 splits in whole combine chunks,
+      whole_combine_chunks: B=2 at 32k 41.6 -> 39.6), and a split batch whose wide programs
+      would run over into a second wave keeps its splits on narrow ones (B=32: 700 -> 499 µs at 32k);
       int8 likewise, on narrow programs of 128-token tiles (B=1 at 32k: 35.6 -> 32.0 µs; B=32 and
       64: 933 -> 793 and 1776 -> 1448 µs at 32k; twentieth session). int4 KV, whose
       unpacking bounds it, is faster on narrow programs with twice the splits at nearly every
