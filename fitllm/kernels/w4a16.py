@@ -75,6 +75,23 @@ if triton is not None:
         return f.to(OUT)
 
     @triton.jit
+    def _dequant_rows(qj, offs_k, k_mask, s_ptr, z_ptr, gidx_ptr, z_row, offs_n, n_mask, N,
+                      GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr, SCALE_MODE: tl.constexpr, OUT: tl.constexpr):
+        """Codes qj [rows k, BN] dequantized: per element with their group's scale and zero (SCALE_MODE
+        0; the group from g_idx with act-order), else minus the zero row only (the scale comes later)."""
+        if SCALE_MODE == 0:
+            if HAS_GIDX:
+                g = tl.load(gidx_ptr + offs_k, mask=k_mask, other=0)
+            else:
+                g = offs_k // GROUP_SIZE
+            sz_off = g[:, None] * N + offs_n[None, :]
+            sz_mask = k_mask[:, None] & n_mask[None, :]
+            s = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+            return _dequant_tile(qj, z, s, True, OUT)
+        return _dequant_tile(qj, z_row[None, :], 1.0, False, OUT)
+
+    @triton.jit
     def _dot(a, b, acc, UPCAST: tl.constexpr):
         # triton 3.6's interpreter multiplies bf16 bit patterns as integers; there, upcast the
         # (already rounded) operands to fp32 so it computes the same function as the GPU.
@@ -107,6 +124,7 @@ if triton is not None:
         KP = K // PACK
 
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        z_row = tl.zeros((BN,), dtype=tl.float32)  # SCALE_MODE 1 and 2 load it in the loop; 0 has none
         for it in range(0, K_ITERS):
             k0 = (pid_k * K_ITERS + it) * BK
             if SCALE_MODE == 1:  # one group covers this whole K tile
@@ -125,38 +143,16 @@ if triton is not None:
                     offs_k = offs_r * PACK + j
                     xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                                  mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-                    qj = (qw >> (j * BITS)) & QMASK
-                    if SCALE_MODE == 0:
-                        if HAS_GIDX:
-                            g = tl.load(gidx_ptr + offs_k, mask=r_mask, other=0)
-                        else:
-                            g = offs_k // GROUP_SIZE
-                        sz_off = g[:, None] * N + offs_n[None, :]
-                        sz_mask = r_mask[:, None] & n_mask[None, :]
-                        s = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
-                        z = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
-                        w = _dequant_tile(qj, z, s, True, DT)
-                    else:
-                        w = _dequant_tile(qj, z_row[None, :], 1.0, False, DT)
+                    w = _dequant_rows((qw >> (j * BITS)) & QMASK, offs_k, r_mask, s_ptr, z_ptr, gidx_ptr, z_row,
+                                      offs_n, n_mask, N, GROUP_SIZE, HAS_GIDX, SCALE_MODE, DT)
                     part = _dot(xj, w, part, UPCAST)
             else:
                 offs_k = k0 + tl.arange(0, BK)
                 k_mask = offs_k < K
                 qw = tl.load(q_ptr + (offs_k // PACK)[:, None] * N + offs_n[None, :],
                              mask=k_mask[:, None] & n_mask[None, :], other=0)
-                qj = (qw >> ((offs_k % PACK) * BITS)[:, None]) & QMASK
-                if SCALE_MODE == 0:
-                    if HAS_GIDX:
-                        g = tl.load(gidx_ptr + offs_k, mask=k_mask, other=0)
-                    else:
-                        g = offs_k // GROUP_SIZE
-                    sz_off = g[:, None] * N + offs_n[None, :]
-                    sz_mask = k_mask[:, None] & n_mask[None, :]
-                    s = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
-                    z = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
-                    w = _dequant_tile(qj, z, s, True, DT)
-                else:
-                    w = _dequant_tile(qj, z_row[None, :], 1.0, False, DT)
+                w = _dequant_rows((qw >> ((offs_k % PACK) * BITS)[:, None]) & QMASK, offs_k, k_mask, s_ptr, z_ptr,
+                                  gidx_ptr, z_row, offs_n, n_mask, N, GROUP_SIZE, HAS_GIDX, SCALE_MODE, DT)
                 xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                              mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 part = _dot(xt, w, tl.zeros((BM, BN), dtype=tl.float32), UPCAST)
