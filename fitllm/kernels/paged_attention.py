@@ -576,6 +576,13 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
 
 
 @triton.jit
+def _split_weights(m, top):
+    """Each split's weight in the combine, exp2(its max - the rows' max `top` [R]); 0 for splits
+    with no partials (m = -inf, masked or empty)."""
+    return tl.where(m > float("-inf"), tl.exp2(m - top[:, None]), 0.0)
+
+
+@triton.jit
 def _combine_partials(PO, PML, rows, rmask, num_splits, used, D: tl.constexpr, SP: tl.constexpr,
                       CHUNK: tl.constexpr):
     """Normalised outputs [R, D] (fp32) of the (sequence, head) rows `rows` [R] from the partials
@@ -589,24 +596,22 @@ def _combine_partials(PO, PML, rows, rmask, num_splits, used, D: tl.constexpr, S
     m = tl.load(PML + part * 2, mask=pm, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(PML + part * 2 + 1, mask=pm, other=0.0, cache_modifier=".cg")
     top = tl.max(m, 1)
+    offs_d = tl.arange(0, D)
     if CHUNK == SP:  # one tile
-        w = tl.where(m > float("-inf"), tl.exp2(m - top[:, None]), 0.0)
-        offs_d = tl.arange(0, D)
+        w = _split_weights(m, top)
         a = tl.load(PO + part[:, :, None] * D + offs_d[None, None, :], mask=pm[:, :, None], other=0.0,
                     cache_modifier=".cg")
         acc = tl.sum(a * w[:, :, None], 1)
         denom = tl.sum(l * w, 1)
     else:  # each tile's weights computed in the loop (all of them kept live: 181 registers instead
         # of 167 in fp8's narrow program, and 1.3x slower at B = 2-4; RESULTS.md, twenty-first session)
-        denom = tl.sum(l * tl.where(m > float("-inf"), tl.exp2(m - top[:, None]), 0.0), 1)
-        offs_d = tl.arange(0, D)
+        denom = tl.sum(l * _split_weights(m, top), 1)
         acc = tl.zeros([rows.shape[0], D], tl.float32)
         for c in range(0, used, CHUNK):
             sc = c + tl.arange(0, CHUNK)
             pc = rmask[:, None] & (sc < used)[None, :]
             partc = rows[:, None] * num_splits + sc[None, :]
-            mc = tl.load(PML + partc * 2, mask=pc, other=float("-inf"), cache_modifier=".cg")
-            w = tl.where(mc > float("-inf"), tl.exp2(mc - top[:, None]), 0.0)
+            w = _split_weights(tl.load(PML + partc * 2, mask=pc, other=float("-inf"), cache_modifier=".cg"), top)
             a = tl.load(PO + partc[:, :, None] * D + offs_d[None, None, :], mask=pc[:, :, None], other=0.0,
                         cache_modifier=".cg")
             acc += tl.sum(a * w[:, :, None], 1)
