@@ -101,7 +101,7 @@ def check_tiled(dev, W, ref_w, M, cfg=None):
 def variants(dev):
     """Group 32 / 64 / per-channel, fp16, bias, K not a multiple of 128, both scale modes, dequant."""
     out = []
-    for M in (3, 1000):
+    for M in (1, 3, 1000):
         for kw in (dict(gs=32), dict(gs=64), dict(gs=4096), dict(dtype=torch.float16), dict(K=576, gs=64),
                    dict(scale_in_w=True), dict(gs=64, scale_in_w=True), dict(dequant=True, gs=64)):
             kw = dict(kw)
@@ -114,6 +114,8 @@ def variants(dev):
             y = torch.full((M, N), float("nan"), device=dev, dtype=dt)
             bm = 16 if M < 64 else 128
             cfg = _tiled(0, 0, 4, 1, backend="dequant") if dq else _tiled(bm, 128, 8, 3, 2 if M < 64 else 0, siw)
+            if M == 1 and not (dq or siw):
+                cfg = None  # the table: the batch-1 GEMV where the group size allows
             w4a16_tiled_triton(x, tile_pack(w4["qweight"]), w4["scales"], w4["zeros"], w4["group_size"], K, bias=bias,
                                config=cfg, out=y)
             ref = x.double() @ dequantize_packed(w4["qweight"], w4["scales"], w4["zeros"], w4["group_size"], 4,
@@ -274,6 +276,8 @@ def main():
                 log(f"  M={M} {cfg} failed: {repr(e)[:300]}")
                 continue
             sweep.append(dict(cfg=cfg, us=us, err=err))
+            log(f"  M={M} {cfg['backend']} BN{cfg['BN']} w{cfg['num_warps']} waves{cfg['waves']} wide{cfg.get('wide')}: "
+                f"{us:.1f} us, err {err:.2e}")
         ok = [s for s in sweep if s["err"] < 1e-2]
         best = min(ok, key=lambda s: s["us"]) if ok else None
         if best is None and row["tiled"] is not None:  # no sweep: the table is the best we know
