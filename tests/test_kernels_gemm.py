@@ -357,6 +357,29 @@ def test_fp8_deferred_split_k_sum_equals_the_finished_output(cfg, monkeypatch):
     assert (ws == 0).all() and (cnt == 0).all()
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_quantizer_reads_a_row_once_or_in_blocks_alike(static):
+    """The quantizer keeps a row that fits one BLOCK in registers and loops over longer ones (an amax
+    pass, then a rounding pass): both give the same codes and scales, and they are the reference's."""
+    from fitllm.kernels.fp8 import _quant_fp8_kernel
+
+    x = (torch.randn(5, 300, generator=GEN) * 5).to(torch.bfloat16)
+    x[1] = 0
+    isc = torch.tensor([0.03]) if static else None
+    outs = []
+    for block in (512, 64):  # one read; five blocks, the last one partial
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+        s = isc.clone() if static else torch.empty(5, 1)
+        _quant_fp8_kernel[(5,)](x, q, s, 300, x.stride(0), q.stride(0), STATIC=static, BLOCK=block, EXACT_ROUND=True)
+        outs.append((q.view(torch.uint8), s))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    scale = isc if static else quantize_fp8_per_token_ref(x)[1]
+    assert torch.equal(outs[0][1], scale)
+    # the kernel multiplies by 1 / scale (the reference divides: a rare last-bit tie apart)
+    want = torch.clamp(x.float() * (1.0 / scale), -448.0, 448.0).to(torch.float8_e4m3fn)
+    assert torch.equal(outs[0][0], want.view(torch.uint8))
+
+
 @pytest.mark.parametrize("cfg", [f8cfg(1, 16, 64, 4, 1, waves=8, backend="gemv"), FP8_CONFIGS[1]], ids=["gemv", "swap"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_fp8_gemm_takes_activations_its_producer_quantized(cfg, static):
