@@ -360,7 +360,8 @@ def test_fp8_deferred_split_k_sum_equals_the_finished_output(cfg, monkeypatch):
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_quantizer_reads_a_row_once_or_in_blocks_alike(static):
     """The quantizer keeps a row that fits one BLOCK in registers and loops over longer ones (an amax
-    pass, then a rounding pass): both give the same codes and scales, and they are the reference's."""
+    pass, then a rounding pass): both give the same codes and scales, the scales are the reference's
+    and the codes those of the kernel's arithmetic done in torch."""
     from fitllm.kernels.fp8 import _quant_fp8_kernel
 
     x = (torch.randn(5, 300, generator=GEN) * 5).to(torch.bfloat16)
