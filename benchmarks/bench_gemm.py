@@ -38,9 +38,9 @@ from fitllm.kernels.w4a16 import _cfg as w4cfg  # noqa: E402
 from fitllm.kernels.w4a16 import _gemv, _tc  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
-CHECK_M = [1, 3, 16, 33, 128, 1000, 4096]
+CHECK_M = [1, 3, 16, 33, 128, 300, 1000, 4096]
 EXTRA_M = (3, 1000)
-TIME_M = [1, 16, 64, 256, 1024, 4096]
+TIME_M = [1, 16, 64, 256, 512, 1024, 4096]
 BW = 4.22e12  # measured copy bandwidth on the lent H200 (bytes/s)
 PEAK_BF16 = 790e12  # measured dense bf16 rate there; FP8 taken as twice that
 GS = 128

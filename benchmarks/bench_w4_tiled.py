@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.bench_gemm import BW, GS, SHAPES, graph_time, log, make_w4, rel_err  # noqa: E402
 from fitllm.kernels._utils import pick_config  # noqa: E402
 from fitllm.kernels.w4a16 import dequantize_packed, w4a16_gemm_triton  # noqa: E402
-from fitllm.kernels.w4a16_tiled import TILED_CONFIGS, _gemv, _tiled, tile_pack, w4a16_tiled_triton  # noqa: E402
+from fitllm.kernels.w4a16_tiled import TILED_CONFIGS, _gemv, _tiled, _ws, tile_pack, w4a16_tiled_triton  # noqa: E402
 
 CHECK_M = [1, 3, 7, 16, 24, 33, 100, 128, 200, 1000, 4096]  # issue 4's M and one inside every table row
 TIME_M = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
@@ -46,8 +46,8 @@ def candidates(M):
     if M <= 256:
         return [t(128, 128, 8, 3, 1, True), t(64, 128, 8, 3, 1, True), t(64, 64, 4, 3, 1, True),
                 t(128, 64, 4, 3, 1, True), t(128, 128, 8, 4, 1, True), t(0, 0, 4, 1, backend="dequant")]
-    return [t(128, 128, 8, 3, 0, True), t(128, 128, 8, 4, 0, True), t(64, 256, 8, 3, 0, True),
-            t(128, 128, 8, 3, 0), t(0, 0, 4, 1, backend="dequant")]
+    return [_ws(128, 3), _ws(128, 4), _ws(256, 2), _ws(256, 3), t(128, 128, 8, 4, 0, True),
+            t(0, 0, 4, 1, backend="dequant")]
 
 
 class Weights:

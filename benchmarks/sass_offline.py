@@ -76,6 +76,8 @@ def compile_kernel(kernel, types: dict, consts: dict, arch: int = 90, warps: int
             sig[p] = t[:-2]
         elif t.startswith("*") or t.startswith("i"):
             attrs[(i,)] = [["tt.divisibility", 16]]
+    if getattr(kernel, "is_gluon", lambda: False)():  # Gluon kernels need Gluon's source (layouts, num-warps)
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(kernel, signature=sig, constexprs=cvals, attrs=attrs)
     opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)

@@ -411,7 +411,7 @@ def test_table_rows_pick_a_config_per_weight_width():
     row = by_width(f8cfg(16, 64, 256, 4, 4), (0, 4096, f8cfg(16, 32, 64, 4, 2)), (8192, 1 << 62, f8cfg(32, 32, 32, 4, 2)))
     assert [config_for(row, n)["BN"] for n in (1, 4096, 4097, 8192, 8193, 28672)] == [32, 32, 64, 64, 32, 32]
     assert config_for(row, 8193)["BM"] == 32 and config_for(row, 5000) is row
-    for table, backends in ((FP8_CONFIGS, ("triton", "tma", "gemv", "scaled_mm")), (TILED_CONFIGS, ("tiled",))):
+    for table, backends in ((FP8_CONFIGS, ("triton", "tma", "gemv", "scaled_mm")), (TILED_CONFIGS, ("tiled", "ws"))):
         for rows in table.values():
             for _, cfg in rows:
                 spans = sorted((lo, hi) for lo, hi, _ in cfg.get("by_n", ()))

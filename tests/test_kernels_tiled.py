@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 from fitllm.kernels.w4a16_tiled import (
     _gemv,
     _tiled,
+    _ws,
     dequantize_tiled,
     tile_pack,
     tile_unpack,
@@ -120,6 +121,9 @@ TC_CASES = [  # (M, K, N, group, dtype, config)
     # the sm90 table's wide-weight tiles (gate_up): BN 128 at 4 warps (2 row reps), BN 256 at 8 warps
     (33, 256, 384, 128, torch.bfloat16, _tiled(64, 128, 4, 3, waves=2)),
     (65, 256, 320, 128, torch.bfloat16, _tiled(128, 256, 8, 3, waves=1, scale_in_w=True)),
+    # the warp-specialised Hopper rows: Gluon has no interpreter, so off sm90 they take the dequant path
+    (300, 256, 256, 128, torch.bfloat16, _ws(128, 3)),
+    (100, 256, 256, 128, torch.bfloat16, _ws(64, 4, _tiled(128, 128, 8, 3, waves=1, scale_in_w=True))),
 ]
 
 
@@ -341,3 +345,43 @@ def test_pending_sum_consumers_zero_only_words_every_thread_has_read(kernel, typ
     loads = [i for i, line in enumerate(sass[:first_zero]) if "LDG" in line]
     assert loads, "the sum's loads must come before its zero stores"
     assert any("BAR.SYNC" in line for line in sass[loads[-1]:first_zero]), "\n".join(sass[loads[0]:first_zero + 1])
+
+
+def test_warp_specialised_kernel_compiles_to_pipelined_wgmma():
+    """fitllm.kernels.w4a16_ws, which no interpreter can run, compiled for sm_90 as every ws row of the
+    sm90 table launches it (tests/ws_codegen.py): it fits the H100 / H200's 232448 bytes of shared
+    memory, does not spill, has its wgmma (2 consumers x 2 copies of the tile step x 8), and ptxas
+    does not serialise them. A zero-filled accumulator on a zero-trip path made ptxas wait for every
+    wgmma (advisory C7515, one full wait per wgmma) until tile 0 was peeled off the loop."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(Path(__file__).with_name("ws_codegen.py"))], capture_output=True,
+                       text=True, env=env, timeout=600)
+    if p.returncode != 0 and "ptxas" in p.stderr and "not found" in p.stderr:
+        pytest.skip("triton's ptxas is not available here")
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    assert {(r["BM"], r["stages"]) for r in rows} >= {(128, 3), (256, 3)}, rows
+    for r in rows:
+        assert r["shared"] <= 232448 and r["spills"] == 0, r
+        assert r["hgmma"] == 32 and r["full_waits"] <= 4 and not r["advisories"], r
+
+
+def test_warp_specialised_kernel_takes_only_the_shapes_it_was_built_for():
+    """Whole 128-row weight blocks, one group per K tile, 16-bit x with 16-byte-aligned rows (TMA);
+    everything else stays on the Triton kernels. Off sm90 (here: CPU) nothing is taken."""
+    from fitllm.kernels.w4a16_ws import ws_shape_ok, ws_supported
+
+    ok = dict(N=4096, group_size=128, K=4096, dtype=torch.bfloat16, row_pitch_bytes=8192, address=0)
+    assert ws_shape_ok(**ok)
+    assert ws_shape_ok(**dict(ok, group_size=4096)) and ws_shape_ok(**dict(ok, group_size=256, dtype=torch.float16))
+    assert ws_shape_ok(**dict(ok, K=576, group_size=576, row_pitch_bytes=1152))  # per-channel, K padded to 640
+    for bad in (dict(N=1000), dict(group_size=64), dict(dtype=torch.float32), dict(row_pitch_bytes=8200),
+                dict(address=8)):
+        assert not ws_shape_ok(**dict(ok, **bad)), bad
+    assert not ws_supported(torch.zeros(512, 4096, dtype=torch.bfloat16), 4096, 128, 4096)

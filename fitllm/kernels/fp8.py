@@ -412,8 +412,13 @@ def _prefetching(row: dict, tiles: int = 2) -> dict:
 # gate_up 56.8 -> 50.2; M = 1024 qkv 44.7 -> 41.4, o 25.8 -> 25.6, gate_up 197.1 -> 169.5-173.9, down
 # 87.6 -> 83.9-85.3 (layer 355 -> 320, _scaled_mm 349); M = 4096 one program a tile beat persistent:
 # qkv 170.7 -> 150.2, o 113.2 -> 104.9, gate_up 791.2 -> 698.0, down 366.0 -> 352.2 (layer 1441 -> 1305,
-# _scaled_mm 1477).
+# _scaled_mm 1477). Twenty-sixth session: at M = 257..640 the BM128 BN256 tiles of N = 4096 number 48-80,
+# half the SMs idle (fp8_sweep.py --m 384,512,768 --only-tma, µs, qkv / o / gate_up / down): M = 384 table
+# 25.9 / 23.0 / 77.8 / 74.3 (201.0, _scaled_mm 170.0) -> BM64 BN256 4 warps for N <= 4096 14.1 / 43.4
+# (161.2); M = 512 26.5 / 23.9 / 106.5 / 81.7 (238.7, _scaled_mm 193.9) -> qkv BM128 BN256 24.2, the others
+# BM64 BN256 14.7 / 101.8 / 46.0 (186.7). From M = 768 the old row holds (its tiles fill the SMs).
 _TMA_WIDE = _tma_cfg(128, 256, 128, 8, 4)
+_TMA_NARROW = _tma_cfg(64, 256, 128, 4, 4)
 _INF = 1 << 62
 FP8_CONFIGS = {
     "sm90": [
@@ -426,7 +431,9 @@ FP8_CONFIGS = {
         (64, _prefetching(by_width(_cfg(64, 32, 256, 4, 4, waves=1), (4096, 16384, _cfg(64, 64, 256, 4, 5, waves=1)),
                                    (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1))))),
         (256, by_width(_cfg(64, 128, 256, 4, 4), (4096, 16384, _cfg(128, 128, 128, 8, 5)), (16384, _INF, _TMA_WIDE))),
-        (2048, by_width(_TMA_WIDE, (4096, 16384, _tma_cfg(64, 256, 128, 4, 4)))),
+        (384, by_width(_TMA_WIDE, (0, 4096, _TMA_NARROW))),
+        (640, by_width(_TMA_NARROW, (4096, 16384, _TMA_WIDE))),
+        (2048, by_width(_TMA_WIDE, (4096, 16384, _TMA_NARROW))),
         (_INF, _tma_cfg(128, 256, 128, 8, 4, persistent=False)),
     ],
     "default": [

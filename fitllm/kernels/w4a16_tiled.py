@@ -474,6 +474,13 @@ def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled"):
                 backend=backend)
 
 
+def _ws(bm, stages, fallback=None):
+    """The warp-specialised Hopper kernel (fitllm.kernels.w4a16_ws): BM tokens x 128 weight rows a
+    program. GEMMs it cannot take (w4a16_ws.ws_supported) run `fallback` (default: dequant + cuBLAS)."""
+    return dict(BM=bm, BN=128, num_warps=4, num_stages=stages, waves=0.0, backend="ws",
+                fallback=fallback or _tiled(0, 0, 4, 1, backend="dequant"))
+
+
 def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None, wide=None):
     """The CUDA-core GEMV (M <= 4; groups of 128*j or per-channel, else the tensor-core path).
     maxnreg caps registers per thread (more programs per SM); wide=(min_n, waves): the split-K
@@ -499,6 +506,16 @@ def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None, wide=None):
 # ncu: 16 % occupancy, stalls on fixed-latency waits and CTA barriers): M=48 / 64 BN128 / 4 warps 39.7-40.4
 # vs 49.6-50.2 µs over four runs (layer M=64 111 -> 101); M=96 / 128 / 256 BN256 / 8 warps 61.8 / 62.6 /
 # 122.6 vs 69.0 / 67.9 / 134.8 (the other linears lose with either: qkv at M=256 76 vs 35).
+# Twenty-sixth session, M = 257..3072 on the warp-specialised kernel (fitllm.kernels.w4a16_ws), each linear
+# alone, µs per layer against dequant + cuBLAS / bf16 cuBLAS: M=320 BM128 4 stages 309 / 369 / 221; M=512
+# BM128 (N <= 4096) and BM256 (wider) 342 / 470 / 329; M=768 BM256 559 / 630 / 502; M=1024 656 / 779 / 656;
+# M=2048 1339 / 1437 / 1324; M=3072 2066 / 2064 / 1999; M=4096 2789 / 2754 / 2653 (so dequant above 3072).
+# BM256 needs M >= 512: at M=320 its second token tile is mostly empty (gate_up 242 vs 154 µs). M=96..256,
+# µs per linear (qkv / o / gate_up / down), tiled table vs best: M=128 42.3 / 25.6 / 62.6 / 45.9 vs ws BM64
+# 18.7 / - / ws BM128 52.6 / - (o and down share N = 4096, and down has no split-K on ws: the tiled tile keeps
+# both); M=256 40.3 / 33.8 / 123.3 / 73.8 vs ws BM128 24.4 / BM64 18.7 / BM128 104.4 / BM64 68.4 (271 -> 216).
+_M256 = _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)  # the tiled kernel's M <= 256 tile (fallbacks below)
+_M256_WIDE = _tiled(128, 256, 8, 3, waves=1, scale_in_w=True)  # ... and its wide-weight (gate_up) tile
 TILED_CONFIGS = {
     "sm90": [
         (1, _gemv(128, 1, 8, waves=4, wide=(16384, 6))),
@@ -506,8 +523,11 @@ TILED_CONFIGS = {
         (16, _tiled(16, 64, 4, 3, waves=4)),
         (32, _tiled(32, 64, 4, 3, waves=4)),
         (64, by_width(_tiled(64, 64, 4, 3, waves=3), (16384, 1 << 62, _tiled(64, 128, 4, 3, waves=2)))),
-        (256, by_width(_tiled(128, 128, 8, 3, waves=1, scale_in_w=True),
-                       (16384, 1 << 62, _tiled(128, 256, 8, 3, waves=1, scale_in_w=True)))),
+        (128, by_width(_M256, (4096, 16384, _ws(64, 4, _M256)), (16384, 1 << 62, _ws(128, 4, _M256_WIDE)))),
+        (256, by_width(_ws(64, 4, _M256), (4096, 1 << 62, _ws(128, 4, _M256_WIDE)))),
+        (384, _ws(128, 4)),
+        (640, by_width(_ws(128, 3), (4096, 1 << 62, _ws(256, 3)))),
+        (3072, _ws(256, 3)),
         (1 << 62, _tiled(0, 0, 4, 1, backend="dequant")),
     ],
     "default": [
@@ -578,6 +598,12 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
         return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defer)
     if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word: the tensor-core path
         cfg = _tiled(16, 64, cfg["num_warps"], 3, waves=cfg["waves"])
+    if cfg["backend"] == "ws":
+        from .w4a16_ws import w4a16_ws_triton, ws_supported
+
+        if ws_supported(x, N, group_size, K):
+            return w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias, y, cfg["BM"], cfg["num_stages"])
+        cfg = cfg["fallback"]
     if cfg["backend"] == "dequant":  # large M: one dequant pass, then cuBLAS
         torch.mm(x, dequantize_tiled(qtile, scales, zeros, group_size, K, x.dtype).t(), out=y)
         return y if bias is None else y.add_(bias.to(y.dtype))

@@ -1,0 +1,244 @@
+"""W4A16 for large M on Hopper: a warp-specialised Gluon kernel over the tiled 4-bit layout.
+
+The tiled layout (fitllm.kernels.w4a16_tiled) makes a thread's unpacked words exactly its wgmma A
+registers. The Triton tensor-core kernel built on it walks K with cp.async loads and a CTA-wide
+barrier every tile, so its two warpgroups unpack and multiply in lockstep; at M >= 512 it ties
+dequantize-then-cuBLAS at ~0.75x of bf16 cuBLAS (benchmarks/RESULTS.md). Here the roles are split the
+way CUTLASS's mixed-input Hopper GEMMs split them:
+
+  * one producer warp fills a ring of STAGES shared-memory stages by TMA: the x tile [BM, 128] (two
+    [BM, 64] boxes, 128-byte swizzled, the wgmma B operand as is) and the words of 128 weight rows
+    ([128, 16] int32, one contiguous 8 KB run of the tile-major storage);
+  * two consumer warpgroups take 64 weight rows each. Per K tile a consumer waits for the stage's
+    mbarrier, loads its words, unpacks each 64-column half into the A registers as (q - z) * s in
+    16 bits (one packed FMA a pair, the same rounding as the reference's dequantization) and issues
+    an async wgmma (64 x BM x 64) against x in shared memory. One wgmma group stays in flight while
+    the other half unpacks; the stage goes back to the producer by an mbarrier arrive once the last
+    wgmma reading it has retired. Nothing waits on the whole CTA in the main loop.
+
+y tile [128, BM] = W tile x^T, so tokens are the wgmma's N (BM = 64, 128 or 256). No split-K: the
+grid is one program per (BM tokens, 128 weight rows), so it is built for M large enough to fill the
+GPU (the sm90 tile table picks it for M = 65..3072; at M = 64 it is slower than the Triton kernel).
+Sm90 only (wgmma, setmaxnreg); weights N a multiple of 128, groups of 128·j or per-channel, x 16-bit
+with a 16-byte-aligned row pitch; anything else keeps the Triton kernels. Gluon has no interpreter:
+the CPU path and oracle is w4a16_tiled's reference; tests compile this kernel for sm_90 offline,
+benchmarks/bench_w4_tiled.py checks it on the GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._utils import device_index, interpreting, pdl_args
+from .w4a16_tiled import _magic2
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import constexpr_function
+
+    from ._pdl import let_next_launch, wait_for_previous
+    from .w4a16_tiled import _pair16, _sub_asm
+except ImportError:  # CPU-only installs, or a triton without Gluon: callers keep the Triton kernels
+    gluon = None
+
+ROWS = 128  # weight rows per program: two consumer warpgroups of 64 (= the tiled layout's TILE_N)
+
+
+def _word_layout(rows: int, warps: int):
+    """Where a consumer's words [rows, 16] of one K tile live so that, unpacked, they are its wgmma A
+    registers: warp w holds rows 16 w + g and 16 w + g + 8 (g = lane // 4) and word positions
+    4 c .. 4 c + 3 (c = lane % 4, one 16-byte load), whose fields are the k pairs the A fragment of
+    thread (g, c) needs (w4a16_tiled's docstring gives the word order)."""
+    rep = rows // (16 * warps)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]] + [[16 * warps << i, 0] for i in range(int(math.log2(rep)))],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(int(math.log2(warps)))],
+        block_bases=[], shape=[rows, 16])
+
+
+if gluon is not None:
+    _SUB_MUL_BF16 = gl.constexpr(_sub_asm("bf16x2", "0x3F803F80", True))
+    _SUB_MUL_F16 = gl.constexpr(_sub_asm("f16x2", "0x3C003C00", True))
+    word_layout = constexpr_function(_word_layout)
+    _ROWS = gl.constexpr(ROWS)
+
+    @gluon.jit
+    def _fields(qw, f: gl.constexpr, nz, s2, MAGIC2, F16: gl.constexpr):
+        """Fields f and f + 4 of every word as (q - z) * s in 16 bits: [R, 16, 2] (last axis: h)."""
+        v = ((qw >> (4 * f)) & 0x000F000F) | MAGIC2  # two 16-bit floats magic + q
+        if F16:
+            lo, hi = gl.inline_asm_elementwise(_SUB_MUL_F16, "=h,=h,r,r,r", [v, nz, s2],
+                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
+        else:
+            lo, hi = gl.inline_asm_elementwise(_SUB_MUL_BF16, "=h,=h,r,r,r", [v, nz, s2],
+                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+        return gl.join(lo, hi)
+
+    @gluon.jit
+    def _a_half(qw, j: gl.constexpr, nz, s2, MAGIC2, A_L: gl.constexpr, F16: gl.constexpr):
+        """Columns 64 j .. 64 j + 63 of the K tile (fields 2 j, 2 j + 1) as the A operand [R, 64]. The
+        join / reshape / permute only rename registers: convert_layout refuses any data movement."""
+        R: gl.constexpr = qw.shape[0]
+        t = gl.join(_fields(qw, 2 * j, nz, s2, MAGIC2, F16), _fields(qw, 2 * j + 1, nz, s2, MAGIC2, F16))
+        t = gl.reshape(t, [R, 4, 4, 2, 2])  # [n, c, t, h, f % 2]  (word position p = 4 c + t)
+        t = gl.permute(t, [0, 4, 2, 1, 3])  # column = 32 (f % 2) + 8 t + 2 c + h
+        return gl.convert_layout(gl.reshape(t, [R, 64]), A_L, assert_trivial=True)
+
+    @gluon.jit
+    def _producer(x_desc, q_desc, x_smem, w_smem, ready, empty, m0, qrow0, k_tiles, STAGES: gl.constexpr):
+        """One warp: K tile i's x halves and words into stage i % STAGES once both consumers freed it."""
+        for i in range(k_tiles):
+            st = i % STAGES
+            mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            mbarrier.expect(ready.index(st), 2 * x_desc.block_type.nbytes + q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [m0, i * 128], ready.index(st), x_smem.index(2 * st))
+            tma.async_copy_global_to_shared(x_desc, [m0, i * 128 + 64], ready.index(st), x_smem.index(2 * st + 1))
+            tma.async_copy_global_to_shared(q_desc, [qrow0 + i * _ROWS, 0], ready.index(st), w_smem.index(st))
+
+    @gluon.jit
+    def _consume_tile(i, acc, a1_prev, sc, zc, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N,
+                      NUM_GROUPS, k_tiles, MAGIC2, A_L: gl.constexpr, WL: gl.constexpr, GROUP_SIZE: gl.constexpr,
+                      STAGES: gl.constexpr, F16: gl.constexpr):
+        """K tile i of one consumer (its scale and zero rows sc, zc were loaded a tile ahead). Each
+        wgmma wait retires the group whose A registers are written next; the first one also retires
+        the last reader of stage i - 1, which then goes back to the producer."""
+        MAGICF: gl.constexpr = 1024.0 if F16 else 128.0
+        DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+        st = i % STAGES
+        g = gl.minimum(((i + 1) * 128) // GROUP_SIZE, NUM_GROUPS - 1)
+        s_next = gl.load(s_ptr + g * N + rows).to(gl.float32)
+        z_next = gl.load(z_ptr + g * N + rows).to(gl.float32)
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        qw = w_smem.index(st).slice(64 * half, 64).load(WL)
+        nz = gl.broadcast(_pair16(-(zc + MAGICF), DT), qw)[0]
+        s2 = gl.broadcast(_pair16(sc, DT), qw)[0]
+        a0 = _a_half(qw, 0, nz, s2, MAGIC2, A_L, F16)
+        acc = warpgroup_mma(a0, x_smem.index(2 * st).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
+        a1_prev = warpgroup_mma_wait(num_outstanding=1, deps=(a1_prev, ))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+        a1 = _a_half(qw, 1, nz, s2, MAGIC2, A_L, F16)
+        acc = warpgroup_mma(a1, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
+        a0 = warpgroup_mma_wait(num_outstanding=1, deps=(a0, ))
+        return acc, a1, s_next, z_next
+
+    @gluon.jit
+    def _consumer(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, half: gl.constexpr, n0, m0, M, N,
+                  NUM_GROUPS, stride_ym, k_tiles, MAGIC2, GROUP_SIZE: gl.constexpr, BM: gl.constexpr,
+                  STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr):
+        """Weight rows n0 + 64 half .. + 63 against BM tokens: y[m0:m0+BM, those rows]."""
+        DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
+        WL: gl.constexpr = word_layout(64, 4)
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BM, 16])
+        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_L, k_width=2)
+        rows = n0 + 64 * half + gl.arange(0, 64, layout=gl.SliceLayout(1, WL))
+        sc = gl.load(s_ptr + rows).to(gl.float32)
+        zc = gl.load(z_ptr + rows).to(gl.float32)
+        # Tile 0 is peeled off the loop: with a zero-trip path that zero-fills the accumulator, ptxas
+        # serialises every wgmma (advisory C7515). Tile 0's first MMA starts the sum (use_acc=False).
+        acc, a1, sc, zc = _consume_tile(0, warpgroup_mma_init(gl.zeros([64, BM], gl.float32, ACC_L)),
+                                        gl.zeros([64, 64], DT, A_L), sc, zc, x_smem, w_smem, ready, empty, s_ptr,
+                                        z_ptr, rows, half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L, WL, GROUP_SIZE,
+                                        STAGES, F16)
+        for i in range(1, k_tiles):
+            acc, a1, sc, zc = _consume_tile(i, acc, a1, sc, zc, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows,
+                                            half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L, WL, GROUP_SIZE, STAGES, F16)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        let_next_launch(PDL)  # only the epilogue is left: the next kernel's programs may come in
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + n0 + 64 * half + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L))
+                           ).to(gl.float32)[:, None]
+        # out through a layout with 8 neighbouring weight rows a thread: 16-byte stores along y's rows
+        # (converted in 16 bits: half the shared-memory scratch, which sits beside the stages)
+        OUT_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
+                                               warps_per_cta=[1, 4], order=[0, 1])
+        out = gl.convert_layout(acc.to(DT), OUT_L)
+        on = n0 + 64 * half + gl.arange(0, 64, layout=gl.SliceLayout(1, OUT_L))
+        om = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, OUT_L))
+        gl.store(y_ptr + om[None, :] * stride_ym + on[:, None], out, mask=(om < M)[None, :])
+
+    @gluon.jit
+    def _consumer_lo(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, n0, m0, M, N, NUM_GROUPS,
+                     stride_ym, k_tiles, MAGIC2, GROUP_SIZE: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr):
+        _consumer(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, 0, n0, m0, M, N, NUM_GROUPS,
+                  stride_ym, k_tiles, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)
+
+    @gluon.jit
+    def _consumer_hi(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, n0, m0, M, N, NUM_GROUPS,
+                     stride_ym, k_tiles, MAGIC2, GROUP_SIZE: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr):
+        _consumer(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, 1, n0, m0, M, N, NUM_GROUPS,
+                  stride_ym, k_tiles, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)
+
+    @gluon.jit(do_not_specialize=["M"])  # else M % 16 == 0 compiles again, mid-serving
+    def _w4a16_ws_kernel(x_desc, q_desc, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, NUM_GROUPS, stride_ym, K_TILES, MAGIC2,
+                         GROUP_SIZE: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         F16: gl.constexpr, CONSUMER_REGS: gl.constexpr = 232, PDL: gl.constexpr = False):
+        """Program (BM tokens, 128 weight rows), M fastest so the programs sharing a weight tile run
+        together. The default partition (this kernel's 4 warps) is the low consumer; the high
+        consumer (4 warps) and the producer (1 warp, 40 registers) are worker partitions."""
+        pid = gl.program_id(0)
+        num_pid_m = gl.cdiv(M, BM)
+        m0 = (pid % num_pid_m) * BM
+        n0 = (pid // num_pid_m) * _ROWS
+        qrow0 = n0 * K_TILES  # row of [N * K_TILES, 16] words where this block's K tile 0 starts
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
+        w_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)  # the producer's expect; TMA bytes complete it
+            mbarrier.init(empty.index(i), count=2)  # one arrive per consumer
+        # (PDL) everything above overlapped the previous kernel's tail; x is its output, y may be memory
+        # it still reads: every thread waits here, before the partitions touch global memory
+        wait_for_previous(PDL)
+        gl.warp_specialize([  # (the argument lists are written out: constexprs do not survive a tuple)
+            (_consumer_lo, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, n0, m0, M, N, NUM_GROUPS,
+                            stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)),
+            (_consumer_hi, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, n0, m0, M, N, NUM_GROUPS,
+                            stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)),
+            (_producer, (x_desc, q_desc, x_smem, w_smem, ready, empty, m0, qrow0, K_TILES, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 40])
+
+
+def ws_shape_ok(N: int, group_size: int, K: int, dtype: torch.dtype, row_pitch_bytes: int, address: int) -> bool:
+    """The shapes the kernel takes: whole 128-row weight blocks, one group per K tile (groups of 128·j
+    or per-channel), 16-bit x whose rows TMA can address (pitch and base 16-byte aligned)."""
+    return (N % ROWS == 0 and (group_size >= K or group_size % 128 == 0) and dtype in (torch.bfloat16, torch.float16)
+            and row_pitch_bytes % 16 == 0 and address % 16 == 0)
+
+
+def ws_supported(x: torch.Tensor, N: int, group_size: int, K: int) -> bool:
+    """Whether w4a16_ws_triton can take this GEMM on x's device (else the caller keeps its Triton
+    kernels): an sm90 GPU (wgmma and setmaxnreg; not under the interpreter) and ws_shape_ok."""
+    dev = device_index(x)
+    if gluon is None or interpreting() or dev is None or torch.cuda.get_device_capability(dev)[0] != 9:
+        return False
+    return x.stride(-1) == 1 and ws_shape_ok(N, group_size, K, x.dtype, x.stride(0) * x.element_size(), x.data_ptr())
+
+
+def w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias=None, out=None, BM=128, STAGES=3):
+    """y = x W^T (+ bias) on the warp-specialised kernel; the caller checked ws_supported(...). Columns
+    of x past K (the last K tile) are TMA's zero fill, as its rows past M are."""
+    M, N = x.shape[0], qtile.shape[0]
+    y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    gdt = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
+    x_desc = TensorDescriptor.from_tensor(x, [BM, 64], gl.NVMMASharedLayout.get_default_for([BM, 64], gdt))
+    # the tile-major storage seen as [N * K_TILES, 16]: K tile kt of row block b is rows (b K_TILES + kt) 128 ..
+    q_desc = TensorDescriptor.from_tensor(qtile.view(-1, 16), [ROWS, 16],
+                                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    grid = (-(-M // BM) * (N // ROWS),)
+    _w4a16_ws_kernel[grid](x_desc, q_desc, scales, zeros, bias if bias is not None else scales, y, M, N,
+                           scales.shape[0], y.stride(0), qtile.shape[1] // 16, _magic2(x.dtype),
+                           GROUP_SIZE=min(group_size, K), BM=BM, STAGES=STAGES, HAS_BIAS=bias is not None,
+                           F16=x.dtype == torch.float16, num_warps=4, **pdl_args(x))
+    return y

@@ -1,0 +1,51 @@
+"""Run as a script (no TRITON_INTERPRET): compile the warp-specialised W4A16 kernel (fitllm.kernels.w4a16_ws)
+for sm_90 as the sm90 tile table launches it (every ws config of every row, bf16 and fp16), run ptxas on
+its PTX for the advisories, and print one JSON line per compile. tests/test_kernels_tiled.py reads it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from sass_offline import compile_kernel, report, sass_of  # noqa: E402
+
+import triton  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+
+from fitllm.kernels._utils import config_for  # noqa: E402
+from fitllm.kernels.w4a16_tiled import TILED_CONFIGS  # noqa: E402
+from fitllm.kernels.w4a16_ws import _w4a16_ws_kernel  # noqa: E402
+
+
+def main() -> None:
+    cfgs = {(c["BM"], c["num_stages"]) for _, row in TILED_CONFIGS["sm90"] for n in (4096, 6144, 28672)
+            for c in [config_for(row, n)] if c["backend"] == "ws"}
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    out = []
+    for bm, stages in sorted(cfgs):
+        for f16 in (False, True):
+            t, dt = ("fp16", gl.float16) if f16 else ("bf16", gl.bfloat16)
+            xl = gl.NVMMASharedLayout.get_default_for([bm, 64], dt)
+            ql = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+            types = dict(x_desc=f"tensordesc<{t}[{bm}, 64],{xl!r}>", q_desc=f"tensordesc<i32[128, 16],{ql!r}>",
+                         s_ptr=f"*{t}", z_ptr=f"*{t}", bias_ptr=f"*{t}", y_ptr=f"*{t}")
+            k = compile_kernel(_w4a16_ws_kernel, types, dict(GROUP_SIZE=128, BM=bm, STAGES=stages, HAS_BIAS=True,
+                                                              F16=f16), warps=4, stages=1)
+            r = report(k)
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "k.ptx")
+                open(path, "w").write(k.asm["ptx"])
+                adv = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                                     capture_output=True, text=True).stderr
+            sass = sass_of(k.asm["cubin"])
+            out.append(dict(BM=bm, stages=stages, f16=f16, shared=k.metadata.shared, spills=r["spills"],
+                            hgmma=sass.count("HGMMA."), full_waits=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+                            advisories=[line for line in adv.splitlines() if "Performance" in line]))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
