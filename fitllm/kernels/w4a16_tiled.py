@@ -190,6 +190,18 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
+    def _minus_magic_zero_times_scale(v, nz, s2, F16: tl.constexpr):
+        """(q - z) * s for both halves of the pairs v (magic + q), nz and s2 as in _minus_magic_zero,
+        rounded once to the 16-bit dtype (as the reference dequantizes): one packed FMA and multiply."""
+        if F16:
+            lo, hi = tl.inline_asm_elementwise(_SUB_MUL_F16, "=h,=h,r,r,r", [v, nz, s2], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_SUB_MUL_BF16, "=h,=h,r,r,r", [v, nz, s2],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        return lo, hi
+
+    @triton.jit
     def _field_tile(qw, f: tl.constexpr, MAGIC2, nz, zf, s2, sf, F16: tl.constexpr, ASM: tl.constexpr,
                     SCALE_IN_W: tl.constexpr):
         """[BN, 32]: fields f, f + 4 of every word as q - z (SCALE_IN_W: (q - z) * s rounded once to
@@ -200,13 +212,7 @@ if triton is not None:
         if ASM:  # packed FMAs on the pair; its halves stay one register for the MMA
             nzb = tl.broadcast_to(nz, v.shape)
             if SCALE_IN_W:
-                sb = tl.broadcast_to(s2, v.shape)
-                if F16:
-                    lo, hi = tl.inline_asm_elementwise(_SUB_MUL_F16, "=h,=h,r,r,r", [v, nzb, sb],
-                                                       dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-                else:
-                    lo, hi = tl.inline_asm_elementwise(_SUB_MUL_BF16, "=h,=h,r,r,r", [v, nzb, sb],
-                                                       dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+                lo, hi = _minus_magic_zero_times_scale(v, nzb, tl.broadcast_to(s2, v.shape), F16)
             else:
                 lo, hi = _minus_magic_zero(v, nzb, F16)
         else:  # fp32 twin: the same values ((q - z) * s is exact in fp32 before the one rounding)

@@ -42,7 +42,7 @@ try:
     from triton.runtime.jit import constexpr_function
 
     from ._pdl import let_next_launch, wait_for_previous
-    from .w4a16_tiled import _pair16, _sub_asm
+    from .w4a16_tiled import _minus_magic_zero_times_scale, _pair16
 except ImportError:  # CPU-only installs, or a triton without Gluon: callers keep the Triton kernels
     gluon = None
 
@@ -63,21 +63,13 @@ def _word_layout(rows: int, warps: int):
 
 
 if gluon is not None:
-    _SUB_MUL_BF16 = gl.constexpr(_sub_asm("bf16x2", "0x3F803F80", True))
-    _SUB_MUL_F16 = gl.constexpr(_sub_asm("f16x2", "0x3C003C00", True))
     word_layout = constexpr_function(_word_layout)
     _ROWS = gl.constexpr(ROWS)
 
     @gluon.jit
     def _fields(qw, f: gl.constexpr, nz, s2, MAGIC2, F16: gl.constexpr):
         """Fields f and f + 4 of every word as (q - z) * s in 16 bits: [R, 16, 2] (last axis: h)."""
-        v = ((qw >> (4 * f)) & 0x000F000F) | MAGIC2  # two 16-bit floats magic + q
-        if F16:
-            lo, hi = gl.inline_asm_elementwise(_SUB_MUL_F16, "=h,=h,r,r,r", [v, nz, s2],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=1)
-        else:
-            lo, hi = gl.inline_asm_elementwise(_SUB_MUL_BF16, "=h,=h,r,r,r", [v, nz, s2],
-                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+        lo, hi = _minus_magic_zero_times_scale(((qw >> (4 * f)) & 0x000F000F) | MAGIC2, nz, s2, F16)
         return gl.join(lo, hi)
 
     @gluon.jit
@@ -163,20 +155,6 @@ if gluon is not None:
         om = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, OUT_L))
         gl.store(y_ptr + om[None, :] * stride_ym + on[:, None], out, mask=(om < M)[None, :])
 
-    @gluon.jit
-    def _consumer_lo(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, n0, m0, M, N, NUM_GROUPS,
-                     stride_ym, k_tiles, MAGIC2, GROUP_SIZE: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr):
-        _consumer(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, 0, n0, m0, M, N, NUM_GROUPS,
-                  stride_ym, k_tiles, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)
-
-    @gluon.jit
-    def _consumer_hi(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, n0, m0, M, N, NUM_GROUPS,
-                     stride_ym, k_tiles, MAGIC2, GROUP_SIZE: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr):
-        _consumer(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, 1, n0, m0, M, N, NUM_GROUPS,
-                  stride_ym, k_tiles, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)
-
     @gluon.jit(do_not_specialize=["M"])  # else M % 16 == 0 compiles again, mid-serving
     def _w4a16_ws_kernel(x_desc, q_desc, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, NUM_GROUPS, stride_ym, K_TILES, MAGIC2,
                          GROUP_SIZE: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -200,10 +178,10 @@ if gluon is not None:
         # it still reads: every thread waits here, before the partitions touch global memory
         wait_for_previous(PDL)
         gl.warp_specialize([  # (the argument lists are written out: constexprs do not survive a tuple)
-            (_consumer_lo, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, n0, m0, M, N, NUM_GROUPS,
-                            stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)),
-            (_consumer_hi, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, n0, m0, M, N, NUM_GROUPS,
-                            stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)),
+            (_consumer, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, 0, n0, m0, M, N, NUM_GROUPS,
+                         stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)),
+            (_consumer, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, 1, n0, m0, M, N, NUM_GROUPS,
+                         stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)),
             (_producer, (x_desc, q_desc, x_smem, w_smem, ready, empty, m0, qrow0, K_TILES, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
