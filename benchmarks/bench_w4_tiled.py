@@ -25,7 +25,7 @@ from fitllm.kernels._utils import pick_config  # noqa: E402
 from fitllm.kernels.w4a16 import dequantize_packed, w4a16_gemm_triton  # noqa: E402
 from fitllm.kernels.w4a16_tiled import TILED_CONFIGS, _gemv, _tiled, _ws, tile_pack, w4a16_tiled_triton  # noqa: E402
 
-CHECK_M = [1, 3, 7, 16, 24, 33, 100, 128, 200, 1000, 4096]  # issue 4's M and one inside every table row
+CHECK_M = [1, 3, 7, 16, 24, 33, 100, 128, 200, 300, 512, 1000, 4096]  # issue 4's M and one inside every table row
 TIME_M = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 INT4_BYTES = sum(K * N // 2 + 2 * (K // GS) * N * 2 for K, N in SHAPES.values())  # words + bf16 scales, zeros
 
