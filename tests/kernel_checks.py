@@ -1,6 +1,12 @@
-"""Helpers shared by the kernel tests: fresh random inputs every run, and the error measure."""
+"""Helpers shared by the kernel tests: fresh random inputs every run, the error measure, and the
+offline (sm_90) compile scripts' output."""
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
@@ -29,3 +35,15 @@ def split_k_both_ways(run, monkeypatch):
     assert not ws.any() and not cnt.any(), "atomic split-K workspace must be left zeroed"
     assert not _utils.splitk_workspace(cpu, 0, 0, ordered=True)[1].any(), "ordered split-K counters must reset"
     return atomic, ordered
+
+
+def offline_script_rows(script: str):
+    """Run tests/<script> (it compiles kernels for sm_90 with triton's own ptxas, so without
+    TRITON_INTERPRET) and return the JSON of its last output line; skip where ptxas is missing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], capture_output=True, text=True,
+                       env=env, timeout=600)
+    if p.returncode != 0 and "ptxas" in p.stderr and "not found" in p.stderr:
+        pytest.skip("triton's ptxas is not available here")
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])

@@ -11,6 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from sass_offline import compile_kernel  # noqa: E402
+from ws_codegen import ws_types  # noqa: E402  (this folder: the script's own)
 
 BF16_GEMM = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16",
                  ws_ptr="*fp32", cnt_ptr="*i32")
@@ -19,9 +20,6 @@ FP8_GEMM = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", wsc_ptr="*fp
 ATTN = dict(Q="*bf16", KC="*bf16", VC="*bf16", KS="*fp32", VS="*fp32", KZ="*fp32", VZ="*fp32", BT="*i32",
             SEQ="*i32", OUT="*bf16", scale="fp32")
 KV = dict(KIND=0, KGROUP=128, VGROUP=128, VT=False, H=8, D=128, DC=128, PAGE=16)
-# the warp-specialised W4A16 kernel's descriptors (Gluon: the type names the shared layout)
-WS_X = "NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, transposed=False, fp4_padded=False, cga_layout=[])"
-WS_Q = "NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2, transposed=False, fp4_padded=False, cga_layout=[])"
 # name -> (module:kernel, types, constexprs, warps, stages, fills the GPU: releases after its main loop)
 KERNELS = {
     "tiled_gemv": ("fitllm.kernels.w4a16_tiled:_tiled_gemv_kernel", {**BF16_GEMM, "x_ptr": "*i32"},
@@ -30,9 +28,7 @@ KERNELS = {
     "tiled_tc": ("fitllm.kernels.w4a16_tiled:_w4a16_tiled_kernel", BF16_GEMM,
                  dict(GROUP_SIZE=128, CHUNK=128, HAS_BIAS=False, USE_WS=True, BM=16, BN=64, ROW_WARPS=4, F16=False,
                       ASM=True, SCALE_IN_W=False, UPCAST=False), 4, 3, True),
-    "w4_ws": ("fitllm.kernels.w4a16_ws:_w4a16_ws_kernel",
-              dict(x_desc=f"tensordesc<bf16[128, 64],{WS_X}>", q_desc=f"tensordesc<i32[128, 16],{WS_Q}>",
-                   s_ptr="*bf16", z_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16"),
+    "w4_ws": ("fitllm.kernels.w4a16_ws:_w4a16_ws_kernel", ws_types(128, False),
               dict(GROUP_SIZE=128, BM=128, STAGES=3, HAS_BIAS=False, F16=False), 4, 1, True),
     "fp8_gemv": ("fitllm.kernels.fp8:_fp8_gemv_kernel", FP8_GEMM,
                  dict(W8A8=True, WS_PER_CHANNEL=True, HAS_BIAS=False, USE_WS=True, BN=16, BK=512), 8, 1, True),

@@ -34,7 +34,7 @@ from fitllm.kernels.w4a16 import (
 )
 from fitllm.quant.formats.packing import pack_dim0
 
-from kernel_checks import GEN, rel_err, split_k_both_ways  # noqa: E402
+from kernel_checks import GEN, offline_script_rows, rel_err, split_k_both_ways  # noqa: E402
 
 
 def rand_w4(K, N, bits=4, group_size=32, gidx=False, dtype=torch.bfloat16):
@@ -425,18 +425,7 @@ def test_fp8_table_configs_fit_shared_memory_in_both_modes():
     16-bit x doubles the pipeline's x tiles: the rows tuned for w8a8 asked 240-340 KB there and failed
     to launch until the launcher fitted their stages), fp8.shared_memory_need never underestimates
     Triton's figure, and fitting leaves every w8a8 config as tuned."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, str(Path(__file__).with_name("fp8_smem.py"))], capture_output=True, text=True,
-                       env=env, timeout=600)
-    if p.returncode != 0 and "ptxas" in p.stderr and "not found" in p.stderr:
-        pytest.skip("triton's ptxas is not available here")
-    assert p.returncode == 0, p.stderr[-2000:]
-    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    rows = offline_script_rows("fp8_smem.py")
     assert len(rows) >= 16
     for r in rows:
         assert r["shared"] <= 232448 and r["shared"] <= r["estimate"], r

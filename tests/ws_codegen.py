@@ -10,14 +10,22 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from sass_offline import compile_kernel, report, sass_of  # noqa: E402
+from sass_offline import compile_kernel, resource_usage, sass_of  # noqa: E402
 
+import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.experimental.gluon import language as gl  # noqa: E402
 
 from fitllm.kernels._utils import config_for  # noqa: E402
 from fitllm.kernels.w4a16_tiled import TILED_CONFIGS  # noqa: E402
-from fitllm.kernels.w4a16_ws import _w4a16_ws_kernel  # noqa: E402
+from fitllm.kernels.w4a16_ws import _w4a16_ws_kernel, descriptor_layouts  # noqa: E402
+
+
+def ws_types(bm: int, f16: bool) -> dict:
+    """The kernel's signature types as the launcher's descriptors give them (tests/pdl_ptx.py too)."""
+    t = "fp16" if f16 else "bf16"
+    x_layout, q_layout = descriptor_layouts(bm, torch.float16 if f16 else torch.bfloat16)
+    return dict(x_desc=f"tensordesc<{t}[{bm}, 64],{x_layout!r}>", q_desc=f"tensordesc<i32[128, 16],{q_layout!r}>",
+                s_ptr=f"*{t}", z_ptr=f"*{t}", bias_ptr=f"*{t}", y_ptr=f"*{t}")
 
 
 def main() -> None:
@@ -27,21 +35,16 @@ def main() -> None:
     out = []
     for bm, stages in sorted(cfgs):
         for f16 in (False, True):
-            t, dt = ("fp16", gl.float16) if f16 else ("bf16", gl.bfloat16)
-            xl = gl.NVMMASharedLayout.get_default_for([bm, 64], dt)
-            ql = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-            types = dict(x_desc=f"tensordesc<{t}[{bm}, 64],{xl!r}>", q_desc=f"tensordesc<i32[128, 16],{ql!r}>",
-                         s_ptr=f"*{t}", z_ptr=f"*{t}", bias_ptr=f"*{t}", y_ptr=f"*{t}")
-            k = compile_kernel(_w4a16_ws_kernel, types, dict(GROUP_SIZE=128, BM=bm, STAGES=stages, HAS_BIAS=True,
-                                                              F16=f16), warps=4, stages=1)
-            r = report(k)
+            k = compile_kernel(_w4a16_ws_kernel, ws_types(bm, f16), dict(GROUP_SIZE=128, BM=bm, STAGES=stages,
+                                                                          HAS_BIAS=True, F16=f16), warps=4, stages=1)
             with tempfile.TemporaryDirectory() as d:
                 path = os.path.join(d, "k.ptx")
                 open(path, "w").write(k.asm["ptx"])
                 adv = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
                                      capture_output=True, text=True).stderr
             sass = sass_of(k.asm["cubin"])
-            out.append(dict(BM=bm, stages=stages, f16=f16, shared=k.metadata.shared, spills=r["spills"],
+            out.append(dict(BM=bm, stages=stages, f16=f16, shared=k.metadata.shared,
+                            spills=resource_usage(k.asm["cubin"])["stack"],
                             hgmma=sass.count("HGMMA."), full_waits=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"),
                             advisories=[line for line in adv.splitlines() if "Performance" in line]))
     print(json.dumps(out))

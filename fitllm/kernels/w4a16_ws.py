@@ -42,7 +42,7 @@ try:
     from triton.runtime.jit import constexpr_function
 
     from ._pdl import let_next_launch, wait_for_previous
-    from .w4a16_tiled import _minus_magic_zero_times_scale, _pair16
+    from .w4a16_tiled import _group_cols, _minus_magic_zero_times_scale
 except ImportError:  # CPU-only installs, or a triton without Gluon: callers keep the Triton kernels
     gluon = None
 
@@ -101,15 +101,15 @@ if gluon is not None:
         wgmma wait retires the group whose A registers are written next; the first one also retires
         the last reader of stage i - 1, which then goes back to the producer."""
         MAGICF: gl.constexpr = 1024.0 if F16 else 128.0
-        DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
         st = i % STAGES
         g = gl.minimum(((i + 1) * 128) // GROUP_SIZE, NUM_GROUPS - 1)
         s_next = gl.load(s_ptr + g * N + rows).to(gl.float32)
         z_next = gl.load(z_ptr + g * N + rows).to(gl.float32)
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         qw = w_smem.index(st).slice(64 * half, 64).load(WL)
-        nz = gl.broadcast(_pair16(-(zc + MAGICF), DT), qw)[0]
-        s2 = gl.broadcast(_pair16(sc, DT), qw)[0]
+        _, nz, _, s2, _ = _group_cols(sc, zc, MAGICF, F16)
+        nz = gl.broadcast(nz, qw)[0]
+        s2 = gl.broadcast(s2, qw)[0]
         a0 = _a_half(qw, 0, nz, s2, MAGIC2, A_L, F16)
         acc = warpgroup_mma(a0, x_smem.index(2 * st).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
         a1_prev = warpgroup_mma_wait(num_outstanding=1, deps=(a1_prev, ))
@@ -186,6 +186,15 @@ if gluon is not None:
         ], [4, 1], [CONSUMER_REGS, 40])
 
 
+def descriptor_layouts(bm: int, dtype: torch.dtype):
+    """The shared layouts of the kernel's two TMA descriptors: x's [bm, 64] boxes (128-byte swizzle,
+    read as the wgmma B operand) and the words' [128, 16] runs (no swizzle: a consumer's 16-byte loads
+    of 8 neighbouring rows are conflict-free as stored). The offline compiles in tests/ use them too."""
+    x_dtype = gl.float16 if dtype == torch.float16 else gl.bfloat16
+    return (gl.NVMMASharedLayout.get_default_for([bm, 64], x_dtype),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+
+
 def ws_shape_ok(N: int, group_size: int, K: int, dtype: torch.dtype, row_pitch_bytes: int, address: int) -> bool:
     """The shapes the kernel takes: whole 128-row weight blocks, one group per K tile (groups of 128·j
     or per-channel), 16-bit x whose rows TMA can address (pitch and base 16-byte aligned)."""
@@ -209,11 +218,10 @@ def w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias=None, out=None,
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    gdt = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
-    x_desc = TensorDescriptor.from_tensor(x, [BM, 64], gl.NVMMASharedLayout.get_default_for([BM, 64], gdt))
+    x_layout, q_layout = descriptor_layouts(BM, x.dtype)
+    x_desc = TensorDescriptor.from_tensor(x, [BM, 64], x_layout)
     # the tile-major storage seen as [N * K_TILES, 16]: K tile kt of row block b is rows (b K_TILES + kt) 128 ..
-    q_desc = TensorDescriptor.from_tensor(qtile.view(-1, 16), [ROWS, 16],
-                                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    q_desc = TensorDescriptor.from_tensor(qtile.view(-1, 16), [ROWS, 16], q_layout)
     grid = (-(-M // BM) * (N // ROWS),)
     _w4a16_ws_kernel[grid](x_desc, q_desc, scales, zeros, bias if bias is not None else scales, y, M, N,
                            scales.shape[0], y.stride(0), qtile.shape[1] // 16, _magic2(x.dtype),
