@@ -374,31 +374,3 @@ def test_warp_specialised_kernel_takes_only_the_shapes_it_was_built_for():
                 dict(address=8)):
         assert not ws_shape_ok(**dict(ok, **bad)), bad
     assert not ws_supported(torch.zeros(512, 4096, dtype=torch.bfloat16), 4096, 128, 4096)
-
-
-def test_warp_specialised_rows_hand_weights_deeper_than_max_k_to_their_fallback(monkeypatch):
-    """The ws kernel has no split-K, so a row may cap the K it takes (the sm90 M <= 128 row: o_proj's
-    4096 on it, down_proj's 14336 on the split tiled tile). Routing checked off sm90 by pretending the
-    kernel supported: it is asked for exactly the shapes within max_k; the rest runs the fallback."""
-    from fitllm.kernels import w4a16_ws
-    from fitllm.kernels._utils import config_for, pick_config
-    from fitllm.kernels.w4a16_tiled import TILED_CONFIGS
-
-    taken = []
-
-    def fake_ws(x, qtile, scales, zeros, group_size, K, bias, out, BM, STAGES):
-        taken.append(K)
-        return out.copy_(w4a16_tiled_ref(x, qtile, scales, zeros, group_size, K, bias))
-
-    monkeypatch.setattr(w4a16_ws, "ws_supported", lambda *a: True)
-    monkeypatch.setattr(w4a16_ws, "w4a16_ws_triton", fake_ws)
-    cfg = _ws(64, 4, _tiled(16, 64, 4, 3, waves=2), max_k=256)
-    for K in (256, 512):
-        qt, s, z, w64, _ = rand_weight(K, 128, 128)
-        x = torch.randn(3, K, generator=GEN).to(torch.bfloat16)
-        y = torch.full((3, 128), float("nan"), dtype=torch.bfloat16)
-        w4a16_tiled_triton(x, qt, s, z, 128, K, config=cfg, out=y)
-        assert rel_err(y, x.double() @ w64) < 1e-2
-    assert taken == [256]
-    row = pick_config(TILED_CONFIGS, "sm90", 128)
-    assert 4096 <= config_for(row, 4096)["max_k"] < 14336  # o_proj on ws, down_proj not (Llama-3-8B)

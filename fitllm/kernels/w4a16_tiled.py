@@ -480,11 +480,10 @@ def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled"):
                 backend=backend)
 
 
-def _ws(bm, stages, fallback=None, max_k=1 << 62):
+def _ws(bm, stages, fallback=None):
     """The warp-specialised Hopper kernel (fitllm.kernels.w4a16_ws): BM tokens x 128 weight rows a
-    program. GEMMs it cannot take (w4a16_ws.ws_supported), or deeper than max_k (it has no split-K:
-    few programs walking a long K lose to a split tile), run `fallback` (default: dequant + cuBLAS)."""
-    return dict(BM=bm, BN=128, num_warps=4, num_stages=stages, waves=0.0, backend="ws", max_k=max_k,
+    program. GEMMs it cannot take (w4a16_ws.ws_supported) run `fallback` (default: dequant + cuBLAS)."""
+    return dict(BM=bm, BN=128, num_warps=4, num_stages=stages, waves=0.0, backend="ws",
                 fallback=fallback or _tiled(0, 0, 4, 1, backend="dequant"))
 
 
@@ -521,9 +520,6 @@ def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None, wide=None):
 # µs per linear (qkv / o / gate_up / down), tiled table vs best: M=128 42.3 / 25.6 / 62.6 / 45.9 vs ws BM64
 # 18.7 / - / ws BM128 52.6 / - (o and down share N = 4096, and down has no split-K on ws: the tiled tile keeps
 # both); M=256 40.3 / 33.8 / 123.3 / 73.8 vs ws BM128 24.4 / BM64 18.7 / BM128 104.4 / BM64 68.4 (271 -> 216).
-# Twenty-seventh session (H100, RESULTS.md): a split-K ws kernel did not beat the tiled tile at M <= 64 (down
-# at M=16 27.1 vs 19.5, M=64 47.4 vs 29.7), so the M <= 128 row splits by depth instead: o (K=4096) on ws BM64
-# (28.3 -> 17.5 µs at M=128), down (K=14336) keeps the tiled tile; layer M=96 143.1 -> 138.8, M=128 151.4 -> 143.1.
 _M256 = _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)  # the tiled kernel's M <= 256 tile (fallbacks below)
 _M256_WIDE = _tiled(128, 256, 8, 3, waves=1, scale_in_w=True)  # ... and its wide-weight (gate_up) tile
 TILED_CONFIGS = {
@@ -533,7 +529,7 @@ TILED_CONFIGS = {
         (16, _tiled(16, 64, 4, 3, waves=4)),
         (32, _tiled(32, 64, 4, 3, waves=4)),
         (64, by_width(_tiled(64, 64, 4, 3, waves=3), (16384, 1 << 62, _tiled(64, 128, 4, 3, waves=2)))),
-        (128, by_width(_ws(64, 4, _M256, max_k=8192), (16384, 1 << 62, _ws(128, 4, _M256_WIDE)))),
+        (128, by_width(_M256, (4096, 16384, _ws(64, 4, _M256)), (16384, 1 << 62, _ws(128, 4, _M256_WIDE)))),
         (256, by_width(_ws(64, 4, _M256), (4096, 1 << 62, _ws(128, 4, _M256_WIDE)))),
         (384, _ws(128, 4)),
         (640, by_width(_ws(128, 3), (4096, 1 << 62, _ws(256, 3)))),
@@ -611,7 +607,7 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     if cfg["backend"] == "ws":
         from .w4a16_ws import w4a16_ws_triton, ws_supported
 
-        if ws_supported(x, N, group_size, K) and K <= cfg.get("max_k", K):
+        if ws_supported(x, N, group_size, K):
             return w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias, y, cfg["BM"], cfg["num_stages"])
         cfg = cfg["fallback"]
     if cfg["backend"] == "dequant":  # large M: one dequant pass, then cuBLAS
