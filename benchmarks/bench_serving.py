@@ -175,6 +175,7 @@ def part_profile(args) -> None:
 
 def part_memory(args) -> None:
     from fitllm import budget
+    from fitllm.kernels._utils import gpu_arch
     from fitllm.serve.sampling import SamplingParams
 
     rows = RESULTS["memory"] = []
@@ -187,7 +188,8 @@ def part_memory(args) -> None:
             card = card_gib * 2**30
             settings = budget.Settings(scheme="awq" if scheme == "int4" else "fp8",
                                        kv_dtype="bf16" if kv == "auto" else kv, max_model_len=4096,
-                                       max_num_seqs=16, max_batched_tokens=2048, gpu_memory_utilization=0.9)
+                                       max_num_seqs=16, max_batched_tokens=2048, gpu_memory_utilization=0.9,
+                                       gpu_arch=gpu_arch(torch.cuda.current_device()))
             predicted_full = budget.estimate(model.config, settings, card)
             if not predicted_full.fits:
                 rows.append({"weights": scheme, "kv": kv, "card_gib": card_gib, "fits": False})

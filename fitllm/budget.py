@@ -42,7 +42,6 @@ SAMPLER_BYTES_PER_LOGIT = 22  # bf16 lm_head out 2 + fp32 logits 4 + probs 4 + s
 ROPE_TEMP_BYTES_PER_ELEM = 8  # q and k go through float32 for RoPE: one fp32 copy + one fp32 result
 CUDA_GRAPH_MAX_BATCH = 512  # decode graphs are captured for batch sizes up to this
 ACT_BYTES = 2  # activations in bf16 (fp16 on T4)
-DEQUANT_GEMM_MIN_TOKENS = 256  # above this M a W4A16 GEMM may dequantize to bf16 + cuBLAS
 ATTN_SPLIT_TOKENS = 512  # fused decode attention: context chunk per split (partials kept in fp32)
 
 DEFAULT_BLOCK_SIZE = 16
@@ -251,10 +250,31 @@ def attention_workspace_bytes(config: ModelConfig, num_seqs: int, context: int, 
     return num_seqs * c.num_heads * splits * (c.head_dim + 2) * 4 if splits > 1 else 0
 
 
+def dequant_min_tokens(config: ModelConfig, scheme: str, group_size: Optional[int] = None,
+                       arch: Optional[str] = None) -> int:
+    """The fewest tokens in a step at which one of the model's 4-bit GEMMs dequantizes its weight
+    whole to bf16 for cuBLAS, as fitllm's kernel tables pick on `arch` ('sm90', 'sm89', ...; None, a
+    card not known: the 'default' rows, which do it soonest). On Hopper the warp-specialised kernel
+    takes 257..3072 tokens where the shapes allow (whole 128-row weight blocks, groups of 128·j).
+    A GPTQ checkpoint may carry act-order (a g_idx: the standard layout's rows) or not (the tiled
+    layout), so GPTQ gets the sooner of both, as weight_bytes counts its g_idx."""
+    from fitllm.kernels.w4a16 import act_order_dequant_from_tokens
+    from fitllm.kernels.w4a16_tiled import dequant_from_tokens
+
+    arch = arch or "default"
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    gs = default_group_size(config) if group_size is None else group_size  # <= 0: per channel
+    # the runtime's fused GEMMs, (N, K): qkv, o, gate|up, down
+    first = min(dequant_from_tokens(arch, n, k, gs if 0 < gs < k else k)
+                for n, k in ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i)))
+    return min(first, act_order_dequant_from_tokens(arch)) if scheme == "gptq" else first
+
+
 def activation_bytes(config: ModelConfig, tokens: int, sampled_rows: int, scheme: str = "bf16",
-                     attention_workspace: int = 0) -> int:
+                     attention_workspace: int = 0, dequant_from: Optional[int] = None) -> int:
     """Peak transient memory of one step of `tokens` tokens, of which `sampled_rows` get logits
-    (0: the forward pass alone, as captured in a CUDA graph).
+    (0: the forward pass alone, as captured in a CUDA graph). dequant_from: the fewest tokens at
+    which a 4-bit GEMM dequantizes its weight (dequant_min_tokens; None: on a card not known).
 
     Layers run one after another, so only one layer's temporaries are alive at a time, on top of
     the residual stream (residual, normed input, sub-layer output). After the last layer only the
@@ -270,10 +290,12 @@ def activation_bytes(config: ModelConfig, tokens: int, sampled_rows: int, scheme
     mlp = 4 * t * c.intermediate_size * ACT_BYTES  # gate|up (2I), silu(gate) (I), product (I)
     if scheme == "fp8":
         mlp += t * c.intermediate_size  # activations quantized to e4m3 for the W8A8 GEMM
-    if scheme == "nf4" and t > 1 or scheme in ("awq", "gptq") and t > DEQUANT_GEMM_MIN_TOKENS:
+    if scheme in ("awq", "gptq") and dequant_from is None:
+        dequant_from = dequant_min_tokens(config, scheme)
+    if scheme == "nf4" and t > 1 or scheme in ("awq", "gptq") and t >= dequant_from:
         # bitsandbytes (always) and fitllm's "dequant" W4A16 backend (large M, when its tile
-        # table picks it) dequantize the whole weight to bf16, then call cuBLAS; the largest
-        # weight is the fused gate|up.
+        # table picks it) dequantize the whole weight to bf16, then call cuBLAS; counted as the
+        # largest weight, the fused gate|up.
         mlp += 2 * c.hidden_size * 2 * c.intermediate_size
     layers = residual + rope_tables + max(attention, mlp)
     if not sampled_rows:
@@ -299,6 +321,9 @@ class Settings:
     # "torch" / "padded" (today's fallbacks; see attention_workspace_bytes).
     attention: str = "fused"
     graph_attention: str = "fused"
+    # The card's architecture ('sm90', 'sm89', ...), which picks the kernels' tile tables (what the
+    # 4-bit GEMMs dequantize, and from how many tokens); None: not known, the soonest of them.
+    gpu_arch: Optional[str] = None
 
     def __post_init__(self):
         if self.block_size is None:
@@ -395,14 +420,15 @@ def estimate(config: ModelConfig, settings: Settings, gpu_memory_bytes: int,
     weights = weight_bytes(config, s.scheme, s.group_size)
     t, seqs, ctx = s.max_batched_tokens, s.max_num_seqs, s.max_model_len
     sampled = min(seqs, t)  # at most one sampled row per sequence
+    dequant_from = dequant_min_tokens(config, s.scheme, s.group_size, s.gpu_arch) if s.scheme in ("awq", "gptq") else None
     activations = activation_bytes(config, t, sampled, s.scheme,
-                                   attention_workspace_bytes(config, min(seqs, t), ctx, t, s.attention))
+                                   attention_workspace_bytes(config, min(seqs, t), ctx, t, s.attention), dequant_from)
     graph_batch = min(seqs, CUDA_GRAPH_MAX_BATCH)
     # All decode graphs share one pool, sized by the largest captured batch; it is not shared
     # with eager steps, so it adds to their peak. Graphs hold the forward pass only: logits and
     # sampling run eagerly (their memory is already in `activations`).
     graph_attention = attention_workspace_bytes(config, graph_batch, ctx, graph_batch, s.graph_attention)
-    graphs = activation_bytes(config, graph_batch, 0, s.scheme, graph_attention) if s.cuda_graphs else 0
+    graphs = activation_bytes(config, graph_batch, 0, s.scheme, graph_attention, dequant_from) if s.cuda_graphs else 0
     terms = {
         "cuda_context": CUDA_CONTEXT_BYTES,
         "weights": weights.total,
@@ -435,6 +461,7 @@ class Gpu:
     memory_gib: float  # what the driver reports (ECC and reserved memory already taken off)
     bandwidth_gbs: float  # peak memory bandwidth, vendor spec
     fp8: bool  # FP8 tensor cores (sm89+): W8A8 and fp8 KV run natively
+    arch: str  # compute capability as the kernels' tables key it ('sm90')
 
     @property
     def memory_bytes(self) -> int:
@@ -443,35 +470,35 @@ class Gpu:
 
 GPUS = [Gpu(*row) for row in [
     # Ampere consumer (sm86)
-    ("rtx3060", "RTX 3060 12GB", 12.0, 360, False),
-    ("rtx3080-10g", "RTX 3080 10GB", 10.0, 760, False),
-    ("rtx3080-12g", "RTX 3080 12GB", 12.0, 912, False),
-    ("rtx3090", "RTX 3090", 24.0, 936, False),
-    ("rtx3090ti", "RTX 3090 Ti", 24.0, 1008, False),
+    ("rtx3060", "RTX 3060 12GB", 12.0, 360, False, "sm86"),
+    ("rtx3080-10g", "RTX 3080 10GB", 10.0, 760, False, "sm86"),
+    ("rtx3080-12g", "RTX 3080 12GB", 12.0, 912, False, "sm86"),
+    ("rtx3090", "RTX 3090", 24.0, 936, False, "sm86"),
+    ("rtx3090ti", "RTX 3090 Ti", 24.0, 1008, False, "sm86"),
     # Ada consumer (sm89)
-    ("rtx4060ti-16g", "RTX 4060 Ti 16GB", 16.0, 288, True),
-    ("rtx4070", "RTX 4070", 12.0, 504, True),
-    ("rtx4070super", "RTX 4070 Super", 12.0, 504, True),
-    ("rtx4070ti", "RTX 4070 Ti", 12.0, 504, True),
-    ("rtx4070tisuper", "RTX 4070 Ti Super", 16.0, 672, True),
-    ("rtx4080", "RTX 4080", 16.0, 717, True),
-    ("rtx4080super", "RTX 4080 Super", 16.0, 736, True),
-    ("rtx4090", "RTX 4090", 24.0, 1008, True),
+    ("rtx4060ti-16g", "RTX 4060 Ti 16GB", 16.0, 288, True, "sm89"),
+    ("rtx4070", "RTX 4070", 12.0, 504, True, "sm89"),
+    ("rtx4070super", "RTX 4070 Super", 12.0, 504, True, "sm89"),
+    ("rtx4070ti", "RTX 4070 Ti", 12.0, 504, True, "sm89"),
+    ("rtx4070tisuper", "RTX 4070 Ti Super", 16.0, 672, True, "sm89"),
+    ("rtx4080", "RTX 4080", 16.0, 717, True, "sm89"),
+    ("rtx4080super", "RTX 4080 Super", 16.0, 736, True, "sm89"),
+    ("rtx4090", "RTX 4090", 24.0, 1008, True, "sm89"),
     # Blackwell consumer (sm120)
-    ("rtx5070", "RTX 5070", 12.0, 672, True),
-    ("rtx5070ti", "RTX 5070 Ti", 16.0, 896, True),
-    ("rtx5080", "RTX 5080", 16.0, 960, True),
-    ("rtx5090", "RTX 5090", 32.0, 1792, True),
+    ("rtx5070", "RTX 5070", 12.0, 672, True, "sm120"),
+    ("rtx5070ti", "RTX 5070 Ti", 16.0, 896, True, "sm120"),
+    ("rtx5080", "RTX 5080", 16.0, 960, True, "sm120"),
+    ("rtx5090", "RTX 5090", 32.0, 1792, True, "sm120"),
     # Data center
-    ("t4", "Tesla T4", 15.0, 320, False),
-    ("a10g", "A10G", 22.5, 600, False),
-    ("l4", "L4", 22.5, 300, True),
-    ("l40s", "L40S", 45.0, 864, True),
-    ("a100-40g", "A100 40GB", 40.0, 1555, False),
-    ("a100-80g", "A100 80GB", 80.0, 2039, False),
-    ("h100-pcie", "H100 PCIe", 79.6, 2000, True),
-    ("h100-sxm", "H100 SXM", 79.6, 3350, True),
-    ("h200", "H200", 140.4, 4800, True),
+    ("t4", "Tesla T4", 15.0, 320, False, "sm75"),
+    ("a10g", "A10G", 22.5, 600, False, "sm86"),
+    ("l4", "L4", 22.5, 300, True, "sm89"),
+    ("l40s", "L40S", 45.0, 864, True, "sm89"),
+    ("a100-40g", "A100 40GB", 40.0, 1555, False, "sm80"),
+    ("a100-80g", "A100 80GB", 80.0, 2039, False, "sm80"),
+    ("h100-pcie", "H100 PCIe", 79.6, 2000, True, "sm90"),
+    ("h100-sxm", "H100 SXM", 79.6, 3350, True, "sm90"),
+    ("h200", "H200", 140.4, 4800, True, "sm90"),
 ]]
 GPU_ALIASES = {"h100": "h100-sxm", "a100": "a100-80g", "rtx3080": "rtx3080-10g", "rtx4060ti": "rtx4060ti-16g"}
 
@@ -541,7 +568,9 @@ def plan(config: ModelConfig, settings: Settings, gpu_memory_bytes: int, gpu: Op
     """The budget, a serve command that fits, and when it does not fit, the cheapest changes that do:
     first a smaller KV dtype, then a smaller weight scheme (with the KV dtype too), then a shorter
     context. A scheme other than the checkpoint's means converting first (`quant convert`), so
-    those commands serve CONVERTED_DIR."""
+    those commands serve CONVERTED_DIR. A catalog `gpu` gives its architecture to settings that name none."""
+    if gpu is not None and settings.gpu_arch is None:
+        settings = replace(settings, gpu_arch=gpu.arch)
     budget = estimate(config, settings, gpu_memory_bytes)
     s = budget.settings
     checkpoint_scheme = checkpoint_scheme or s.scheme
@@ -585,7 +614,7 @@ def plan(config: ModelConfig, settings: Settings, gpu_memory_bytes: int, gpu: Op
 
 
 def cards_that_fit(config: ModelConfig, settings: Settings) -> list[Gpu]:
-    return [g for g in GPUS if estimate(config, settings, g.memory_bytes).fits]
+    return [g for g in GPUS if estimate(config, replace(settings, gpu_arch=g.arch), g.memory_bytes).fits]
 
 
 # ---------------------------------------------------------------- predicted vs measured (server)

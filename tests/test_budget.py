@@ -144,6 +144,38 @@ def test_activation_peak_llama3_by_hand():
     assert bm.activation_bytes(LLAMA3, 512, 512) == 512 * 4096 * 2 + 512 * 128256 * 22
 
 
+def test_dequant_transient_follows_the_cards_tile_tables():
+    """A 4-bit GEMM dequantizes its weight to bf16 (a transient of the gate|up's size) only from the
+    step size its kernel table says: on Hopper the warp-specialised kernel takes Llama-3-8B's shapes up
+    to 3072 tokens (a default 2048-token step needs no copy), elsewhere the tiled rows stop at 64 (so
+    decode graphs of 65+ sequences hold one: the graph pool must count it)."""
+    gate_up = 4096 * 2 * 14336 * 2
+    assert bm.dequant_min_tokens(LLAMA3, "awq", 128, "sm90") == 3073
+    assert bm.dequant_min_tokens(LLAMA3, "awq", 128, "sm89") == bm.dequant_min_tokens(LLAMA3, "awq") == 65
+    assert bm.dequant_min_tokens(SMOL, "awq", 64, "sm90") == 257  # 576-wide: no whole 128-row blocks, groups of 64
+    assert bm.dequant_min_tokens(LLAMA3, "gptq", 128, "sm90") == 17  # act-order: the standard layout's rows
+    no_dq = bm.activation_bytes(LLAMA3, 2048, 64, "bf16")
+    assert bm.activation_bytes(LLAMA3, 2048, 64, "awq", dequant_from=3073) == no_dq
+    assert bm.activation_bytes(LLAMA3, 2048, 64, "awq", dequant_from=2048) == no_dq + gate_up
+    s = bm.Settings(scheme="awq", max_model_len=8192, max_num_seqs=128, group_size=128)
+    h200 = bm.estimate(LLAMA3, replace(s, gpu_arch="sm90"), 140 * bm.GiB).terms
+    ada = bm.estimate(LLAMA3, replace(s, gpu_arch="sm89"), 140 * bm.GiB).terms
+    ws = bm.attention_workspace_bytes(LLAMA3, 128, 8192, 2048, s.attention)
+    assert h200["activations"] == bm.activation_bytes(LLAMA3, 2048, 128, "awq", ws, dequant_from=3073)
+    assert ada["activations"] == bm.activation_bytes(LLAMA3, 2048, 128, "awq", ws, dequant_from=65) > h200["activations"]
+    graph_ws = bm.attention_workspace_bytes(LLAMA3, 128, 8192, 128, s.graph_attention)
+    assert h200["cuda_graphs"] == bm.activation_bytes(LLAMA3, 128, 0, "bf16", graph_ws)
+    # the batch-128 graph dequantizes on sm89: the copy lives while the MLP runs
+    assert ada["cuda_graphs"] == bm.activation_bytes(LLAMA3, 128, 0, "awq", graph_ws, dequant_from=65) \
+        == 3 * 128 * 4096 * 2 + 128 * 128 * 4 + 4 * 128 * 14336 * 2 + gate_up
+    graph_ws = bm.attention_workspace_bytes(LLAMA3, 64, 8192, 64, s.graph_attention)
+    small = bm.estimate(LLAMA3, replace(s, max_num_seqs=64, gpu_arch="sm89"), 140 * bm.GiB).terms
+    assert small["cuda_graphs"] == bm.activation_bytes(LLAMA3, 64, 0, "bf16", graph_ws)  # 64 tokens: no copy
+    # a catalog card brings its architecture to the plan
+    plan = bm.plan(LLAMA3, s, bm.find_gpu("h200").memory_bytes, bm.find_gpu("h200"))
+    assert plan.budget.settings.gpu_arch == "sm90" and plan.budget.terms["activations"] == h200["activations"]
+
+
 def test_attention_workspace_by_hand():
     # today's torch fallback in the decode graphs: every sequence's K/V padded to the context,
     # K and V repeated from 8 KV heads to 32 query heads, plus a bool mask
@@ -308,7 +340,7 @@ def test_cli_config_json_file_and_catalog(tmp_path, monkeypatch):
     # no --gpu and no GPU here: every card of the catalog
     from fitllm.cli import memory as memory_cli
 
-    monkeypatch.setattr(memory_cli, "_local_gpu", lambda: (None, 0))
+    monkeypatch.setattr(memory_cli, "_local_gpu", lambda: (None, 0, None))
     doc = _json([str(tmp_path)])
     assert len(doc["gpus"]) == len(bm.GPUS) and all(r["fits"] for r in doc["gpus"])
 

@@ -374,3 +374,43 @@ def test_warp_specialised_kernel_takes_only_the_shapes_it_was_built_for():
                 dict(address=8)):
         assert not ws_shape_ok(**dict(ok, **bad)), bad
     assert not ws_supported(torch.zeros(512, 4096, dtype=torch.bfloat16), 4096, 128, 4096)
+
+
+@pytest.mark.parametrize("arch,N,K,gs", [("sm90", 256, 256, 128), ("sm90", 200, 256, 128), ("sm90", 256, 256, 64),
+                                         ("sm89", 256, 256, 128), ("cpu", 256, 256, 128)])
+def test_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, N, K, gs, monkeypatch):
+    """fitllm.budget reserves the bf16 copy from dequant_from_tokens(...) tokens on; the launcher must
+    take the dequant path exactly from there (checked by stopping each path at its first step)."""
+    from fitllm.kernels import w4a16_tiled as wt
+    from fitllm.kernels import w4a16_ws
+    from fitllm.kernels.w4a16_tiled import dequant_from_tokens
+
+    class Took(Exception):
+        pass
+
+    def stop(path):
+        def raiser(*a, **k):
+            raise Took(path)
+        return raiser
+
+    class Grid:
+        def __getitem__(self, grid):
+            return stop("tiled")
+
+    monkeypatch.setattr(wt, "gpu_arch", lambda dev: arch)
+    monkeypatch.setattr(w4a16_ws, "ws_supported", lambda x, N, gs, K: arch == "sm90" and w4a16_ws.ws_shape_ok(
+        N, gs, K, x.dtype, x.stride(0) * x.element_size(), 0))
+    monkeypatch.setattr(w4a16_ws, "w4a16_ws_triton", stop("ws"))
+    monkeypatch.setattr(wt, "dequantize_tiled", stop("dequant"))
+    monkeypatch.setattr(wt, "_launch_gemv", stop("gemv"))
+    monkeypatch.setattr(wt, "_w4a16_tiled_kernel", Grid())
+    qt, s, z, _, _ = rand_weight(K, N, gs)
+    first = dequant_from_tokens(arch, N, K, gs)
+
+    def path(M):
+        with pytest.raises(Took) as took:
+            w4a16_tiled_triton(torch.zeros(M, K, dtype=torch.bfloat16), qt, s, z, gs, K)
+        return took.value.args[0]
+
+    assert first < 1 << 20
+    assert path(first) == "dequant" and path(first + 1) == "dequant" and path(first - 1) != "dequant"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Optional
 
 import typer
@@ -20,18 +20,18 @@ def _size(n: float) -> str:
     return f"{n / bm.GiB:.2f} GiB" if abs(n) >= bm.GiB else f"{n / bm.MiB:.0f} MiB"
 
 
-def _local_gpu() -> tuple[Optional[bm.Gpu], int]:
-    """The card this process sees, if any: (catalog entry for its bandwidth, memory in bytes)."""
+def _local_gpu() -> tuple[Optional[bm.Gpu], int, Optional[str]]:
+    """The card this process sees, if any: (catalog entry for its bandwidth, memory in bytes, arch)."""
     import torch
 
     if not torch.cuda.is_available():
-        return None, 0
+        return None, 0, None
     props = torch.cuda.get_device_properties(0)
     try:
         gpu = bm.find_gpu(props.name)
     except FitLLMError:
         gpu = None
-    return gpu, props.total_memory
+    return gpu, props.total_memory, f"sm{props.major}{props.minor}"
 
 
 def memory(
@@ -80,8 +80,10 @@ def memory(
                                cuda_graphs=not no_cuda_graphs, group_size=group)
         if gpu is not None and gpu_mem is not None:
             raise FitLLMError("give --gpu or --gpu-mem, not both")
-        card, mem = (bm.find_gpu(gpu), 0) if gpu else (None, int(gpu_mem * bm.GiB)) if gpu_mem else _local_gpu()
+        card, mem, arch = (bm.find_gpu(gpu), 0, None) if gpu else (None, int(gpu_mem * bm.GiB), None) if gpu_mem \
+            else _local_gpu()
         mem = mem or (card.memory_bytes if card else 0)
+        settings = replace(settings, gpu_arch=arch or (card.arch if card else None))
     except FitLLMError as exc:
         fail(str(exc))
     if not mem:
@@ -160,7 +162,7 @@ def _catalog(config, label: str, s: bm.Settings, json_out: bool) -> None:
     """No card given and none here: the same plan across the catalog."""
     rows = []
     for g in bm.GPUS:
-        b = bm.estimate(config, s, g.memory_bytes)
+        b = bm.estimate(config, replace(s, gpu_arch=g.arch), g.memory_bytes)
         rows.append({"gpu": g.key, "memory_gib": g.memory_gib, "fits": b.fits,
                      "max_seqs_at_max_model_len": b.max_seqs_at(s.max_model_len),
                      "longest_context_one_seq": b.longest_context_at(1),

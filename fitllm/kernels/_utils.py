@@ -225,6 +225,17 @@ def config_for(cfg: dict, N: int) -> dict:
     return cfg
 
 
+def first_tokens_where(table: dict, arch: str, pick) -> int:
+    """The fewest tokens M whose config in `table` (pick_config's rows for `arch`) satisfies pick(config);
+    1 << 62 if no row does."""
+    lo = 1
+    for max_m, cfg in table.get(arch, table["default"]):
+        if pick(cfg):
+            return lo
+        lo = max_m + 1
+    return 1 << 62
+
+
 def row_bounds(table: dict, arch: str) -> list[int]:
     """The largest M of each bounded row pick_config chooses from for `arch`."""
     return [max_m for max_m, _ in table.get(arch, table["default"]) if max_m < 1 << 62]

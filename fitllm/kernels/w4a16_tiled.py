@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (backend_for, by_width, config_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms,
-                     pdl_args, pending_or_y, pick_config, split_k_for, splitk_buffers)
+from ._utils import (backend_for, by_width, config_for, defer_splitk, device_index, first_tokens_where, gpu_arch,
+                     interpreting, num_sms, pdl_args, pending_or_y, pick_config, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -543,6 +543,22 @@ TILED_CONFIGS = {
         (1 << 62, _tiled(0, 0, 4, 1, backend="dequant")),
     ],
 }
+
+
+def dequant_from_tokens(arch: str, N: int, K: int, group_size: int) -> int:
+    """The fewest tokens for which w4a16_tiled_triton dequantizes this [N, K] weight whole to 16 bits
+    and calls cuBLAS (a transient copy fitllm.budget reserves), as the tile table for `arch` picks:
+    ws rows count as their fallback where the ws kernel refuses the shape (w4a16_ws.ws_shape_ok;
+    sm90 only, 16-bit x of K contiguous elements)."""
+    from .w4a16_ws import ws_shape_ok
+
+    ws_ok = arch == "sm90" and ws_shape_ok(N, group_size, K, torch.bfloat16, 2 * K, 0)
+
+    def backend(row: dict) -> str:
+        cfg = config_for(row, N)
+        return (cfg if cfg["backend"] != "ws" or ws_ok else cfg["fallback"])["backend"]
+
+    return first_tokens_where(TILED_CONFIGS, arch, lambda row: backend(row) == "dequant")
 
 
 def _packed_math_ok(dev, dtype) -> bool:

@@ -104,10 +104,13 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         try:
             from fitllm import budget
+            from fitllm.kernels._utils import gpu_arch
 
             settings = budget.Settings(scheme=budget.detect_scheme(self.model.config), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                        max_batched_tokens=max_num_batched_tokens, block_size=self.block_size,
-                                       gpu_memory_utilization=utilization, cuda_graphs=cuda_graphs)
+                                       gpu_memory_utilization=utilization, cuda_graphs=cuda_graphs,
+                                       group_size=(self.model.config.quantization_config or {}).get("group_size"),
+                                       gpu_arch=gpu_arch(self.device.index))
             terms = budget.estimate(self.model.config, settings, total, num_kv_blocks=0).terms
             # Weights and the CUDA context are already in `total - free`: count them as measured.
             reserve = sum(v for k, v in terms.items() if k not in ("weights", "cuda_context"))
