@@ -225,20 +225,17 @@ def config_for(cfg: dict, N: int) -> dict:
     return cfg
 
 
-def first_tokens_where(table: dict, arch: str, pick) -> int:
-    """The fewest tokens M whose config in `table` (pick_config's rows for `arch`) satisfies pick(config);
-    1 << 62 if no row does."""
-    lo = 1
-    for max_m, cfg in table.get(arch, table["default"]):
-        if pick(cfg):
-            return lo
-        lo = max_m + 1
-    return 1 << 62
-
-
 def row_bounds(table: dict, arch: str) -> list[int]:
     """The largest M of each bounded row pick_config chooses from for `arch`."""
     return [max_m for max_m, _ in table.get(arch, table["default"]) if max_m < 1 << 62]
+
+
+def first_tokens_where(arch: str, tables: tuple, holds) -> int:
+    """The fewest tokens M for which holds(M), a choice made from `tables` (pick_config's rows for
+    `arch`), is true: checked at each row's first M, since nothing changes inside a row; 1 << 62 if
+    never."""
+    starts = sorted({1} | {b + 1 for table in tables for b in row_bounds(table, arch)})
+    return next((m for m in starts if holds(m)), 1 << 62)
 
 
 def split_k_for(tiles_mn: int, k_tiles: int, sms: int, waves: float) -> tuple[int, int]:

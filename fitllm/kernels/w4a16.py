@@ -27,8 +27,8 @@ import torch
 
 from fitllm.quant.formats.packing import unpack_dim0
 
-from ._utils import (backend_for, device_index, interpreting, gpu_arch, num_sms, pick_config, row_bounds, split_k_for,
-                     splitk_buffers)
+from ._utils import (backend_for, device_index, first_tokens_where, interpreting, gpu_arch, num_sms, pick_config,
+                     split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -727,8 +727,7 @@ def act_order_dequant_from_tokens(arch: str) -> int:
             cfg = pick_config(W4A16_LEGACY, arch, m)
         return cfg.get("backend")
 
-    starts = sorted({1} | {b + 1 for table in (W4A16_CONFIGS, W4A16_LEGACY) for b in row_bounds(table, arch)})
-    return next((m for m in starts if backend(m) == "dequant"), 1 << 62)
+    return first_tokens_where(arch, (W4A16_CONFIGS, W4A16_LEGACY), lambda m: backend(m) == "dequant")
 
 
 def _check(x, qweight, scales, zeros, group_size, bits, g_idx):

@@ -554,11 +554,11 @@ def dequant_from_tokens(arch: str, N: int, K: int, group_size: int) -> int:
 
     ws_ok = arch == "sm90" and ws_shape_ok(N, group_size, K, torch.bfloat16, 2 * K, 0)
 
-    def backend(row: dict) -> str:
-        cfg = config_for(row, N)
+    def backend(m: int) -> str:
+        cfg = config_for(pick_config(TILED_CONFIGS, arch, m), N)
         return (cfg if cfg["backend"] != "ws" or ws_ok else cfg["fallback"])["backend"]
 
-    return first_tokens_where(TILED_CONFIGS, arch, lambda row: backend(row) == "dequant")
+    return first_tokens_where(arch, (TILED_CONFIGS,), lambda m: backend(m) == "dequant")
 
 
 def _packed_math_ok(dev, dtype) -> bool:
