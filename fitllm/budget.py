@@ -256,8 +256,9 @@ def dequant_min_tokens(config: ModelConfig, scheme: str, group_size: Optional[in
     whole to bf16 for cuBLAS, as fitllm's kernel tables pick on `arch` ('sm90', 'sm89', ...; None, a
     card not known: the 'default' rows, which do it soonest). On Hopper the warp-specialised kernel
     takes 257..3072 tokens where the shapes allow (whole 128-row weight blocks, groups of 128·j).
-    A GPTQ checkpoint may carry act-order (a g_idx: the standard layout's rows) or not (the tiled
-    layout), so GPTQ gets the sooner of both, as weight_bytes counts its g_idx."""
+    A GPTQ checkpoint with act-order keeps a g_idx and the standard layout's rows; without it (its
+    quantization_config says desc_act false, or static groups) it runs the tiled layout. Not known
+    (a checkpoint to be converted): the sooner of both, as weight_bytes counts a g_idx."""
     from fitllm.kernels.w4a16 import act_order_dequant_from_tokens
     from fitllm.kernels.w4a16_tiled import dequant_from_tokens
 
@@ -267,7 +268,9 @@ def dequant_min_tokens(config: ModelConfig, scheme: str, group_size: Optional[in
     # the runtime's fused GEMMs, (N, K): qkv, o, gate|up, down
     first = min(dequant_from_tokens(arch, n, k, gs if 0 < gs < k else k)
                 for n, k in ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i)))
-    return min(first, act_order_dequant_from_tokens(arch)) if scheme == "gptq" else first
+    qc = config.quantization_config or {}
+    plain_groups = qc.get("quant_method") == "gptq" and (qc.get("desc_act") is False or qc.get("static_groups") is True)
+    return min(first, act_order_dequant_from_tokens(arch)) if scheme == "gptq" and not plain_groups else first
 
 
 def activation_bytes(config: ModelConfig, tokens: int, sampled_rows: int, scheme: str = "bf16",
