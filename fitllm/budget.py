@@ -250,27 +250,20 @@ def attention_workspace_bytes(config: ModelConfig, num_seqs: int, context: int, 
     return num_seqs * c.num_heads * splits * (c.head_dim + 2) * 4 if splits > 1 else 0
 
 
-def dequant_min_tokens(config: ModelConfig, scheme: str, group_size: Optional[int] = None,
-                       arch: Optional[str] = None) -> int:
+def dequant_min_tokens(config: ModelConfig, group_size: Optional[int] = None, arch: Optional[str] = None) -> int:
     """The fewest tokens in a step at which one of the model's 4-bit GEMMs dequantizes its weight
     whole to bf16 for cuBLAS, as fitllm's kernel tables pick on `arch` ('sm90', 'sm89', ...; None, a
     card not known: the 'default' rows, which do it soonest). On Hopper the warp-specialised kernel
     takes 257..3072 tokens where the shapes allow (whole 128-row weight blocks, groups of 128·j).
-    A GPTQ checkpoint with act-order keeps a g_idx and the standard layout's rows; without it (its
-    quantization_config says desc_act false, or static groups) it runs the tiled layout. Not known
-    (a checkpoint to be converted): the sooner of both, as weight_bytes counts a g_idx."""
-    from fitllm.kernels.w4a16 import act_order_dequant_from_tokens
+    AWQ and GPTQ, act-order included (its rows sorted by group at load), run the tiled layout."""
     from fitllm.kernels.w4a16_tiled import dequant_from_tokens
 
     arch = arch or "default"
     h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
     gs = default_group_size(config) if group_size is None else group_size  # <= 0: per channel
     # the runtime's fused GEMMs, (N, K): qkv, o, gate|up, down
-    first = min(dequant_from_tokens(arch, n, k, gs if 0 < gs < k else k)
-                for n, k in ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i)))
-    qc = config.quantization_config or {}
-    plain_groups = qc.get("quant_method") == "gptq" and (qc.get("desc_act") is False or qc.get("static_groups") is True)
-    return min(first, act_order_dequant_from_tokens(arch)) if scheme == "gptq" and not plain_groups else first
+    return min(dequant_from_tokens(arch, n, k, gs if 0 < gs < k else k)
+               for n, k in ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i)))
 
 
 def activation_bytes(config: ModelConfig, tokens: int, sampled_rows: int, scheme: str = "bf16",
@@ -294,7 +287,7 @@ def activation_bytes(config: ModelConfig, tokens: int, sampled_rows: int, scheme
     if scheme == "fp8":
         mlp += t * c.intermediate_size  # activations quantized to e4m3 for the W8A8 GEMM
     if scheme in ("awq", "gptq") and dequant_from is None:
-        dequant_from = dequant_min_tokens(config, scheme)
+        dequant_from = dequant_min_tokens(config)
     if scheme == "nf4" and t > 1 or scheme in ("awq", "gptq") and t >= dequant_from:
         # bitsandbytes (always) and fitllm's "dequant" W4A16 backend (large M, when its tile
         # table picks it) dequantize the whole weight to bf16, then call cuBLAS; counted as the
@@ -423,7 +416,7 @@ def estimate(config: ModelConfig, settings: Settings, gpu_memory_bytes: int,
     weights = weight_bytes(config, s.scheme, s.group_size)
     t, seqs, ctx = s.max_batched_tokens, s.max_num_seqs, s.max_model_len
     sampled = min(seqs, t)  # at most one sampled row per sequence
-    dequant_from = dequant_min_tokens(config, s.scheme, s.group_size, s.gpu_arch) if s.scheme in ("awq", "gptq") else None
+    dequant_from = dequant_min_tokens(config, s.group_size, s.gpu_arch) if s.scheme in ("awq", "gptq") else None
     activations = activation_bytes(config, t, sampled, s.scheme,
                                    attention_workspace_bytes(config, min(seqs, t), ctx, t, s.attention), dequant_from)
     graph_batch = min(seqs, CUDA_GRAPH_MAX_BATCH)

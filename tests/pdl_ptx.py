@@ -73,6 +73,8 @@ KERNELS = {
                          add_ptr="*fp32", y_ptr="*fp16", y2_ptr="*fp32"),
                     dict(D=128, BT=16, HAS_ROT=True, HAS_SHIFT=True, HAS_PRE=True, HAS_POST=True, HAS_ADD=True,
                          RNE=False, RNE_OUT=False, RNE_OUT2=False, UPCAST=False), 4, 1, False),
+    "gather_columns": ("fitllm.kernels._fused_triton:gather_columns_kernel",
+                       dict(x_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16"), dict(BLOCK=1024), 4, 1, False),
     "greedy": ("fitllm.kernels._fused_triton:greedy_tokens_kernel",
                dict(x_ptr="*bf16", out_ptr="*i64", pm_ptr="*fp32", pi_ptr="*i32", cnt_ptr="*i32"),
                dict(CHUNK=4096, BLOCK=1024, NCH=32), 4, 1, False),

@@ -150,15 +150,11 @@ def test_dequant_transient_follows_the_cards_tile_tables():
     to 3072 tokens (a default 2048-token step needs no copy), elsewhere the tiled rows stop at 64 (so
     decode graphs of 65+ sequences hold one: the graph pool must count it)."""
     gate_up = 4096 * 2 * 14336 * 2
-    assert bm.dequant_min_tokens(LLAMA3, "awq", 128, "sm90") == 3073
-    assert bm.dequant_min_tokens(LLAMA3, "awq", 128, "sm89") == bm.dequant_min_tokens(LLAMA3, "awq") == 65
-    assert bm.dequant_min_tokens(SMOL, "awq", 64, "sm90") == 257  # 576-wide: no whole 128-row blocks, groups of 64
-    assert bm.dequant_min_tokens(LLAMA3, "gptq", 128, "sm90") == 17  # may be act-order: the standard layout's rows
-    for qc in ({"desc_act": False}, {"desc_act": True, "static_groups": True}):  # a g_idx of plain groups: tiled
-        gptq = replace(LLAMA3, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128, **qc})
-        assert bm.dequant_min_tokens(gptq, "gptq", 128, "sm90") == 3073
-    act_order = replace(LLAMA3, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True})
-    assert bm.dequant_min_tokens(act_order, "gptq", 128, "sm90") == 17
+    assert bm.dequant_min_tokens(LLAMA3, 128, "sm90") == 3073
+    assert bm.dequant_min_tokens(LLAMA3, 128, "sm89") == bm.dequant_min_tokens(LLAMA3) == 65
+    assert bm.dequant_min_tokens(SMOL, 64, "sm90") == 257  # 576-wide: no whole 128-row blocks, groups of 64
+    assert bm.dequant_min_tokens(LLAMA3, -1, "sm90") == 3073  # per channel
+    assert bm.dequant_min_tokens(LLAMA3, 64, "sm90") == 257  # groups of 64: not the ws kernel's
     no_dq = bm.activation_bytes(LLAMA3, 2048, 64, "bf16")
     assert bm.activation_bytes(LLAMA3, 2048, 64, "awq", dequant_from=3073) == no_dq
     assert bm.activation_bytes(LLAMA3, 2048, 64, "awq", dequant_from=2048) == no_dq + gate_up

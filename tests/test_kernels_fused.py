@@ -508,3 +508,14 @@ def test_greedy_tokens_matches_torch_argmax(dtype, V):
     assert got[1] == 0 and (V <= 4 or (got[2] == min(3, V // 2) and (got[3:6] == -1).all()))
     assert torch.equal(ref[[0, 6]], x[[0, 6]].float().argmax(-1))  # the reference is torch's argmax
     assert (_utils.splitk_workspace(x.device, 0, 0)[1] == 0).all()
+
+
+@pytest.mark.parametrize("T,K,idx_dtype", [(1, 4096, torch.int32), (3, 1100, torch.int64), (2, 300, torch.int32)])
+def test_gather_columns_matches_index_select(T, K, idx_dtype):
+    """The act-order GEMMs' input gather: bit-exact x[:, idx] from a strided x, every column written."""
+    x = randn(T, K + 5, dtype=torch.bfloat16)[:, 2:K + 2]  # a strided view
+    idx = torch.randperm(K).to(idx_dtype)
+    got = fused.gather_columns_triton(x, idx)
+    assert torch.equal(got, x[:, idx.long()]) and torch.equal(fused.gather_columns_ref(x, idx), got)
+    with pytest.raises(ValueError, match="gather_columns"):
+        fused.gather_columns_triton(x[0], idx)

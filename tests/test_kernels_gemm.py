@@ -478,39 +478,3 @@ def test_deterministic_split_k_sums_the_same_partials(name, monkeypatch):
     assert rel_err(ordered, ref) < 1e-2
     assert torch.equal(ordered, atomic)
 
-
-@pytest.mark.parametrize("arch", ["sm90", "sm89"])
-def test_act_order_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, monkeypatch):
-    """fitllm.budget reserves an act-order GPTQ weight's bf16 copy from act_order_dequant_from_tokens(...)
-    tokens on: the standard launcher must dequantize exactly from there (each path stopped at its start)."""
-    from fitllm.kernels import w4a16 as w4
-    from fitllm.kernels.w4a16 import act_order_dequant_from_tokens
-
-    class Took(Exception):
-        pass
-
-    class Stop:
-        def __init__(self, path):
-            self.path = path
-
-        def __getitem__(self, grid):
-            def raiser(*a, **k):
-                raise Took(self.path)
-            return raiser
-
-    monkeypatch.setattr(w4, "gpu_arch", lambda dev: arch)
-    monkeypatch.setattr(w4, "_dequant_kernel", Stop("dequant"))
-    monkeypatch.setattr(w4, "_w4a16_kernel", Stop("split-j"))
-    K, N = 256, 128
-    w = rand_w4(K, N, group_size=32, gidx=True)[1]
-
-    def path(M):
-        with pytest.raises(Took) as took:
-            w4.w4a16_gemm_triton(torch.zeros(M, K, dtype=torch.bfloat16), **w)
-        return took.value.args[0]
-
-    first = act_order_dequant_from_tokens(arch)
-    if first >= 1 << 62:  # never: check the sizes around every row bound
-        assert all(path(m) != "dequant" for m in (1, 16, 17, 64, 65, 4096))
-    else:
-        assert path(first) == "dequant" and path(first + 1) == "dequant" and path(first - 1) != "dequant"

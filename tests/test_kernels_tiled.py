@@ -263,6 +263,34 @@ def test_quant_linear_serves_a_tiled_weight():
     assert torch.equal(tiled(x), std(x))
 
 
+def test_act_order_weight_is_served_tiled_through_sorted_rows():
+    """An act-order (g_idx) weight with its input rows sorted by group needs no g_idx: stored tiled
+    with that order, the layer gathers x to match and computes what the g_idx weight computes."""
+    from fitllm.quant.layers import QuantLinear
+
+    K, N, gs = 384, 40, 128
+    q = torch.randint(0, 16, (K, N), generator=GEN)
+    g_idx = (torch.randperm(K, generator=GEN) // gs).to(torch.int32)
+    kw = KernelWeight(pack_dim0(q, 4), (torch.rand(3, N, generator=GEN) * 0.02 + 0.01).bfloat16(),
+                      torch.randint(0, 16, (3, N), generator=GEN).bfloat16(), 4, gs, g_idx)
+    plain, perm = kw.grouped_by_permutation()
+    assert plain.g_idx is None and sorted(perm.tolist()) == list(range(K))
+    assert torch.equal(plain.dequantize(), kw.dequantize()[:, perm.long()])
+    tw = TiledWeight.from_kernel(plain, perm)
+    assert torch.equal(tw.dequantize(), kw.dequantize())
+    layer = QuantLinear("model.layers.0.mlp.down_proj", K, [N], False, reader=None, dtype=torch.bfloat16, device="cpu")
+    layer.parts = [tw]
+    x = torch.randn(2, 3, K, generator=GEN).bfloat16()
+    assert rel_err(layer(x), x.double() @ kw.dequantize(torch.float64).t()) < 1e-2
+    # groups that are not group_size rows each stay on g_idx
+    uneven = KernelWeight(kw.qweight, kw.scales, kw.zeros, 4, gs, torch.sort(g_idx).values.flip(0).contiguous())
+    assert uneven.grouped_by_permutation() is not None  # reversed order: still whole groups
+    ragged = g_idx.clone()
+    ragged[ragged == 0] = 1
+    assert KernelWeight(kw.qweight, kw.scales, kw.zeros, 4, gs, ragged).grouped_by_permutation() is None
+    assert KernelWeight(kw.qweight, kw.scales, kw.zeros, 4, gs).grouped_by_permutation() is None
+
+
 # --------------------------------------------------------------------------- codegen
 
 def _sass_loop(kernel, consts, warps, stages, x_type="*bf16", types=None, dump=None):

@@ -176,6 +176,17 @@ def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl
     _store_out(out_ptr + t * I + cols, a * u, mask, s_ptr, t, RNE, FP8, DT, EXACT)
 
 
+@triton.jit
+def gather_columns_kernel(x_ptr, idx_ptr, out_ptr, K, sx_t, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    # out[t, j] = x[t, idx[j]]: one program per (row, BLOCK columns)
+    pdl_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < K
+    src = tl.load(idx_ptr + cols, mask=mask, other=0)
+    tl.store(out_ptr + t * K + cols, tl.load(x_ptr + t * sx_t + src, mask=mask), mask=mask)
+
+
 @triton.jit(do_not_specialize=["T"])  # else T % 16 == 0 (or T == 1) compiles again, mid-serving
 def head_affine_kernel(x_ptr, r_ptr, shift_ptr, pre_ptr, post_ptr, add_ptr, y_ptr, y2_ptr, H0, T, G, sx_t, sx_h,
                        sr_0, sr_1, D: tl.constexpr, BT: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SHIFT: tl.constexpr,

@@ -230,14 +230,6 @@ def row_bounds(table: dict, arch: str) -> list[int]:
     return [max_m for max_m, _ in table.get(arch, table["default"]) if max_m < 1 << 62]
 
 
-def first_tokens_where(arch: str, tables: tuple, holds) -> int:
-    """The fewest tokens M for which holds(M), a choice made from `tables` (pick_config's rows for
-    `arch`), is true: checked at each row's first M, since nothing changes inside a row; 1 << 62 if
-    never."""
-    starts = sorted({1} | {b + 1 for table in tables for b in row_bounds(table, arch)})
-    return next((m for m in starts if holds(m)), 1 << 62)
-
-
 def split_k_for(tiles_mn: int, k_tiles: int, sms: int, waves: float) -> tuple[int, int]:
     """(splits, K tiles per split): enough programs to fill the GPU `waves` times over, never more
     splits than K tiles, and no empty split (the count is recomputed from the tiles per split)."""

@@ -24,6 +24,8 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
   greedy_tokens(logits) -> int64 [R]: each row's argmax (the first maximal column, as torch), -1
       where the row has a NaN or infinite value: the greedy sampler's step in one launch instead of
       a float copy and two single-row reductions (~45 µs per batch-1 step over Llama-3's vocab).
+  gather_columns(x, idx) -> x[:, idx]: the input of an act-order 4-bit GEMM, whose weight rows are
+      stored sorted by group (quant.layers), as a PDL launch (torch's index_select breaks the chain).
 
 Dispatch as for the GEMMs (_utils.backend_for): Triton on CUDA tensors, the reference elsewhere,
 FITLLM_KERNEL_BACKEND forces either. The launches are CUDA-graph safe: shapes come from tensor
@@ -101,6 +103,11 @@ def head_affine_ref(x: torch.Tensor, rot: torch.Tensor | None, shift: torch.Tens
     if add is not None:
         y = y + add[:, None, :]
     return y.reshape(t, h, d).to(out_dtype)
+
+
+def gather_columns_ref(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [T, K], idx int32/int64 [K'] -> x[:, idx] [T, K'] (contiguous)."""
+    return x.index_select(1, idx)
 
 
 def greedy_tokens_ref(logits: torch.Tensor) -> torch.Tensor:
@@ -288,6 +295,20 @@ def greedy_tokens_triton(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gather_columns_triton(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2 or idx.dim() != 1:
+        raise ValueError(f"gather_columns: x must be [T, K] and idx [K'], got {tuple(x.shape)}, {tuple(idx.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    T, K = x.shape[0], idx.shape[0]
+    out = _empty((T, K), x.dtype, x.device)
+    if T and K:
+        block = min(_pow2(K), 1024)
+        _kernels().gather_columns_kernel[(T, -(-K // block))](x, idx, out, K, x.stride(0), BLOCK=block, num_warps=4,
+                                                              **pdl_args(x))
+    return out
+
+
 # --------------------------------------------------------------------------- dispatch
 
 def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -334,6 +355,13 @@ def head_affine(x: torch.Tensor, rot: torch.Tensor | None, shift: torch.Tensor |
     if backend_for(x) == "triton":
         return head_affine_triton(x, rot, shift, pre, post, add, out_dtype, split)
     return head_affine_ref(x, rot, shift, pre, post, add, out_dtype, split)
+
+
+def gather_columns(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [T, K] -> x[:, idx] (idx int32 or int64, values in 0..K-1), a new contiguous tensor."""
+    if backend_for(x) == "triton":
+        return gather_columns_triton(x, idx)
+    return gather_columns_ref(x, idx)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,7 @@ import torch
 
 from fitllm.quant.formats.packing import unpack_dim0
 
-from ._utils import (backend_for, device_index, first_tokens_where, interpreting, gpu_arch, num_sms, pick_config,
-                     split_k_for, splitk_buffers)
+from ._utils import backend_for, device_index, interpreting, gpu_arch, num_sms, pick_config, split_k_for, splitk_buffers
 
 try:
     import triton
@@ -715,19 +714,6 @@ W4A16_LEGACY = {
         (1 << 62, _cfg(64, 64, 64, False, 4, 2)),
     ],
 }
-
-
-def act_order_dequant_from_tokens(arch: str) -> int:
-    """The fewest tokens for which w4a16_gemm_triton dequantizes a weight with a g_idx (act-order
-    GPTQ, which the small-M kernels refuse and hand to the LEGACY rows) whole to 16 bits and calls
-    cuBLAS (a transient copy fitllm.budget reserves); 1 << 62 if never on `arch`."""
-    def backend(m: int):
-        cfg = pick_config(W4A16_CONFIGS, arch, m)
-        if cfg.get("backend") in ("gemv", "tc", "pairs"):
-            cfg = pick_config(W4A16_LEGACY, arch, m)
-        return cfg.get("backend")
-
-    return first_tokens_where(arch, (W4A16_CONFIGS, W4A16_LEGACY), lambda m: backend(m) == "dequant")
 
 
 def _check(x, qweight, scales, zeros, group_size, bits, g_idx):

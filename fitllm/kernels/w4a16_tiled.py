@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import (backend_for, by_width, config_for, defer_splitk, device_index, first_tokens_where, gpu_arch,
-                     interpreting, num_sms, pdl_args, pending_or_y, pick_config, split_k_for, splitk_buffers)
+from ._utils import (backend_for, by_width, config_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms,
+                     pdl_args, pending_or_y, pick_config, row_bounds, split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -558,7 +558,8 @@ def dequant_from_tokens(arch: str, N: int, K: int, group_size: int) -> int:
         cfg = config_for(pick_config(TILED_CONFIGS, arch, m), N)
         return (cfg if cfg["backend"] != "ws" or ws_ok else cfg["fallback"])["backend"]
 
-    return first_tokens_where(arch, (TILED_CONFIGS,), lambda m: backend(m) == "dequant")
+    starts = sorted({1} | {b + 1 for b in row_bounds(TILED_CONFIGS, arch)})  # nothing changes inside a row
+    return next((m for m in starts if backend(m) == "dequant"), 1 << 62)
 
 
 def _packed_math_ok(dev, dtype) -> bool:

@@ -3,8 +3,9 @@
 
 Every 4/8-bit layout is repacked at load time into fitllm's one kernel layout (KernelWeight),
 so one GEMM serves them all: fitllm.kernels.w4a16 on a GPU, a torch dequantize + matmul on CPU.
-On a GPU, 4-bit weights with 16-bit activations and no g_idx are repacked once more into the tiled
-layout of fitllm.kernels.w4a16_tiled (TiledWeight), whose kernels are faster at every batch size;
+On a GPU, 4-bit weights with 16-bit activations are repacked once more into the tiled layout of
+fitllm.kernels.w4a16_tiled (TiledWeight), whose kernels are faster at every batch size; act-order
+weights (g_idx) get there with their input rows sorted by group and x gathered to match.
 FITLLM_W4_LAYOUT=standard keeps the standard layout (A/B benchmarks).
 """
 from __future__ import annotations
@@ -108,8 +109,12 @@ class QuantLinear(FusedLinear):
         if isinstance(p, TiledWeight):
             from fitllm.kernels.w4a16_tiled import w4a16_tiled_gemm
 
-            y = w4a16_tiled_gemm(x.reshape(-1, shape[-1]), p.qtile, p.scales, p.zeros, p.group_size, p.in_features,
-                                 defer=defer)
+            x2 = x.reshape(-1, shape[-1])
+            if p.perm is not None:  # act-order: the rows are stored sorted by group (TiledWeight)
+                from fitllm.kernels.fused import gather_columns
+
+                x2 = gather_columns(x2, p.perm)
+            y = w4a16_tiled_gemm(x2, p.qtile, p.scales, p.zeros, p.group_size, p.in_features, defer=defer)
             return y if defer else y.reshape(*shape[:-1], y.shape[-1])
         try:  # Triton on CUDA, its torch reference on CPU
             from fitllm.kernels.w4a16 import w4a16_gemm
@@ -167,8 +172,10 @@ def _to_runtime(p, device, dtype):
     if torch.device(device).type == "cuda" and os.environ.get("FITLLM_W4_LAYOUT", "tiled") != "standard":
         from fitllm.kernels.w4a16_tiled import tiled_supported
 
-        if tiled_supported(p.bits, p.group_size, p.in_features, p.g_idx, dtype):
-            return TiledWeight.from_kernel(p)
+        grouped = p.grouped_by_permutation() if p.bits == 4 else None  # act-order: sort the rows, gather x
+        plain, perm = grouped if grouped is not None else (p, None)
+        if tiled_supported(plain.bits, plain.group_size, plain.in_features, plain.g_idx, dtype):
+            return TiledWeight.from_kernel(plain, perm)
     return p
 
 

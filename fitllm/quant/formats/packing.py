@@ -81,29 +81,49 @@ class KernelWeight:
         g = self.groups()
         return ((q - self.zeros[g].to(dtype)) * self.scales[g].to(dtype)).t()
 
+    def grouped_by_permutation(self) -> tuple["KernelWeight", torch.Tensor] | None:
+        """An act-order weight (g_idx) as (the same weight with its input rows sorted by group, so it
+        needs no g_idx, and that order `perm`, int32 [K]): y = x W^T = x[:, perm] W_sorted^T. So the
+        kernels for plain groups serve it, given the gathered x (exllama and Marlin do the same).
+        None when there is nothing to sort, or its groups are not group_size rows each."""
+        if self.g_idx is None:
+            return None
+        k = self.in_features
+        perm = torch.argsort(self.g_idx.long(), stable=True)
+        if not torch.equal(self.g_idx.long()[perm], torch.arange(k, device=perm.device) // self.group_size):
+            return None
+        q = unpack_dim0(self.qweight, self.bits)[perm]
+        return KernelWeight(pack_dim0(q, self.bits), self.scales, self.zeros, self.bits, self.group_size), \
+            perm.to(torch.int32)
+
 
 class TiledWeight:
     """The GPU form of a 4-bit KernelWeight without g_idx: qtile [N, Kp/8] in the tiled layout of
-    fitllm.kernels.w4a16_tiled (built for its tensor-core kernel), scales/zeros as KernelWeight's."""
+    fitllm.kernels.w4a16_tiled (built for its tensor-core kernel), scales/zeros as KernelWeight's.
+    perm (act-order weights, KernelWeight.grouped_by_permutation): the input columns the stored rows
+    hold, in order; the GEMM gathers x[:, perm] first."""
 
     bits = 4
     g_idx = None
 
-    def __init__(self, qtile, scales, zeros, group_size: int, in_features: int):
+    def __init__(self, qtile, scales, zeros, group_size: int, in_features: int, perm=None):
         self.qtile, self.scales, self.zeros = qtile, scales, zeros
-        self.group_size, self.in_features = group_size, in_features
+        self.group_size, self.in_features, self.perm = group_size, in_features, perm
 
     @classmethod
-    def from_kernel(cls, kw: KernelWeight) -> "TiledWeight":
+    def from_kernel(cls, kw: KernelWeight, perm=None) -> "TiledWeight":
         from fitllm.kernels.w4a16_tiled import tile_pack
 
-        return cls(tile_pack(kw.qweight), kw.scales, kw.zeros, kw.group_size, kw.in_features)
+        return cls(tile_pack(kw.qweight), kw.scales, kw.zeros, kw.group_size, kw.in_features, perm)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        """[N, K] in `dtype` (tests, evaluation tools)."""
+        """[N, K] in `dtype`, columns in the input's order (tests, evaluation tools)."""
         from fitllm.kernels.w4a16_tiled import dequantize_tiled_ref
 
-        return dequantize_tiled_ref(self.qtile, self.scales, self.zeros, self.group_size, self.in_features, dtype)
+        w = dequantize_tiled_ref(self.qtile, self.scales, self.zeros, self.group_size, self.in_features, dtype)
+        if self.perm is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.perm.long(), w)
 
 
 def to_kernel(qw, dtype=torch.float32) -> KernelWeight:
