@@ -477,4 +477,3 @@ def test_deterministic_split_k_sums_the_same_partials(name, monkeypatch):
     atomic, ordered = split_k_both_ways(run, monkeypatch)
     assert rel_err(ordered, ref) < 1e-2
     assert torch.equal(ordered, atomic)
-
