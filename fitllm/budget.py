@@ -177,6 +177,17 @@ def detect_scheme(config: ModelConfig) -> str:
     return "bf16"
 
 
+def checkpoint_group_size(config: ModelConfig) -> Optional[int]:
+    """The group size a quantized checkpoint's config states (-1: per channel): GPTQ's and AWQ's
+    `group_size`, or the smallest of a compressed-tensors config's weight groups; None if none."""
+    q = config.quantization_config or {}
+    if q.get("group_size") is not None:
+        return q["group_size"]
+    weights = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
+    sizes = [-1 if w.get("strategy") == "channel" else w.get("group_size") for w in weights]
+    return min((s for s in sizes if s is not None), default=None)
+
+
 # ---------------------------------------------------------------- KV cache
 # Bytes per stored element, and per-(token, kv-head) metadata beside the blocks: int8 keeps an
 # fp16 scale, asymmetric int4 an fp16 scale and an fp16 zero per 16 channels of a key and per 32

@@ -172,6 +172,14 @@ def test_dequant_transient_follows_the_cards_tile_tables():
     graph_ws = bm.attention_workspace_bytes(LLAMA3, 64, 8192, 64, s.graph_attention)
     small = bm.estimate(LLAMA3, replace(s, max_num_seqs=64, gpu_arch="sm89"), 140 * bm.GiB).terms
     assert small["cuda_graphs"] == bm.activation_bytes(LLAMA3, 64, 0, "bf16", graph_ws)  # 64 tokens: no copy
+    # the group size the threshold is read at: a compressed-tensors checkpoint states it per weight group
+    ct = {"quant_method": "compressed-tensors",
+          "config_groups": {"group_0": {"weights": {"num_bits": 4, "strategy": "group", "group_size": 32}}}}
+    assert bm.checkpoint_group_size(replace(LLAMA3, quantization_config=ct)) == 32
+    ct["config_groups"]["group_0"]["weights"] = {"num_bits": 4, "strategy": "channel"}
+    assert bm.checkpoint_group_size(replace(LLAMA3, quantization_config=ct)) == -1
+    assert bm.checkpoint_group_size(replace(LLAMA3, quantization_config={"quant_method": "gptq", "group_size": 64})) == 64
+    assert bm.checkpoint_group_size(LLAMA3) is None
     # a catalog card brings its architecture to the plan
     plan = bm.plan(LLAMA3, s, bm.find_gpu("h200").memory_bytes, bm.find_gpu("h200"))
     assert plan.budget.settings.gpu_arch == "sm90" and plan.budget.terms["activations"] == h200["activations"]

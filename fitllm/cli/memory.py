@@ -63,7 +63,7 @@ def memory(
         checkpoint_scheme = bm.detect_scheme(config)
         scheme = quant or checkpoint_scheme
         # an already-quantized checkpoint says its group size (-1: per channel)
-        group = (config.quantization_config or {}).get("group_size") if scheme == checkpoint_scheme else None
+        group = bm.checkpoint_group_size(config) if scheme == checkpoint_scheme else None
         if scheme not in bm.SCHEMES:
             raise FitLLMError(f"unknown --quant {scheme!r}; choose one of {', '.join(bm.SCHEMES)}")
         if lm_head and bm.lm_head_bits(config) is None:

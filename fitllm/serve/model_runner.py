@@ -109,7 +109,7 @@ class ModelRunner:
             settings = budget.Settings(scheme=budget.detect_scheme(self.model.config), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                        max_batched_tokens=max_num_batched_tokens, block_size=self.block_size,
                                        gpu_memory_utilization=utilization, cuda_graphs=cuda_graphs,
-                                       group_size=(self.model.config.quantization_config or {}).get("group_size"),
+                                       group_size=budget.checkpoint_group_size(self.model.config),
                                        gpu_arch=gpu_arch(self.device.index))
             terms = budget.estimate(self.model.config, settings, total, num_kv_blocks=0).terms
             # Weights and the CUDA context are already in `total - free`: count them as measured.
