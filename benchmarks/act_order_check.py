@@ -85,18 +85,19 @@ def main():
         xs = {K: torch.randn(M, K, device=dev).bfloat16() for K in (4096, 14336)}
         outs = {n: torch.empty(M, N, device=dev, dtype=torch.bfloat16) for n, (K, N) in SHAPES.items()}
 
-        def layer(fn):
+        def layer_graph(fn):
             def run():
                 for c in copies:
                     for name, (K, N) in SHAPES.items():
                         fn(xs[K], c[name], outs[name])
             return run
         row = {"M": M,
-               "bf16": graph_time(layer(lambda x, w, o: torch.mm(x, w["w16"].t(), out=o))),
-               "standard_g_idx": graph_time(layer(standard)),
-               "sorted_tiled": graph_time(layer(sorted_tiled)),
-               "torch_gather": graph_time(layer(lambda x, w, o: sorted_tiled(x, w, o, lambda x, i: x.index_select(1, i)))),
-               "tiled_no_gather": graph_time(layer(lambda x, w, o: sorted_tiled(x, w, o, gather=None)))}
+               "bf16": graph_time(layer_graph(lambda x, w, o: torch.mm(x, w["w16"].t(), out=o))),
+               "standard_g_idx": graph_time(layer_graph(standard)),
+               "sorted_tiled": graph_time(layer_graph(sorted_tiled)),
+               "torch_gather": graph_time(layer_graph(lambda x, w, o: sorted_tiled(x, w, o,
+                                                                                lambda x, i: x.index_select(1, i)))),
+               "tiled_no_gather": graph_time(layer_graph(lambda x, w, o: sorted_tiled(x, w, o, gather=None)))}
         rows.append(row)
         log(" ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     print("\n| M | bf16 cuBLAS | standard layout with g_idx | sorted rows, tiled, x gathered (PDL kernel) | the same, "

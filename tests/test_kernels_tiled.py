@@ -282,9 +282,9 @@ def test_act_order_weight_is_served_tiled_through_sorted_rows():
     layer.parts = [tw]
     x = torch.randn(2, 3, K, generator=GEN).bfloat16()
     assert rel_err(layer(x), x.double() @ kw.dequantize(torch.float64).t()) < 1e-2
-    # groups that are not group_size rows each stay on g_idx
-    uneven = KernelWeight(kw.qweight, kw.scales, kw.zeros, 4, gs, torch.sort(g_idx).values.flip(0).contiguous())
-    assert uneven.grouped_by_permutation() is not None  # reversed order: still whole groups
+    # groups in any order sort; groups that are not group_size rows each stay on g_idx
+    descending = KernelWeight(kw.qweight, kw.scales, kw.zeros, 4, gs, torch.sort(g_idx).values.flip(0).contiguous())
+    assert descending.grouped_by_permutation() is not None
     ragged = g_idx.clone()
     ragged[ragged == 0] = 1
     assert KernelWeight(kw.qweight, kw.scales, kw.zeros, 4, gs, ragged).grouped_by_permutation() is None

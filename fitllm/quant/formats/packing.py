@@ -88,9 +88,9 @@ class KernelWeight:
         None when there is nothing to sort, or its groups are not group_size rows each."""
         if self.g_idx is None:
             return None
-        k = self.in_features
-        perm = torch.argsort(self.g_idx.long(), stable=True)
-        if not torch.equal(self.g_idx.long()[perm], torch.arange(k, device=perm.device) // self.group_size):
+        g = self.g_idx.long()
+        perm = torch.argsort(g, stable=True)
+        if not torch.equal(g[perm], torch.arange(self.in_features, device=g.device) // self.group_size):
             return None
         q = unpack_dim0(self.qweight, self.bits)[perm]
         return KernelWeight(pack_dim0(q, self.bits), self.scales, self.zeros, self.bits, self.group_size), \
