@@ -1,7 +1,8 @@
 """Act-order GPTQ (g_idx) weights on the GPU: the standard layout's g_idx kernels against the tiled
 layout with the rows sorted by group and x gathered (KernelWeight.grouped_by_permutation and
-fused.gather_columns: what fitllm.quant.layers runs). Correctness against float64 at the Llama-3-8B shapes, then µs per
-layer (four linears, CUDA-graph replay of two weight copies) per M, bf16 cuBLAS in the same run.
+fused.gather_columns: what fitllm.quant.layers runs). Correctness against float64 at the Llama-3-8B shapes; two
+decoder layers whose norms and gate_up write each GEMM's input order (model_check) against the same layers gathering;
+then µs per layer (four linears, CUDA-graph replay of two weight copies) per M, bf16 cuBLAS in the same run.
 
   python3 benchmarks/act_order_check.py --out $OUT [--m 1,16,64,256,1024]
 """
@@ -43,6 +44,66 @@ def sorted_tiled(x, w, out, gather=gather_columns):
                               x.shape[1], out=out)
 
 
+@torch.no_grad()
+def model_check(dev) -> dict:
+    """Two Llama-3-8B layers with act-order int4 weights (gpu_engine_check.quantize_act_order): the
+    hidden states with the producers writing each GEMM's input order (the norms for qkv and gate_up,
+    gate_up's permuted outputs for down_proj: CausalLM.fold_input_orders) equal, bit for bit, those
+    with every layer gathering its own input (FITLLM_DETERMINISTIC=1: split-K sums in a fixed order),
+    at M = 1, 16, 300; and stay near those of the same model with every quantized linear replaced by a
+    dense one holding its dequantized weight (torch matmuls: an independent reference)."""
+    from benchmarks.gpu_engine_check import quantize_act_order
+    from fitllm.models.config import ModelConfig
+    from fitllm.models.decoder import CausalLM
+    from fitllm.models.kv_cache import NoCacheContext
+
+    os.environ["FITLLM_DETERMINISTIC"] = "1"
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
+                      num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0)
+    torch.manual_seed(0)
+    model = CausalLM(cfg, dtype=torch.bfloat16, device=dev)
+    for name, p in model.named_parameters():
+        p.copy_(1 + torch.randn_like(p) * 0.1 if "norm" in name else torch.randn_like(p) * (1.0 if "embed" in name else 0.02))
+    inputs = {m: (torch.randint(0, 1024, (m,), device=dev), torch.arange(m, device=dev)) for m in (1, 16, 300)}
+    os.environ["FITLLM_ACT_ORDER_FOLD"] = "0"
+    quantize_act_order(model)
+    reference = dense_copy(model)
+    dense = {m: reference(ids, pos, NoCacheContext([m])).double() for m, (ids, pos) in inputs.items()}
+    del reference
+    gathering = {m: model(ids, pos, NoCacheContext([m])) for m, (ids, pos) in inputs.items()}
+    del os.environ["FITLLM_ACT_ORDER_FOLD"]
+    folded_layers = model.fold_input_orders()
+    out = {"folded_layers": folded_layers, "equal": {}, "rel_err_vs_dequantized": {}}
+    for m, (ids, pos) in inputs.items():
+        got = model(ids, pos, NoCacheContext([m]))
+        out["equal"][m] = bool(torch.equal(got, gathering[m]))
+        out["rel_err_vs_dequantized"][m] = rel_err(got, dense[m])
+    out["pass"] = folded_layers == 2 and all(out["equal"].values()) and max(out["rel_err_vs_dequantized"].values()) < 2e-2
+    del os.environ["FITLLM_DETERMINISTIC"]
+    log(f"producers write the input order (2 layers, {folded_layers} down_proj folded): bit-equal to the layers "
+        f"gathering: {out['equal']}; rel err vs the dequantized weights in torch "
+        f"{ {m: round(e, 4) for m, e in out['rel_err_vs_dequantized'].items()} }: {'PASS' if out['pass'] else 'FAIL'}")
+    return out
+
+
+def dense_copy(model):
+    """A copy of `model` (sharing its norms and embeddings) whose quantized linears are dense, holding
+    their dequantized weights, and computed with torch."""
+    import copy
+
+    from fitllm.models.linear import DenseLinear
+
+    shared = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    twin = copy.deepcopy(model, memo=shared)
+    for name, layer in model.fused_linears().items():
+        dense = DenseLinear(layer.prefix, layer.in_features, layer.out_sizes, False, dtype=model.dtype,
+                            device=model.device)
+        dense.weight.data.copy_(layer.dequantized_weight())
+        parent, _, attr = name.rpartition(".")
+        setattr(twin.get_submodule(parent), attr, dense)
+    return twin
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -80,6 +141,8 @@ def main():
     log(f"check vs float64: standard g_idx {worst['standard']:.2e}, sorted + tiled {worst['sorted']:.2e}, "
         f"the loaded layer {worst['layer']:.2e}: "
         f"{'PASS' if ok else 'FAIL'}")
+    folds = model_check(dev)
+    ok = ok and folds["pass"]
     rows = []
     for M in [int(m) for m in a.m.split(",")]:
         xs = {K: torch.randn(M, K, device=dev).bfloat16() for K in (4096, 14336)}
@@ -105,7 +168,7 @@ def main():
     for r in rows:
         print(f"| {r['M']} | {r['bf16']:.1f} | {r['standard_g_idx']:.1f} | **{r['sorted_tiled']:.1f}** | "
               f"{r['torch_gather']:.1f} | {r['tiled_no_gather']:.1f} |")
-    json.dump({"device": torch.cuda.get_device_name(), "worst": worst, "rows": rows},
+    json.dump({"device": torch.cuda.get_device_name(), "worst": worst, "folds": folds, "rows": rows},
               open(os.path.join(a.out, "act_order_check.json"), "w"), indent=1)
     sys.exit(0 if ok else 1)
 

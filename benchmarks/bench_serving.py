@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine_check import SHAPES, decode_speed, free, random_model, sync, throughput  # noqa: E402
+from gpu_engine_check import SHAPES, decode_speed, free, quantize_act_order, random_model, sync, throughput  # noqa: E402
 
 from fitllm.quant.inplace import quantize_in_memory  # noqa: E402
 from fitllm.serve.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -33,10 +34,15 @@ RESULTS: dict = {}
 
 def build(scheme: str, shape: str = "llama3-8b"):
     """A random model in `scheme`: bf16, int4 or fp8; int4+head / int4+head8 quantize the lm_head too
-    (RTN, 4 / 8 bits)."""
+    (RTN, 4 / 8 bits); int4-act holds act-order GPTQ weights (gpu_engine_check.quantize_act_order),
+    int4-act-gather the same with each layer gathering its own input (FITLLM_ACT_ORDER_FOLD=0, set
+    here for the run of this model)."""
     model = random_model(shape, "cuda", torch.bfloat16)
     base, _, head = scheme.partition("+")
-    if base != "bf16":
+    os.environ["FITLLM_ACT_ORDER_FOLD"] = "0" if base == "int4-act-gather" else "1"
+    if base.startswith("int4-act"):
+        quantize_act_order(model)
+    elif base != "bf16":
         quantize_in_memory(model, base, group_size=128,
                            lm_head_bits={"": None, "head": 4, "head8": 8}[head])
     gc.collect()
@@ -123,11 +129,11 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
 
 
 def part_profile(args) -> None:
-    """int4 batch-1 decode steps: wall time per step (no profiler), then under the profiler the
-    GPU time per step and the host calls that wait for the GPU (the engine's target: one)."""
+    """Batch-1 decode steps (--profile-scheme, int4): wall time per step (no profiler), then under the
+    profiler the GPU time per step and the host calls that wait for the GPU (the engine's target: one)."""
     from fitllm.serve.sampling import SamplingParams
 
-    model = build("int4")
+    model = build(args.profile_scheme)
     rows = []
     for sampling in args.profile_sampling.split(","):
         engine = engine_for(model, max_num_seqs=8, kv_dtype=args.profile_kv)
@@ -164,7 +170,7 @@ def part_profile(args) -> None:
             row["by_cuda_time"] = avg.table(sort_by="self_cuda_time_total", row_limit=15)
             row["by_cpu_time"] = avg.table(sort_by="self_cpu_time_total", row_limit=12)
         free(engine)
-    print("\n| int4 batch 1 | wall ms/step | GPU ms/step | tok/s | host waits per step (profiler counts) |")
+    print(f"\n| {args.profile_scheme} batch 1 | wall ms/step | GPU ms/step | tok/s | host waits per step (profiler counts) |")
     print("|---|---|---|---|---|")
     for r in rows:
         waits = ", ".join(f"{k} {v:g}" for k, v in r["host_waits_per_step"].items()) or "none"
@@ -302,13 +308,15 @@ def main() -> int:
     ap.add_argument("--offline-max-seqs", type=int, default=256, help="offline: the engine's max_num_seqs")
     ap.add_argument("--offline-batched-tokens", type=int, default=8192, help="offline: tokens per step")
     ap.add_argument("--decode-schemes", default="bf16,int4,fp8",
-                    help="weights: bf16, int4, fp8; int4+head / int4+head8 quantize the lm_head too (4 / 8 bits)")
+                    help="weights: bf16, int4, fp8, int4-act (act-order GPTQ), int4-act-gather (the same, each layer "
+                         "gathering its input); int4+head / int4+head8 quantize the lm_head too (4 / 8 bits)")
     ap.add_argument("--online-schemes", default="bf16,int4")
     ap.add_argument("--decode-kv", default="auto,fp8")
     ap.add_argument("--no-hf-peer", dest="hf_peer", action="store_false")
     ap.add_argument("--memory-configs", default="int4:auto,int4:fp8,fp8:auto,fp8:fp8")
     ap.add_argument("--profile-sampling", default="greedy,top_p", help="profile: greedy and/or top_p (T=0.8)")
     ap.add_argument("--profile-kv", default="auto", help="profile: the KV cache dtype")
+    ap.add_argument("--profile-scheme", default="int4", help="profile: the weights (as --decode-schemes)")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tokenizer", type=Path, default=Path(".gpu_assets/tokenizer"))

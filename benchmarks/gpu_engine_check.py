@@ -60,6 +60,39 @@ def random_model(shape: str, device: str, dtype: torch.dtype, seed: int = 0) -> 
     return model.eval()
 
 
+@torch.no_grad()
+def quantize_act_order(model: CausalLM, group_size: int = 128, seed: int = 0) -> CausalLM:
+    """Every dense linear (not a plain lm_head) as an act-order GPTQ checkpoint holds it: groups of
+    `group_size` inputs in a random order, RTN in each, g_idx naming each input's group. Installed as
+    the GPU loader installs one (QuantLinear.set_parts: rows sorted by group, tiled), then
+    CausalLM.fold_input_orders as load_tensors runs it (FITLLM_ACT_ORDER_FOLD=0: no fold). In place."""
+    from fitllm.models.linear import DenseLinear
+    from fitllm.quant.formats.packing import KernelWeight, pack_dim0, to_kernel, unpack_dim0
+    from fitllm.quant.layers import QuantLinear
+    from fitllm.quant.rtn import rtn_quantize
+    from fitllm.quant.scheme import QuantScheme
+
+    scheme = QuantScheme("rtn", bits=4, group_size=group_size, sym=False)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    for name, lin in model.fused_linears().items():
+        if not isinstance(lin, DenseLinear):
+            continue
+        K = lin.in_features
+        order = torch.randperm(K, generator=gen, device=model.device)  # input order[j] goes to group j // gs
+        kw = to_kernel(rtn_quantize(lin.weight[:, order], scheme), model.dtype)
+        q = torch.empty(K, lin.out_features, dtype=torch.int32, device=model.device)
+        q[order] = unpack_dim0(kw.qweight, 4)
+        g_idx = torch.empty(K, dtype=torch.int32, device=model.device)
+        g_idx[order] = (torch.arange(K, device=model.device) // group_size).to(torch.int32)
+        quantized = QuantLinear(lin.prefix, K, lin.out_sizes, lin.bias is not None, reader=None, dtype=model.dtype,
+                                device=model.device)
+        quantized.set_parts([KernelWeight(pack_dim0(q, 4), kw.scales, kw.zeros, 4, group_size, g_idx)])
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, quantized)
+    model.fold_input_orders()
+    return model
+
+
 def make_engine(model: CausalLM, graphs: bool, args, **kw) -> LLMEngine:
     cfg = EngineConfig(device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        cuda_graphs=graphs, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -63,6 +63,10 @@ KERNELS = {
     "rms_norm": ("fitllm.kernels._fused_triton:rms_norm_kernel",
                  dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16", eps="fp32"),
                  dict(HAS_RES=True, RNE=False, RNE_OUT=False, BLOCK_N=4096), 8, 1, False),
+    "rms_norm_perm": ("fitllm.kernels._fused_triton:rms_norm_kernel",
+                      dict(x_ptr="*fp32", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16",
+                           idx_ptr="*i32", eps="fp32"),
+                      dict(HAS_RES=True, X_SUM=True, RNE=False, RNE_OUT=False, BLOCK_N=4096, PERM=True), 8, 1, False),
     "rope": ("fitllm.kernels._fused_triton:rope_kernel", dict(q_ptr="*bf16", k_ptr="*bf16", cos_ptr="*fp32",
                                                                sin_ptr="*fp32"),
              dict(RNE=False, BLOCK_H=32, BLOCK_D=64), 4, 1, False),
@@ -82,10 +86,10 @@ KERNELS = {
 
 
 # Kernels that read, before their wait, what was written two or more launches earlier or by the host
-# before the step (_pdl.py): RMSNorm its weight and residual, the RoPE + cache write its tables and
+# before the step (_pdl.py): RMSNorm its weight, residual (and column order), the RoPE + cache write its tables and
 # slots, decode attention the sequence lengths, the fp8 batch-1 GEMV (EARLY_W) its first weight tile.
 # Their other loads (the previous kernel's output) and every store still come after the wait.
-EARLY_LOADS = {"rms_norm", "rope_write", "decode", "fp8_gemv_early"}
+EARLY_LOADS = {"rms_norm", "rms_norm_perm", "rope_write", "decode", "fp8_gemv_early"}
 
 
 def first(ptx: str, pattern: str, after: int = 0) -> int:

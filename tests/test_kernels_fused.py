@@ -519,3 +519,108 @@ def test_gather_columns_matches_index_select(T, K, idx_dtype):
     assert torch.equal(got, x[:, idx.long()]) and torch.equal(fused.gather_columns_ref(x, idx), got)
     with pytest.raises(ValueError, match="gather_columns"):
         fused.gather_columns_triton(x[0], idx)
+
+
+# --------------------------------------------------------------------------- act-order input order from the producer
+
+@pytest.mark.parametrize("T,N,mode", [(1, 4096, "plain"), (3, 100, "residual"), (2, 256, "pending"),
+                                      (2, 64, "mixed-dtype")])
+def test_rms_norm_writes_its_output_in_a_given_column_order(T, N, mode):
+    """perm (an act-order GEMM's input_perm): out[:, j] is the normalised column perm[j], bit for bit
+    the unpermuted output gathered; the new residual keeps the model's order; a pending sum's
+    workspace ends zero. The reference path gathers the same way."""
+    from fitllm.kernels._utils import Fp8Input, Gathered
+
+    vals = randn(T, N, scale=3.0)
+    x, w = vals.to(torch.bfloat16), (1 + randn(N) * 0.1).to(torch.bfloat16)
+    r = None if mode == "plain" else randn(T, N, dtype=torch.float32 if mode == "mixed-dtype" else torch.bfloat16)
+    perm = torch.randperm(N, generator=GEN).to(torch.int32)
+    want = fused.rms_norm_triton(x, w, 1e-6, r)
+    ws = None
+    if mode == "pending":
+        x, ws = _pending(vals)
+    got = fused.rms_norm_triton(x, w, 1e-6, r, perm=perm)
+    if r is not None:
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    assert isinstance(got, Gathered) and got.perm is perm and got.shape == want.shape
+    assert torch.equal(got.x, want[:, perm.long()])
+    if ws is not None:
+        assert (ws == 0).all()
+    ref = fused.rms_norm(vals.to(torch.bfloat16), w, 1e-6, r, perm=perm)
+    ref = ref[0] if r is not None else ref
+    assert isinstance(ref, Gathered)
+    with pytest.raises(ValueError, match="perm"):
+        fused.rms_norm_triton(vals.to(torch.bfloat16), w, 1e-6, perm=perm[:-1])
+    with pytest.raises(ValueError, match="perm"):
+        fused.rms_norm_triton(vals.to(torch.bfloat16), w, 1e-6, fp8=Fp8Input(), perm=perm)
+
+
+def _act_order_tiled(K, N):
+    """A random act-order 4-bit weight as the GPU loader stores it: rows sorted by group, tiled, perm."""
+    from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
+
+    gs = 128
+    kw = KernelWeight(pack_dim0(torch.randint(0, 16, (K, N), generator=GEN), 4),
+                      (torch.rand(K // gs, N, generator=GEN) * 0.02 + 0.01).bfloat16(),
+                      torch.randint(0, 16, (K // gs, N), generator=GEN).bfloat16(), 4, gs,
+                      (torch.randperm(K, generator=GEN) // gs).to(torch.int32))
+    return TiledWeight.from_kernel(*kw.grouped_by_permutation())
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_act_order_layers_get_their_input_order_from_the_producers(tokens, monkeypatch):
+    """Act-order int4 layers: the norms write qkv's and gate_up's input in their weights' order
+    (Gathered), and each down_proj's order moves into its gate_up's outputs at load
+    (CausalLM.fold_input_orders), so only o_proj still gathers. The hidden states equal, bit for bit,
+    those of the model where every layer gathers its own input (FITLLM_ACT_ORDER_FOLD=0)."""
+    from fitllm.quant.formats.packing import TiledWeight
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=256, intermediate_size=384,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6)
+    model = quantized_model(cfg, _act_order_tiled)
+    ids, positions = torch.randint(0, 96, (tokens,), generator=GEN), torch.arange(tokens)
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
+    gathers = []
+    orig = fused.gather_columns
+    monkeypatch.setattr(fused, "gather_columns", lambda x, idx: gathers.append(x.shape[1]) or orig(x, idx))
+    monkeypatch.setenv("FITLLM_ACT_ORDER_FOLD", "0")
+    with torch.no_grad():
+        assert model.fold_input_orders() == 0
+        ref = model(ids, positions, NoCacheContext([tokens]))
+    assert len(gathers) == 4 * cfg.num_layers
+    monkeypatch.delenv("FITLLM_ACT_ORDER_FOLD")
+    mlp = model.model.layers[0].mlp
+    down, gate_up, p = mlp.down_proj.dequantized_weight(), mlp.gate_up_proj.dequantized_weight(), mlp.down_proj.input_perm().long()
+    assert model.fold_input_orders() == cfg.num_layers
+    assert mlp.down_proj.input_perm() is None and isinstance(mlp.down_proj.parts[0], TiledWeight)
+    # down_proj's columns and gate|up's rows now both run in down_proj's stored order
+    assert torch.equal(mlp.down_proj.dequantized_weight(), down[:, p])
+    assert torch.equal(mlp.gate_up_proj.dequantized_weight(), gate_up[torch.cat([p, p + cfg.intermediate_size])])
+    gathers.clear()
+    with torch.no_grad():
+        got = model(ids, positions, NoCacheContext([tokens]))
+    assert gathers == [cfg.num_heads * cfg.head_dim] * cfg.num_layers  # o_proj's only
+    assert torch.isfinite(got).all() and torch.equal(got, ref)
+
+
+def test_permute_outputs_keeps_each_part_whole():
+    """A fused layer of several GEMMs permutes outputs only within each part; a permutation that
+    mixes parts is refused and leaves the layer as it was. Dense layers permute their rows."""
+    from fitllm.models.linear import DenseLinear
+    from fitllm.quant.layers import QuantLinear
+
+    parts = [_act_order_tiled(256, 24), _act_order_tiled(256, 24)]
+    layer = QuantLinear("model.layers.0.mlp.gate_up_proj", 256, [24, 24], False, reader=None,
+                        dtype=torch.bfloat16, device="cpu")
+    layer.parts = list(parts)
+    w = layer.dequantized_weight()
+    assert not layer.permute_outputs(torch.arange(48).flip(0)) and layer.parts == parts
+    p = torch.randperm(24, generator=GEN)
+    assert layer.permute_outputs(torch.cat([p, p + 24]))
+    assert torch.equal(layer.dequantized_weight(), w[torch.cat([p, p + 24])])
+    dense = DenseLinear("x", 8, [6], True)
+    dense.weight.data, dense.bias.data = torch.randn(6, 8), torch.randn(6)
+    x, p = torch.randn(2, 8), torch.randperm(6)
+    y = dense(x)
+    assert dense.permute_outputs(p) and torch.equal(dense(x), y[:, p])

@@ -173,6 +173,20 @@ class Fp8Activations:
         return self.q.shape
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """Activations handed to an act-order 4-bit GEMM with their columns already in its weight's
+    storage order: x = a[:, perm] (perm: FusedLinear.input_perm). The norm before the GEMM writes
+    them so (fused.rms_norm's perm), which spares the GEMM its own gather launch."""
+
+    x: torch.Tensor
+    perm: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+
 def pending_or_y(y: torch.Tensor, ws: torch.Tensor, pending: bool):
     """What a GEMM launch returns: y, or (pending) the sum it left in the workspace's first y.numel()
     floats as a PendingSum of y's shape and dtype."""

@@ -10,6 +10,9 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
       the residual add of a decoder layer fused into the next norm (vLLM's fused_add_rms_norm).
   apply_rope(q, k, cos, sin) -> (q, k), rotated IN PLACE (both backends), rotate-half convention.
   silu_mul(gate_up) -> silu(gate) * up, gate_up [..., 2I] -> [..., I].
+  rms_norm(..., perm=idx) (the next GEMM's FusedLinear.input_perm, an act-order weight's storage
+      order): the output comes with its columns in that order (_utils.Gathered), written so by the
+      norm itself, which spares the GEMM its gather_columns launch.
   rms_norm (with a residual) and silu_mul also take a split-K GEMM's unfinished sum (_utils.PendingSum):
       they read it, round it as the GEMM would have, and zero its workspace, which spares the GEMM
       the two round trips to L2 that finishing y costs (+8 % int4 batch-1 decode on the H200).
@@ -25,7 +28,8 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
       where the row has a NaN or infinite value: the greedy sampler's step in one launch instead of
       a float copy and two single-row reductions (~45 µs per batch-1 step over Llama-3's vocab).
   gather_columns(x, idx) -> x[:, idx]: the input of an act-order 4-bit GEMM, whose weight rows are
-      stored sorted by group (quant.layers), as a PDL launch (torch's index_select breaks the chain).
+      stored sorted by group (quant.layers), as a PDL launch (torch's index_select breaks the chain);
+      in the decoder only o_proj's (the norms write the others' input in order, see rms_norm's perm).
 
 Dispatch as for the GEMMs (_utils.backend_for): Triton on CUDA tensors, the reference elsewhere,
 FITLLM_KERNEL_BACKEND forces either. The launches are CUDA-graph safe: shapes come from tensor
@@ -44,7 +48,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import Fp8Activations, Fp8Input, PendingSum, backend_for, interpreting, pdl_args, splitk_workspace
+from ._utils import Fp8Activations, Fp8Input, Gathered, PendingSum, backend_for, interpreting, pdl_args, splitk_workspace
 
 
 # --------------------------------------------------------------------------- torch references
@@ -172,17 +176,19 @@ def _with_fp8(out: torch.Tensor, scale: torch.Tensor, mode: int, dtype: torch.dt
 
 
 def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None, fp8: Fp8Input | None = None):
+                    residual: torch.Tensor | None = None, fp8: Fp8Input | None = None,
+                    perm: torch.Tensor | None = None):
     N = x.shape[-1]
     has_res = residual is not None
     if weight.shape != (N,) or (has_res and residual.shape != x.shape):
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
                          f"{tuple(residual.shape) if has_res else None}")
+    _check_perm(perm, x, fp8)
     pending = isinstance(x, PendingSum)
     if pending and not (has_res and residual.dtype == x.dtype):  # the kernel takes a sum with a residual only
         x, pending = x.materialize(), False
     if has_res and residual.dtype != x.dtype:  # mixed dtypes promote: not the kernel's case
-        return rms_norm_ref(x, weight, eps, residual)
+        return _gathered(rms_norm_ref(x, weight, eps, residual), perm)
     dtype, device = x.dtype, residual.device if pending else x.device
     out_dtype = torch.promote_types(weight.dtype, dtype)  # `weight * h` promotes, as the reference
     rows = x.shape.numel() // N if N else 0
@@ -195,11 +201,26 @@ def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: flo
     if rows:
         block = _pow2(N)
         _kernels().rms_norm_kernel[(rows,)](
-            x, residual, weight.contiguous(), out, h, scale, N, n_inner, sx_o, sx_i, sr_o, sr_i, float(eps),
-            HAS_RES=has_res, X_SUM=pending, RNE=_rne(dtype), RNE_OUT=_rne(out_dtype), BLOCK_N=block,
-            num_warps=_warps(block), **fp8_opts, **pdl_args(h))
-    out = _with_fp8(out, scale, mode, out_dtype)
+            x, residual, weight.contiguous(), out, h, scale, out if perm is None else perm, N, n_inner, sx_o, sx_i,
+            sr_o, sr_i, float(eps), HAS_RES=has_res, X_SUM=pending, RNE=_rne(dtype), RNE_OUT=_rne(out_dtype),
+            BLOCK_N=block, PERM=perm is not None, num_warps=_warps(block), **fp8_opts, **pdl_args(h))
+    out = _with_fp8(out, scale, mode, out_dtype) if perm is None else Gathered(out, perm)
     return (out, h) if has_res else out
+
+
+def _check_perm(perm: torch.Tensor | None, x, fp8: Fp8Input | None) -> None:
+    if perm is not None and (len(x.shape) != 2 or perm.shape != (x.shape[-1],) or fp8 is not None):
+        raise ValueError(f"rms_norm: perm {tuple(perm.shape)} needs x [T, N] with N = its length and no fp8, "
+                         f"got x {tuple(x.shape)}, fp8 {fp8}")
+
+
+def _gathered(result, perm: torch.Tensor | None):
+    """rms_norm's (out[, h]) with out's columns in perm's order, as the kernel writes them."""
+    if perm is None:
+        return result
+    out, h = result if isinstance(result, tuple) else (result, None)
+    out = Gathered(out[:, perm.long()], perm)
+    return out if h is None else (out, h)
 
 
 def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -312,18 +333,21 @@ def gather_columns_triton(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- dispatch
 
 def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             fp8: Fp8Input | None = None):
+             fp8: Fp8Input | None = None, perm: torch.Tensor | None = None):
     """RMSNorm over the last dim, math in float32, output in x's dtype (promoted with weight's).
     With `residual`: h = x + residual first, returns (rms_norm(h), h). x may be a GEMM's
     PendingSum: taken (and its workspace zeroed) here. fp8 (the next GEMM's FusedLinear.fp8_input):
-    the Triton path may return the output quantized for that GEMM (Fp8Activations). The kernel reads
+    the Triton path may return the output quantized for that GEMM (Fp8Activations). perm (the next
+    GEMM's FusedLinear.input_perm, x [T, N]): the output is Gathered, its columns in perm's order
+    (both paths). The kernel reads
     `weight` and `residual` before it waits for the kernel launched just before it (PDL): they must
     not be that kernel's output (the decoder's residual is a norm's, two or more launches back)."""
     if isinstance(x, PendingSum) and backend_for(x.acc) != "triton":
         x = x.materialize()
     if backend_for(x.acc if isinstance(x, PendingSum) else x) == "triton":
-        return rms_norm_triton(x, weight, eps, residual, fp8)
-    return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, fp8, perm)
+    _check_perm(perm, x, fp8)
+    return _gathered(rms_norm_ref(x, weight, eps, residual), perm)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -73,6 +73,11 @@ def tile_pack(qweight: torch.Tensor) -> torch.Tensor:
     return _to_blocks(words.reshape(N, kp // TILE_K, 16).to(torch.int32))
 
 
+def permute_tile_rows(qtile: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """qtile of the weight whose output row j is row idx[j] of qtile's weight."""
+    return _to_blocks(_from_blocks(qtile)[idx])
+
+
 def _to_blocks(words: torch.Tensor) -> torch.Tensor:
     """[N, tiles, 16] row-major words -> qtile [N, tiles * 16] stored tile-major per TILE_N rows."""
     N, tiles, _ = words.shape

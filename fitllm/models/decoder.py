@@ -25,11 +25,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, fp8=None):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, fp8=None, perm=None):
         """Normalise in float32 as the reference implementations do, then cast back. With `residual`,
         normalises h = x + residual and returns (norm(h), h): the residual add, fused. fp8: the next
-        layer's FusedLinear.fp8_input (the output may come quantized for it)."""
-        return fused.rms_norm(x, self.weight, self.eps, residual, fp8)
+        layer's FusedLinear.fp8_input (the output may come quantized for it); perm: its input_perm
+        (the output comes with its columns in that order)."""
+        return fused.rms_norm(x, self.weight, self.eps, residual, fp8, perm)
 
 
 def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
@@ -161,6 +162,20 @@ class MLP(nn.Module):
         return self.down_proj(fused.silu_mul(self.gate_up_proj(x, defer=True), self.down_proj.fp8_input()),
                               defer=defer)
 
+    def fold_input_order(self) -> bool:
+        """An act-order down_proj wants its input in its stored rows' order (input_perm): permute
+        gate_up's outputs (gate's and up's alike) by that order instead, so that SiLU·mul writes it
+        so and down_proj skips its gather launch. gate_up's rows and down_proj's columns then both
+        follow that order; the MLP computes the same, bit for bit. False where nothing was done."""
+        perm = self.down_proj.input_perm()
+        if perm is None:
+            return False
+        p = perm.long()
+        if not self.gate_up_proj.permute_outputs(torch.cat([p, p + p.numel()])):
+            return False
+        self.down_proj.forget_input_perm()
+        return True
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, make_linear: LinearFactory):
@@ -180,13 +195,15 @@ class DecoderLayer(nn.Module):
         add is fused into the norm after it: (x, residual) -> (mlp output, residual), where the
         hidden state is their sum. residual=None for the first layer (x is then the embedding).
         defer: the mlp output goes to a fused RMSNorm with the residual (it may be a PendingSum)."""
-        fp8 = self.self_attn.qkv_proj.fp8_input()  # fp8 GEMMs get their input quantized by the norm
+        # fp8 GEMMs get their input quantized by the norm, act-order ones in their weight's order
+        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        fp8, perm = qkv.fp8_input(), qkv.input_perm()
         if residual is None:
-            residual, x = x, self.input_layernorm(x, fp8=fp8)
+            residual, x = x, self.input_layernorm(x, fp8=fp8, perm=perm)
         else:
-            x, residual = self.input_layernorm(x, residual, fp8)
+            x, residual = self.input_layernorm(x, residual, fp8, perm)
         x = self.self_attn(x, cos, sin, ctx, defer=True)
-        x, residual = self.post_attention_layernorm(x, residual, self.mlp.gate_up_proj.fp8_input())
+        x, residual = self.post_attention_layernorm(x, residual, gate_up.fp8_input(), gate_up.input_perm())
         return self.mlp(x, defer=defer), residual
 
 
@@ -256,6 +273,11 @@ class CausalLM(nn.Module):
             return self.lm_head(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
+
+    def fold_input_orders(self) -> int:
+        """After loading: each act-order down_proj's input order moved into its gate_up
+        (MLP.fold_input_order). Returns how many layers changed."""
+        return sum(layer.mlp.fold_input_order() for layer in self.model.layers)
 
     def fused_linears(self) -> dict[str, FusedLinear]:
         return {name: m for name, m in self.named_modules() if isinstance(m, FusedLinear)}

@@ -48,6 +48,17 @@ class FusedLinear(nn.Module):
         RMSNorm or SiLU·mul) may then hand it x already quantized; None: x as it is."""
         return None
 
+    def input_perm(self):
+        """The column order this layer's one GEMM wants x in (an act-order weight stored sorted by
+        group, quant.layers), which its producer (a fused RMSNorm) may write x in, handing over
+        kernels._utils.Gathered; None: x as it is."""
+        return None
+
+    def permute_outputs(self, idx: torch.Tensor) -> bool:
+        """Make output j what output idx[j] was (decoder.MLP.fold_input_order); False where this
+        layer cannot, unchanged."""
+        return False
+
 
 class DenseLinear(FusedLinear):
     def __init__(self, prefix, in_features, out_sizes, bias, dtype=None, device=None):
@@ -65,6 +76,12 @@ class DenseLinear(FusedLinear):
         if tuple(tensor.shape) != tuple(expected):
             raise ModelLoadError(f"{self.prefix} shard {shard}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
         target.data[self.shard_slice(shard)].copy_(tensor)
+
+    def permute_outputs(self, idx: torch.Tensor) -> bool:
+        self.weight.data = self.weight.data[idx]
+        if self.bias is not None:
+            self.bias.data = self.bias.data[idx]
+        return True
 
     def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)  # always y (see FusedLinear)

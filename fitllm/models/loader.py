@@ -152,6 +152,7 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
     for module in modules.values():
         if isinstance(module, FusedLinear):
             module.finalize()
+    model.fold_input_orders()
 
 
 def _owned_by_fused(param_name: str, modules: dict) -> bool:

@@ -5,7 +5,8 @@ Every 4/8-bit layout is repacked at load time into fitllm's one kernel layout (K
 so one GEMM serves them all: fitllm.kernels.w4a16 on a GPU, a torch dequantize + matmul on CPU.
 On a GPU, 4-bit weights with 16-bit activations are repacked once more into the tiled layout of
 fitllm.kernels.w4a16_tiled (TiledWeight), whose kernels are faster at every batch size; act-order
-weights (g_idx) get there with their input rows sorted by group and x gathered to match.
+weights (g_idx) get there with their input rows sorted by group and x in that order: written so by
+the producer where it can (input_perm, decoder.MLP.fold_input_order), else gathered here.
 FITLLM_W4_LAYOUT=standard keeps the standard layout (A/B benchmarks).
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from fitllm.kernels._utils import Fp8Activations, Fp8Input, backend_for
+from fitllm.kernels._utils import Fp8Activations, Fp8Input, Gathered, backend_for
 from fitllm.models.config import ModelConfig
 from fitllm.models.errors import ModelLoadError
 from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
@@ -92,10 +93,39 @@ class QuantLinear(FusedLinear):
             return Fp8Input(self.parts[0].input_scale)
         return None
 
-    def forward(self, x: torch.Tensor | Fp8Activations, defer: bool = False):
+    def input_perm(self) -> torch.Tensor | None:
+        """One act-order 4-bit GEMM on the tiled kernels: the order its stored rows hold the input
+        columns in (TiledWeight.perm), which its producer may write x in (a Gathered x; see
+        FusedLinear.input_perm). FITLLM_ACT_ORDER_FOLD=0: None, the layer gathers (A/B runs)."""
+        if (len(self.parts) == 1 and isinstance(self.parts[0], TiledWeight)
+                and os.environ.get("FITLLM_ACT_ORDER_FOLD", "1") != "0"):
+            return self.parts[0].perm
+        return None
+
+    def forget_input_perm(self) -> None:
+        """The producer now writes x in input_perm's order for good (decoder.MLP.fold_input_order)."""
+        self.parts[0].perm = None
+
+    def permute_outputs(self, idx: torch.Tensor) -> bool:
+        """Output j becomes output idx[j] (rows of every part, and the bias); False, unchanged, when
+        idx mixes outputs of different parts."""
+        new, start = [], 0
+        for p in self.parts:
+            n = p.weight.shape[0] if isinstance(p, FP8Weight) else p.scales.shape[1]
+            local = idx[start:start + n] - start
+            if local.numel() != n or bool(((local < 0) | (local >= n)).any()):
+                return False
+            new.append(p.rows(local) if isinstance(p, FP8Weight) else p.permute_outputs(local))
+            start += n
+        self.parts = new
+        if self.bias is not None:
+            self.bias = self.bias[idx]
+        return True
+
+    def forward(self, x: torch.Tensor | Fp8Activations | Gathered, defer: bool = False):
         """y = x W^T (+ bias). defer (x 2-D, the decoder's consumers only): the GEMM may return a
         PendingSum that one of fitllm.kernels.fused's kernels takes (see _utils.PendingSum). x may
-        be Fp8Activations where fp8_input asked for them."""
+        be Fp8Activations where fp8_input asked for them, Gathered where input_perm did."""
         if defer and len(self.parts) == 1 and self.bias is None and len(x.shape) == 2:
             return self._gemm(x, self.parts[0], defer=True)
         outs = [self._gemm(x, p) for p in self.parts]
@@ -103,17 +133,22 @@ class QuantLinear(FusedLinear):
         return y if self.bias is None else y + self.bias
 
     def _gemm(self, x, p, defer: bool = False):
+        if isinstance(x, Gathered) and (not isinstance(p, TiledWeight) or x.perm is not p.perm):
+            raise ValueError(f"{self.prefix}: x was gathered for another weight")
         if isinstance(p, FP8Weight):
             return fp8_linear(x, p, self.fp8_mode, defer)
         shape = x.shape
         if isinstance(p, TiledWeight):
             from fitllm.kernels.w4a16_tiled import w4a16_tiled_gemm
 
-            x2 = x.reshape(-1, shape[-1])
-            if p.perm is not None:  # act-order: the rows are stored sorted by group (TiledWeight)
+            if isinstance(x, Gathered):  # its producer wrote x in the rows' order (input_perm)
+                x2 = x.x
+            elif p.perm is None:
+                x2 = x.reshape(-1, shape[-1])
+            else:  # act-order: the rows are stored sorted by group (TiledWeight)
                 from fitllm.kernels.fused import gather_columns
 
-                x2 = gather_columns(x2, p.perm)
+                x2 = gather_columns(x.reshape(-1, shape[-1]), p.perm)
             y = w4a16_tiled_gemm(x2, p.qtile, p.scales, p.zeros, p.group_size, p.in_features, defer=defer)
             return y if defer else y.reshape(*shape[:-1], y.shape[-1])
         try:  # Triton on CUDA, its torch reference on CPU

@@ -81,6 +81,11 @@ class KernelWeight:
         g = self.groups()
         return ((q - self.zeros[g].to(dtype)) * self.scales[g].to(dtype)).t()
 
+    def permute_outputs(self, idx: torch.Tensor) -> "KernelWeight":
+        """The same weight with output j holding output idx[j]."""
+        return KernelWeight(self.qweight[:, idx], self.scales[:, idx], self.zeros[:, idx], self.bits, self.group_size,
+                            self.g_idx)
+
     def grouped_by_permutation(self) -> tuple["KernelWeight", torch.Tensor] | None:
         """An act-order weight (g_idx) as (the same weight with its input rows sorted by group, so it
         needs no g_idx, and that order `perm`, int32 [K]): y = x W^T = x[:, perm] W_sorted^T. So the
@@ -115,6 +120,13 @@ class TiledWeight:
         from fitllm.kernels.w4a16_tiled import tile_pack
 
         return cls(tile_pack(kw.qweight), kw.scales, kw.zeros, kw.group_size, kw.in_features, perm)
+
+    def permute_outputs(self, idx: torch.Tensor) -> "TiledWeight":
+        """The same weight with output j holding output idx[j]."""
+        from fitllm.kernels.w4a16_tiled import permute_tile_rows
+
+        return TiledWeight(permute_tile_rows(self.qtile, idx), self.scales[:, idx], self.zeros[:, idx],
+                           self.group_size, self.in_features, self.perm)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`, columns in the input's order (tests, evaluation tools)."""
