@@ -79,6 +79,8 @@ KERNELS = {
                          RNE=False, RNE_OUT=False, RNE_OUT2=False, UPCAST=False), 4, 1, False),
     "gather_columns": ("fitllm.kernels._fused_triton:gather_columns_kernel",
                        dict(x_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16"), dict(BLOCK=1024), 4, 1, False),
+    "gather_row": ("fitllm.kernels._fused_triton:gather_row_kernel",
+                   dict(x_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16"), dict(BLOCK_K=4096), 8, 1, False),
     "greedy": ("fitllm.kernels._fused_triton:greedy_tokens_kernel",
                dict(x_ptr="*bf16", out_ptr="*i64", pm_ptr="*fp32", pi_ptr="*i32", cnt_ptr="*i32"),
                dict(CHUNK=4096, BLOCK=1024, NCH=32), 4, 1, False),
@@ -86,10 +88,10 @@ KERNELS = {
 
 
 # Kernels that read, before their wait, what was written two or more launches earlier or by the host
-# before the step (_pdl.py): RMSNorm its weight, residual (and column order), the RoPE + cache write its tables and
+# before the step (_pdl.py): RMSNorm its weight, residual (and column order), the row gather its order, the RoPE + cache write its tables and
 # slots, decode attention the sequence lengths, the fp8 batch-1 GEMV (EARLY_W) its first weight tile.
 # Their other loads (the previous kernel's output) and every store still come after the wait.
-EARLY_LOADS = {"rms_norm", "rms_norm_perm", "rope_write", "decode", "fp8_gemv_early"}
+EARLY_LOADS = {"rms_norm", "rms_norm_perm", "gather_row", "rope_write", "decode", "fp8_gemv_early"}
 
 
 def first(ptx: str, pattern: str, after: int = 0) -> int:

@@ -511,12 +511,16 @@ def test_greedy_tokens_matches_torch_argmax(dtype, V):
 
 
 @pytest.mark.parametrize("T,K,idx_dtype", [(1, 4096, torch.int32), (3, 1100, torch.int64), (2, 300, torch.int32)])
-def test_gather_columns_matches_index_select(T, K, idx_dtype):
-    """The act-order GEMMs' input gather: bit-exact x[:, idx] from a strided x, every column written."""
+@pytest.mark.parametrize("rows_from", [fused.GATHER_ROWS_FROM, 0], ids=["scattered-loads", "whole-rows"])
+def test_gather_columns_matches_index_select(T, K, idx_dtype, rows_from, monkeypatch):
+    """The act-order GEMMs' input gather, by either kernel (whole rows permuted in the SM from
+    GATHER_ROWS_FROM elements on): bit-exact x[:, idx] from a strided x, every column written."""
+    monkeypatch.setattr(fused, "GATHER_ROWS_FROM", rows_from)
     x = randn(T, K + 5, dtype=torch.bfloat16)[:, 2:K + 2]  # a strided view
     idx = torch.randperm(K).to(idx_dtype)
     got = fused.gather_columns_triton(x, idx)
     assert torch.equal(got, x[:, idx.long()]) and torch.equal(fused.gather_columns_ref(x, idx), got)
+    assert torch.equal(fused.gather_columns_triton(x, idx[: K // 2]), x[:, idx[: K // 2].long()])  # fewer columns
     with pytest.raises(ValueError, match="gather_columns"):
         fused.gather_columns_triton(x[0], idx)
 
