@@ -560,11 +560,16 @@ def dequant_from_tokens(arch: str, N: int, K: int, group_size: int) -> int:
     ws_ok = arch == "sm90" and ws_shape_ok(N, group_size, K, torch.bfloat16, 2 * K, 0)
 
     def backend(m: int) -> str:
-        cfg = config_for(pick_config(TILED_CONFIGS, arch, m), N)
-        return (cfg if cfg["backend"] != "ws" or ws_ok else cfg["fallback"])["backend"]
+        return _unless_ws_refuses(config_for(pick_config(TILED_CONFIGS, arch, m), N), ws_ok)["backend"]
 
     starts = sorted({1} | {b + 1 for b in row_bounds(TILED_CONFIGS, arch)})  # nothing changes inside a row
     return next((m for m in starts if backend(m) == "dequant"), 1 << 62)
+
+
+def _unless_ws_refuses(cfg: dict, ws_ok: bool) -> dict:
+    """The config that runs: a ws row falls back to its Triton config where the ws kernel refuses the
+    GEMM (w4a16_ws.ws_supported; the budget's dequant_from_tokens asks the same)."""
+    return cfg if cfg["backend"] != "ws" or ws_ok else cfg["fallback"]
 
 
 def _packed_math_ok(dev, dtype) -> bool:
@@ -629,9 +634,9 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     if cfg["backend"] == "ws":
         from .w4a16_ws import w4a16_ws_triton, ws_supported
 
-        if ws_supported(x, N, group_size, K):
+        cfg = _unless_ws_refuses(cfg, ws_supported(x, N, group_size, K))
+        if cfg["backend"] == "ws":
             return w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias, y, cfg["BM"], cfg["num_stages"])
-        cfg = cfg["fallback"]
     if cfg["backend"] == "dequant":  # large M: one dequant pass, then cuBLAS
         torch.mm(x, dequantize_tiled(qtile, scales, zeros, group_size, K, x.dtype).t(), out=y)
         return y if bias is None else y.add_(bias.to(y.dtype))
