@@ -72,21 +72,21 @@ def quantize_act_order(model: CausalLM, group_size: int = 128, seed: int = 0) ->
     from fitllm.quant.rtn import rtn_quantize
     from fitllm.quant.scheme import QuantScheme
 
-    scheme = QuantScheme("rtn", bits=4, group_size=group_size, sym=False)
     gen = torch.Generator(device=model.device).manual_seed(seed)
     for name, lin in model.fused_linears().items():
         if not isinstance(lin, DenseLinear):
             continue
         K = lin.in_features
-        order = torch.randperm(K, generator=gen, device=model.device)  # input order[j] goes to group j // gs
-        kw = to_kernel(rtn_quantize(lin.weight[:, order], scheme), model.dtype)
+        size = min(group_size, K)  # (tiny test shapes)
+        order = torch.randperm(K, generator=gen, device=model.device)  # input order[j] goes to group j // size
+        kw = to_kernel(rtn_quantize(lin.weight[:, order], QuantScheme("rtn", bits=4, group_size=size)), model.dtype)
         q = torch.empty(K, lin.out_features, dtype=torch.int32, device=model.device)
         q[order] = unpack_dim0(kw.qweight, 4)
         g_idx = torch.empty(K, dtype=torch.int32, device=model.device)
-        g_idx[order] = (torch.arange(K, device=model.device) // group_size).to(torch.int32)
+        g_idx[order] = (torch.arange(K, device=model.device) // size).to(torch.int32)
         quantized = QuantLinear(lin.prefix, K, lin.out_sizes, lin.bias is not None, reader=None, dtype=model.dtype,
                                 device=model.device)
-        quantized.set_parts([KernelWeight(pack_dim0(q, 4), kw.scales, kw.zeros, 4, group_size, g_idx)])
+        quantized.set_parts([KernelWeight(pack_dim0(q, 4), kw.scales, kw.zeros, 4, size, g_idx)])
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, quantized)
     model.fold_input_orders()
@@ -214,6 +214,9 @@ def main() -> int:
     ap.add_argument("--kv-dtype", default="auto", help="the engines' KV cache dtype (fp8: calibrated on "
                     "self-generated text; the check against generate() is skipped)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script's logic (no graphs)")
+    ap.add_argument("--weights", default="dense", choices=["dense", "int4", "int4-act"],
+                    help="int4: the parity models' linears as RTN int4 (g128); int4-act: as act-order GPTQ int4 "
+                         "(quantize_act_order). Both bfloat16 only, FITLLM_DETERMINISTIC=1 for bit-stable split-K sums")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -226,6 +229,12 @@ def main() -> int:
             dtype = getattr(torch, dtype_name)
             print(f"== {shape} (random weights, {dtype_name}): parity", flush=True)
             model = random_model(shape, args.device, dtype)
+            if args.weights == "int4-act":
+                quantize_act_order(model)
+            elif args.weights == "int4":
+                from fitllm.quant.inplace import quantize_in_memory
+
+                quantize_in_memory(model, "int4", group_size=128)
             all_ok &= run_parity(model, args)
             del model
             gc.collect()
