@@ -246,3 +246,22 @@ def test_phi3_compressed_tensors_loads_in_transformers(tiny):
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0].float()
     assert (prompt_logits(load_quantized_model(r.output), IDS) - ref).abs().max() < 1e-3
+
+
+def test_act_order_checkpoint_served_tiled_gets_its_input_orders_at_load(tiny, monkeypatch):
+    """fitllm's own act-order GPTQ checkpoint, loaded as on a GPU (rows sorted by group, tiled; here
+    forced on the CPU with the torch references): the loader moves each down_proj's input order into
+    its gate_up (CausalLM.fold_input_orders), the norms hand qkv and gate_up their input in order, and
+    the logits equal those of the g_idx weights served as stored."""
+    from fitllm.quant import layers
+    from fitllm.quant.formats.packing import TiledWeight
+
+    r = convert(tiny, "gptq-act-tiled", "gptq", fmt="gptq", group_size=32, act_order=True)
+    want = prompt_logits(load_quantized_model(r.output), IDS)
+    monkeypatch.setattr(layers, "_to_runtime", lambda p, device, dtype: (
+        TiledWeight.from_kernel(*p.grouped_by_permutation()) if p.g_idx is not None else p))
+    model = load_quantized_model(r.output)
+    for layer in model.model.layers:
+        assert layer.mlp.down_proj.input_perm() is None  # folded into gate_up at load
+        assert layer.self_attn.qkv_proj.input_perm() is not None and layer.mlp.gate_up_proj.input_perm() is not None
+    assert rel_err(prompt_logits(model, IDS), want) < 1e-5
