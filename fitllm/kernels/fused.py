@@ -348,9 +348,9 @@ def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, res
     PendingSum: taken (and its workspace zeroed) here. fp8 (the next GEMM's FusedLinear.fp8_input):
     the Triton path may return the output quantized for that GEMM (Fp8Activations). perm (the next
     GEMM's FusedLinear.input_perm, x [T, N]): the output is Gathered, its columns in perm's order
-    (both paths). The kernel reads
-    `weight` and `residual` before it waits for the kernel launched just before it (PDL): they must
-    not be that kernel's output (the decoder's residual is a norm's, two or more launches back)."""
+    (both paths). The kernel reads `weight`, `residual` and `perm` before it waits for the kernel
+    launched just before it (PDL): they must not be that kernel's output (the decoder's residual is
+    a norm's, two or more launches back)."""
     if isinstance(x, PendingSum) and backend_for(x.acc) != "triton":
         x = x.materialize()
     if backend_for(x.acc if isinstance(x, PendingSum) else x) == "triton":
