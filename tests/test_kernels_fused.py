@@ -628,3 +628,20 @@ def test_permute_outputs_keeps_each_part_whole():
     x, p = torch.randn(2, 8), torch.randperm(6)
     y = dense(x)
     assert dense.permute_outputs(p) and torch.equal(dense(x), y[:, p])
+
+
+def test_without_tl_gather_the_permuted_outputs_come_from_gather_columns(monkeypatch):
+    """Triton before 3.2 has no tl.gather: RMSNorm's perm and the row gather fall back to the
+    scattered-load gather kernel, with the same bits."""
+    from fitllm.kernels._utils import Gathered
+
+    kernels = fused._kernels()
+    x, w = randn(3, 256, dtype=torch.bfloat16), (1 + randn(256) * 0.1).to(torch.bfloat16)
+    r, perm = randn(3, 256, dtype=torch.bfloat16), torch.randperm(256, generator=GEN).to(torch.int32)
+    want_out, want_h = fused.rms_norm_triton(x, w, 1e-6, r, perm=perm)
+    monkeypatch.setattr(kernels, "HAS_GATHER", False)
+    monkeypatch.setattr(fused, "GATHER_ROWS_FROM", 0)
+    monkeypatch.setattr(kernels, "gather_row_kernel", None)  # must not be launched
+    got_out, got_h = fused.rms_norm_triton(x, w, 1e-6, r, perm=perm)
+    assert isinstance(got_out, Gathered) and torch.equal(got_out.x, want_out.x) and torch.equal(got_h, want_h)
+    assert torch.equal(fused.gather_columns_triton(x, perm), x[:, perm.long()])

@@ -10,6 +10,10 @@ import triton.language as tl
 from ._pdl import pdl_start
 from .fp8 import quantize_row
 
+# tl.gather (Triton 3.2+) permutes a row in the SM: RMSNorm's perm and the row gather use it; without it
+# fused.py gathers with gather_columns_kernel instead
+HAS_GATHER = hasattr(tl, "gather")
+
 
 @triton.jit
 def _cast(x, DT: tl.constexpr, RNE_BF16: tl.constexpr):

@@ -184,6 +184,11 @@ def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: flo
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
                          f"{tuple(residual.shape) if has_res else None}")
     _check_perm(perm, x, fp8)
+    if perm is not None and not _kernels().HAS_GATHER:  # an older Triton: normalise, then gather
+        result = rms_norm_triton(x, weight, eps, residual)
+        out = result[0] if has_res else result
+        out = Gathered(gather_columns_triton(out, perm), perm)
+        return (out, result[1]) if has_res else out
     pending = isinstance(x, PendingSum)
     if pending and not (has_res and residual.dtype == x.dtype):  # the kernel takes a sum with a residual only
         x, pending = x.materialize(), False
@@ -329,7 +334,7 @@ def gather_columns_triton(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     T, K = x.shape[0], idx.shape[0]
     out = _empty((T, K), x.dtype, x.device)
-    if T and K and T * K >= GATHER_ROWS_FROM and K == x.shape[1] and K <= 16384:
+    if T and K and T * K >= GATHER_ROWS_FROM and K == x.shape[1] and K <= 16384 and _kernels().HAS_GATHER:
         _kernels().gather_row_kernel[(T,)](x, idx, out, K, x.stride(0), BLOCK_K=_pow2(K),
                                            num_warps=8 if K <= 4096 else 16, **pdl_args(x))
     elif T and K:
