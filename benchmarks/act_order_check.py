@@ -89,18 +89,11 @@ def model_check(dev) -> dict:
 def dense_copy(model):
     """A copy of `model` (sharing its norms and embeddings) whose quantized linears are dense, holding
     their dequantized weights, and computed with torch."""
-    import copy
+    from fitllm.quant.inplace import shared_copy
+    from fitllm.serve.spec_decode import dense_linears
 
-    from fitllm.models.linear import DenseLinear
-
-    shared = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    twin = copy.deepcopy(model, memo=shared)
-    for name, layer in model.fused_linears().items():
-        dense = DenseLinear(layer.prefix, layer.in_features, layer.out_sizes, False, dtype=model.dtype,
-                            device=model.device)
-        dense.weight.data.copy_(layer.dequantized_weight())
-        parent, _, attr = name.rpartition(".")
-        setattr(twin.get_submodule(parent), attr, dense)
+    twin = shared_copy(model)
+    dense_linears(twin)
     return twin
 
 

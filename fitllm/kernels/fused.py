@@ -185,10 +185,7 @@ def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: flo
                          f"{tuple(residual.shape) if has_res else None}")
     _check_perm(perm, x, fp8)
     if perm is not None and not _kernels().HAS_GATHER:  # an older Triton: normalise, then gather
-        result = rms_norm_triton(x, weight, eps, residual)
-        out = result[0] if has_res else result
-        out = Gathered(gather_columns_triton(out, perm), perm)
-        return (out, result[1]) if has_res else out
+        return _gathered(rms_norm_triton(x, weight, eps, residual), perm, gather_columns_triton)
     pending = isinstance(x, PendingSum)
     if pending and not (has_res and residual.dtype == x.dtype):  # the kernel takes a sum with a residual only
         x, pending = x.materialize(), False
@@ -219,12 +216,12 @@ def _check_perm(perm: torch.Tensor | None, x, fp8: Fp8Input | None) -> None:
                          f"got x {tuple(x.shape)}, fp8 {fp8}")
 
 
-def _gathered(result, perm: torch.Tensor | None):
+def _gathered(result, perm: torch.Tensor | None, gather=gather_columns_ref):
     """rms_norm's (out[, h]) with out's columns in perm's order, as the kernel writes them."""
     if perm is None:
         return result
     out, h = result if isinstance(result, tuple) else (result, None)
-    out = Gathered(out[:, perm.long()], perm)
+    out = Gathered(gather(out, perm), perm)
     return out if h is None else (out, h)
 
 

@@ -55,6 +55,11 @@ def quantize_in_memory(model: CausalLM, method: str = "int4", group_size: Option
 def quantized_copy(model: CausalLM, method: str = "int4", group_size: Optional[int] = None) -> CausalLM:
     """A second model whose linears are quantized and whose embeddings and norms are the same
     tensors as `model`'s (no second copy of them)."""
+    return quantize_in_memory(shared_copy(model), method, group_size)
+
+
+def shared_copy(model: CausalLM) -> CausalLM:
+    """A second model made of new modules over the same parameter and buffer tensors as `model`'s
+    (for replacing some of its modules without a second copy of the rest)."""
     shared = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    twin = copy.deepcopy(model, memo=shared)
-    return quantize_in_memory(twin, method, group_size)
+    return copy.deepcopy(model, memo=shared)

@@ -72,8 +72,7 @@ class QuantLinear(FusedLinear):
             if not tensors:
                 raise ModelLoadError(f"{name}: no quantized tensors in the checkpoint")
             part = self.reader(tensors, name)
-            n = (part.weight.shape[0] if isinstance(part, FP8Weight) else part.scales.shape[1])
-            k = (part.weight.shape[1] if isinstance(part, FP8Weight) else part.in_features)
+            n, k = _out_features(part), (part.weight.shape[1] if isinstance(part, FP8Weight) else part.in_features)
             if (n, k) != (self.out_sizes[shard], self.in_features):
                 raise ModelLoadError(f"{name}: quantized weight is [{n}, {k}], config expects "
                                      f"[{self.out_sizes[shard]}, {self.in_features}]")
@@ -111,7 +110,7 @@ class QuantLinear(FusedLinear):
         idx mixes outputs of different parts."""
         new, start = [], 0
         for p in self.parts:
-            n = p.weight.shape[0] if isinstance(p, FP8Weight) else p.scales.shape[1]
+            n = _out_features(p)
             local = idx[start:start + n] - start
             if local.numel() != n or bool(((local < 0) | (local >= n)).any()):
                 return False
@@ -161,6 +160,11 @@ class QuantLinear(FusedLinear):
     def dequantized_weight(self) -> torch.Tensor:
         """[N, K] float32 (tests, evaluation tools)."""
         return torch.cat([p.dequantize(torch.float32) for p in self.parts], dim=0)
+
+
+def _out_features(part) -> int:
+    """N of a converted weight (FP8Weight [N, K]; KernelWeight and TiledWeight scales [G, N])."""
+    return part.weight.shape[0] if isinstance(part, FP8Weight) else part.scales.shape[1]
 
 
 def fp8_linear(x: torch.Tensor | Fp8Activations, p: FP8Weight, mode: str, defer: bool = False):

@@ -243,8 +243,9 @@ def build_drafter(spec: str, target, block_size: int, draft_model=None, load_mod
 
 
 def dense_linears(model) -> None:
-    """CPU only: store quantized linears as their dequantized weights (the same values the CPU
-    reference GEMM computes with, without unpacking every weight on every call: ~50x faster)."""
+    """Store quantized linears as their dequantized weights, in place. On the CPU these are the
+    values the reference GEMM computes with, without unpacking every weight on every call (~50x
+    faster); benchmarks/act_order_check.py uses it on the GPU as a torch reference."""
     from fitllm.models.linear import DenseLinear
 
     for name, layer in model.fused_linears().items():
