@@ -96,10 +96,9 @@ class QuantLinear(FusedLinear):
         """One act-order 4-bit GEMM on the tiled kernels: the order its stored rows hold the input
         columns in (TiledWeight.perm), which its producer may write x in (a Gathered x; see
         FusedLinear.input_perm). FITLLM_ACT_ORDER_FOLD=0: None, the layer gathers (A/B runs)."""
-        if (len(self.parts) == 1 and isinstance(self.parts[0], TiledWeight)
-                and os.environ.get("FITLLM_ACT_ORDER_FOLD", "1") != "0"):
-            return self.parts[0].perm
-        return None
+        perm = self.parts[0].perm if len(self.parts) == 1 and isinstance(self.parts[0], TiledWeight) else None
+        # (the environment is read for act-order weights only: the decoder asks on every eager step)
+        return perm if perm is not None and os.environ.get("FITLLM_ACT_ORDER_FOLD", "1") != "0" else None
 
     def forget_input_perm(self) -> None:
         """The producer now writes x in input_perm's order for good (decoder.MLP.fold_input_order)."""
