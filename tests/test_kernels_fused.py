@@ -14,6 +14,8 @@ from fitllm.models.config import ModelConfig
 from fitllm.models.decoder import CausalLM
 from fitllm.models.kv_cache import NoCacheContext
 
+from kernel_checks import act_order_weight
+
 GEN = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -562,14 +564,9 @@ def test_rms_norm_writes_its_output_in_a_given_column_order(T, N, mode):
 
 def _act_order_tiled(K, N):
     """A random act-order 4-bit weight as the GPU loader stores it: rows sorted by group, tiled, perm."""
-    from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
+    from fitllm.quant.formats.packing import TiledWeight
 
-    gs = 128
-    kw = KernelWeight(pack_dim0(torch.randint(0, 16, (K, N), generator=GEN), 4),
-                      (torch.rand(K // gs, N, generator=GEN) * 0.02 + 0.01).bfloat16(),
-                      torch.randint(0, 16, (K // gs, N), generator=GEN).bfloat16(), 4, gs,
-                      (torch.randperm(K, generator=GEN) // gs).to(torch.int32))
-    return TiledWeight.from_kernel(*kw.grouped_by_permutation())
+    return TiledWeight.from_kernel(*act_order_weight(K, N).grouped_by_permutation())
 
 
 @pytest.mark.parametrize("tokens", [1, 5])

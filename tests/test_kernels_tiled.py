@@ -23,7 +23,7 @@ from fitllm.kernels.w4a16_tiled import (
 )
 from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
 
-from kernel_checks import GEN, offline_script_rows, rel_err, split_k_both_ways  # noqa: E402
+from kernel_checks import GEN, act_order_weight, offline_script_rows, rel_err, split_k_both_ways  # noqa: E402
 
 
 def rand_weight(K, N, group_size, dtype=torch.bfloat16):
@@ -269,10 +269,8 @@ def test_act_order_weight_is_served_tiled_through_sorted_rows():
     from fitllm.quant.layers import QuantLinear
 
     K, N, gs = 384, 40, 128
-    q = torch.randint(0, 16, (K, N), generator=GEN)
-    g_idx = (torch.randperm(K, generator=GEN) // gs).to(torch.int32)
-    kw = KernelWeight(pack_dim0(q, 4), (torch.rand(3, N, generator=GEN) * 0.02 + 0.01).bfloat16(),
-                      torch.randint(0, 16, (3, N), generator=GEN).bfloat16(), 4, gs, g_idx)
+    kw = act_order_weight(K, N, gs)
+    g_idx = kw.g_idx
     plain, perm = kw.grouped_by_permutation()
     assert plain.g_idx is None and sorted(perm.tolist()) == list(range(K))
     assert torch.equal(plain.dequantize(), kw.dequantize()[:, perm.long()])
