@@ -46,16 +46,22 @@ def sorted_tiled(x, w, out, gather=gather_columns):
 
 @torch.no_grad()
 def model_check(dev) -> dict:
-    """Two Llama-3-8B layers with act-order int4 weights (gpu_engine_check.quantize_act_order): the
-    hidden states with the producers writing each GEMM's input order (the norms for qkv and gate_up,
-    gate_up's permuted outputs for down_proj: CausalLM.fold_input_orders) equal, bit for bit, those
-    with every layer gathering its own input (FITLLM_DETERMINISTIC=1: split-K sums in a fixed order),
-    at M = 1, 16, 300; and stay near those of the same model with every quantized linear replaced by a
-    dense one holding its dequantized weight (torch matmuls: an independent reference)."""
+    """Two Llama-3-8B layers with act-order int4 weights (gpu_engine_check.quantize_act_order) over a
+    paged bf16 cache: the hidden states with the producers writing each GEMM's input order (the norms
+    for qkv and gate_up, the attention kernels for o_proj, gate_up's permuted outputs for down_proj:
+    CausalLM.fold_input_orders) equal, bit for bit, those with every layer gathering its own input
+    (FITLLM_DETERMINISTIC=1: split-K sums in a fixed order), at M = 1, 16, 300 (one sequence: decode,
+    then prefills); and stay near those of the same model with every quantized linear replaced by a
+    dense one holding its dequantized weight (torch matmuls and attention: an independent reference)."""
     from benchmarks.gpu_engine_check import quantize_act_order
+    from fitllm.kernels import fused
     from fitllm.models.config import ModelConfig
     from fitllm.models.decoder import CausalLM
-    from fitllm.models.kv_cache import NoCacheContext
+    from fitllm.models.kv_cache import AttentionMetadata, ForwardContext, NoCacheContext, PagedKVCache
+
+    def paged(m):  # a fresh cache per forward
+        cache = PagedKVCache(2, 20, 16, 8, 128, dtype=torch.bfloat16, device=dev, kv_dtype="bf16")
+        return ForwardContext(cache, AttentionMetadata.build([m], [m], [list(range(20))], 16, dev))
 
     os.environ["FITLLM_DETERMINISTIC"] = "1"
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=4096, intermediate_size=14336,
@@ -70,17 +76,27 @@ def model_check(dev) -> dict:
     reference = dense_copy(model)
     dense = {m: reference(ids, pos, NoCacheContext([m])).double() for m, (ids, pos) in inputs.items()}
     del reference
-    gathering = {m: model(ids, pos, NoCacheContext([m])) for m, (ids, pos) in inputs.items()}
+    gathering = {m: model(ids, pos, paged(m)) for m, (ids, pos) in inputs.items()}
     del os.environ["FITLLM_ACT_ORDER_FOLD"]
     folded_layers = model.fold_input_orders()
-    out = {"folded_layers": folded_layers, "equal": {}, "rel_err_vs_dequantized": {}}
+    out = {"folded_layers": folded_layers, "equal": {}, "rel_err_vs_dequantized": {}, "gathers": 0}
+    orig = fused.gather_columns
+
+    def counted(x, idx):
+        out["gathers"] += 1
+        return orig(x, idx)
+
+    fused.gather_columns = counted
     for m, (ids, pos) in inputs.items():
-        got = model(ids, pos, NoCacheContext([m]))
+        got = model(ids, pos, paged(m))
         out["equal"][m] = bool(torch.equal(got, gathering[m]))
         out["rel_err_vs_dequantized"][m] = rel_err(got, dense[m])
-    out["pass"] = folded_layers == 2 and all(out["equal"].values()) and max(out["rel_err_vs_dequantized"].values()) < 2e-2
+    fused.gather_columns = orig
+    out["pass"] = (folded_layers == 2 and out["gathers"] == 0 and all(out["equal"].values())
+                   and max(out["rel_err_vs_dequantized"].values()) < 2e-2)
     del os.environ["FITLLM_DETERMINISTIC"]
-    log(f"producers write the input order (2 layers, {folded_layers} down_proj folded): bit-equal to the layers "
+    log(f"producers write the input order (2 layers, {folded_layers} down_proj folded, {out['gathers']} gathers): "
+        f"bit-equal to the layers "
         f"gathering: {out['equal']}; rel err vs the dequantized weights in torch "
         f"{ {m: round(e, 4) for m, e in out['rel_err_vs_dequantized'].items()} }: {'PASS' if out['pass'] else 'FAIL'}")
     return out

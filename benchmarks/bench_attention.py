@@ -210,6 +210,20 @@ def check_correctness(log) -> bool:
         ok &= good
         log(f"check {kind:5s} fused combine, 64 splits, graph replays: worst rel_err={max(errs):.2e} "
             f"{'ok' if good else 'FAIL'}")
+    # 1c) out_cols (an act-order o_proj's input order): the output written in that column order, bit for
+    # bit the plain output scattered so, on every store path (one split, fused combine, reduce, extend)
+    cols = torch.randperm(HQ * D, device="cuda").to(torch.int32)
+    for kind in ("bf16", "fp8"):
+        pool = Pool(kind, 2, 8192, seed=5)
+        q = torch.randn(40, HQ, D, device="cuda").to(pool.q.dtype)
+        extend = dict(q=q, query_start=torch.tensor([0, 24, 40], dtype=torch.int32, device="cuda"), max_query_len=24)
+        for name, cfg in (("direct", dict(num_splits=1)), ("fused 64", dict(num_splits=64, fused_reduce=True)),
+                          ("reduce 40", dict(num_splits=40, fused_reduce=False)), ("default", {}), ("extend", extend)):
+            plain = pool.run(**cfg)
+            got = pool.run(out_cols=cols, **cfg)
+            good = torch.equal(got, pa.scatter_columns(plain, cols))
+            ok &= good
+            log(f"check {kind:5s} out_cols {name}: {'bit-equal ok' if good else 'FAIL'}")
     # 2) cache write kernel == reference quantizer (dequantized values)
     for kind in KINDS:
         pool = Pool(kind, 2, 64, seed=2)

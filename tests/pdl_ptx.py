@@ -18,7 +18,7 @@ BF16_GEMM = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", bias
 FP8_GEMM = dict(x_ptr="*fp8e4nv", xs_ptr="*fp32", w_ptr="*fp8e4nv", wsc_ptr="*fp32", bias_ptr="*fp32",
                 y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
 ATTN = dict(Q="*bf16", KC="*bf16", VC="*bf16", KS="*fp32", VS="*fp32", KZ="*fp32", VZ="*fp32", BT="*i32",
-            SEQ="*i32", OUT="*bf16", scale="fp32")
+            SEQ="*i32", OUT="*bf16", OCOLS="*i32", scale="fp32")
 KV = dict(KIND=0, KGROUP=128, VGROUP=128, VT=False, H=8, D=128, DC=128, PAGE=16)
 # name -> (module:kernel, types, constexprs, warps, stages, fills the GPU: releases after its main loop)
 KERNELS = {
@@ -50,9 +50,13 @@ KERNELS = {
                   dict(STATIC=False, BLOCK=4096, EXACT_ROUND=False), 8, 1, False),
     "decode": ("fitllm.kernels.paged_attention:_decode_kernel", {**ATTN, "PO": "*fp32", "PML": "*fp32", "CNT": "*i32"},
                dict(KV, G=4, GP=16, BLOCK_N=128, DIRECT=False, UPCAST=False, RUN=16, WINDOWED=False, FUSED=True,
-                    GQ=4, SP=8, COMBINE_CHUNK=8), 4, 5, True),
+                    GQ=4, SP=8, COMBINE_CHUNK=8, COLS=False), 4, 5, True),
+    "decode_cols": ("fitllm.kernels.paged_attention:_decode_kernel",
+                    {**ATTN, "PO": "*fp32", "PML": "*fp32", "CNT": "*i32"},
+                    dict(KV, G=4, GP=16, BLOCK_N=128, DIRECT=False, UPCAST=False, RUN=16, WINDOWED=False, FUSED=True,
+                         GQ=4, SP=8, COMBINE_CHUNK=8, COLS=True), 4, 5, True),
     "prefill": ("fitllm.kernels.paged_attention:_prefill_kernel", {**ATTN, "QSTART": "*i32"},
-                dict(KV, G=4, BLOCK_M=16, BLOCK_N=64, UPCAST=False, RUN=16), 4, 2, True),
+                dict(KV, G=4, BLOCK_M=16, BLOCK_N=64, UPCAST=False, RUN=16, COLS=True), 4, 2, True),
     "cache_write": ("fitllm.kernels.paged_attention:_cache_write_kernel",
                     dict(K="*bf16", V="*bf16", KC="*bf16", VC="*bf16", KS="*fp32", VS="*fp32", KZ="*fp32",
                          VZ="*fp32", SLOTS="*i64"), dict(KV), 1, 1, False),
@@ -91,7 +95,7 @@ KERNELS = {
 # before the step (_pdl.py): RMSNorm its weight, residual (and column order), the row gather its order, the RoPE + cache write its tables and
 # slots, decode attention the sequence lengths, the fp8 batch-1 GEMV (EARLY_W) its first weight tile.
 # Their other loads (the previous kernel's output) and every store still come after the wait.
-EARLY_LOADS = {"rms_norm", "rms_norm_perm", "gather_row", "rope_write", "decode", "fp8_gemv_early"}
+EARLY_LOADS = {"rms_norm", "rms_norm_perm", "gather_row", "rope_write", "decode", "decode_cols", "fp8_gemv_early"}
 
 
 def first(ptx: str, pattern: str, after: int = 0) -> int:

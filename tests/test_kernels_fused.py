@@ -605,6 +605,45 @@ def test_act_order_layers_get_their_input_order_from_the_producers(tokens, monke
     assert torch.isfinite(got).all() and torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("tokens,kv", [(1, "bf16"), (5, "bf16"), (1, "fp8")])
+def test_paged_attention_writes_o_proj_input_in_its_order(tokens, kv, monkeypatch):
+    """Over the paged cache (ForwardContext.writes_columns) the attention kernels store each act-order
+    o_proj's input in its weight's order (out_cols; a Gathered x), so with the folds at load no layer
+    gathers at all. Hidden states: bit for bit those of every layer gathering its own input
+    (FITLLM_ACT_ORDER_FOLD=0, same cache kind). bf16 KV fuses RoPE into the cache write; a scaled fp8
+    cache maps the output back to the model's space first and scatters it after."""
+    from fitllm.models.kv_cache import AttentionMetadata, ForwardContext, KVCalibration, PagedKVCache
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=256, intermediate_size=384,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6)
+    model = quantized_model(cfg, _act_order_tiled)
+    ids, positions = torch.randint(0, 96, (tokens,), generator=GEN), torch.arange(tokens)
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
+    cal = KVCalibration.from_scales([0.05] * cfg.num_layers, [0.05] * cfg.num_layers, cfg.num_kv_heads,
+                                    cfg.head_dim) if kv == "fp8" else None
+
+    def run():  # a fresh cache per run: both runs write the same slots
+        cache = PagedKVCache(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16,
+                             device="cpu", kv_dtype=kv, calibration=cal)
+        assert cache.transformed == (kv == "fp8")  # the kernels store the order / the map back scatters
+        with torch.no_grad():
+            return model(ids, positions, ForwardContext(cache, AttentionMetadata.build([tokens], [tokens], [[2]], 16,
+                                                                                        "cpu")))
+
+    gathers = []
+    orig = fused.gather_columns
+    monkeypatch.setattr(fused, "gather_columns", lambda x, idx: gathers.append(x.shape[1]) or orig(x, idx))
+    monkeypatch.setenv("FITLLM_ACT_ORDER_FOLD", "0")
+    ref = run()
+    assert len(gathers) == 4 * cfg.num_layers
+    monkeypatch.delenv("FITLLM_ACT_ORDER_FOLD")
+    assert model.fold_input_orders() == cfg.num_layers
+    gathers.clear()
+    got = run()
+    assert gathers == []
+    assert torch.isfinite(got).all() and torch.equal(got, ref)
+
+
 def test_permute_outputs_keeps_each_part_whole():
     """A fused layer of several GEMMs permutes outputs only within each part; a permutation that
     mixes parts is refused and leaves the layer as it was. Dense layers permute their rows."""

@@ -76,15 +76,17 @@ class Pool:
         fn(k, v, *self.tensors(), slots, self.kind, self.group)
 
 
-def run_both(pool, q, q_lens, window=None, num_splits=None, **knobs):
+def run_both(pool, q, q_lens, window=None, num_splits=None, out_cols=None, **knobs):
     qs = [0]
     for n in q_lens:
         qs.append(qs[-1] + n)
     args = (q, *pool.tensors(), pool.bt)
-    ref = pa.paged_attention_ref(*args, qs, pool.seq_lens, 0.3, pool.kind, pool.group, window, torch.float32)
+    ref = pa.paged_attention_ref(*args, qs, pool.seq_lens, 0.3, pool.kind, pool.group, window, torch.float32,
+                                 out_cols=out_cols)
     out = pa.paged_attention(*args, torch.tensor(qs, dtype=torch.int32), torch.tensor(pool.seq_lens, dtype=torch.int32),
                              0.3, pool.kind, pool.group, window, torch.float32, max_query_len=max(q_lens),
-                             max_seq_len=max(pool.seq_lens), num_splits=num_splits, block_n=16, **knobs)
+                             max_seq_len=max(pool.seq_lens), num_splits=num_splits, block_n=16, out_cols=out_cols,
+                             **knobs)
     return out, ref
 
 
@@ -189,6 +191,30 @@ def test_decode_and_mixed_batches_match_reference(name, window, nan_buffers):
         assert rel(out, ref) < 1e-5, (splits, knobs)
     # the fused combine's arrival counters are left at zero for the next launch (and graph replay)
     assert not splitk_workspace(torch.device("cpu"), 0, 0)[1].any()
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_outputs_written_in_a_given_column_order(name, nan_buffers):
+    """out_cols (an act-order o_proj's input order): every kernel store path (one split, the fused
+    combine, the reduce kernel, prefill/extend) writes head h's value d at column out_cols[h D + d],
+    bit for bit the plain output scattered so; the reference does the same. A bad map is refused."""
+    pool = Pool(name, [1, 9, 23, 16], seed=3)
+    pool.write_all(pa.cache_write_ref)
+    cols = torch.randperm(H * G * D, generator=torch.Generator().manual_seed(7)).to(torch.int32)
+    decode = [1, 1, 1, 1]
+    for q_lens, splits, knobs in ((decode, 1, {}), (decode, 3, {}), (decode, 3, dict(fused_reduce=False)),
+                                  ([1, 4, 23, 2], None, {})):
+        q = torch.randn(sum(q_lens), H * G, D).to(torch.bfloat16 if name == "bf16" else torch.float32)
+        out, ref = run_both(pool, q, q_lens, None, splits, **knobs)
+        got, got_ref = run_both(pool, q, q_lens, None, splits, out_cols=cols, **knobs)
+        want = pa.scatter_columns(out, cols)
+        assert torch.equal(want.view(len(q), -1)[:, cols.long()], out.view(len(q), -1))
+        assert torch.equal(got, want), (splits, knobs)
+        assert torch.equal(got_ref, pa.scatter_columns(ref, cols))
+    with pytest.raises(ValueError, match="out_cols"):
+        run_both(pool, q, q_lens, out_cols=cols[:-1])
+    with pytest.raises(ValueError, match="out_cols"):
+        run_both(pool, q, q_lens, out_cols=cols.long())
 
 
 @pytest.mark.parametrize("splits,fused", [(1, None), (12, True), (12, False)])

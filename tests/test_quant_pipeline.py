@@ -251,8 +251,10 @@ def test_phi3_compressed_tensors_loads_in_transformers(tiny):
 def test_act_order_checkpoint_served_tiled_gets_its_input_orders_at_load(tiny, monkeypatch):
     """fitllm's own act-order GPTQ checkpoint, loaded as on a GPU (rows sorted by group, tiled; here
     forced on the CPU with the torch references): the loader moves each down_proj's input order into
-    its gate_up (CausalLM.fold_input_orders), the norms hand qkv and gate_up their input in order, and
-    the logits equal those of the g_idx weights served as stored."""
+    its gate_up (CausalLM.fold_input_orders), the norms hand qkv and gate_up their input in order, the
+    paged attention o_proj's, so nothing is gathered, and the logits equal those of the g_idx weights
+    served as stored."""
+    from fitllm.kernels import fused
     from fitllm.quant import layers
     from fitllm.quant.formats.packing import TiledWeight
 
@@ -264,4 +266,6 @@ def test_act_order_checkpoint_served_tiled_gets_its_input_orders_at_load(tiny, m
     for layer in model.model.layers:
         assert layer.mlp.down_proj.input_perm() is None  # folded into gate_up at load
         assert layer.self_attn.qkv_proj.input_perm() is not None and layer.mlp.gate_up_proj.input_perm() is not None
+        assert layer.self_attn.o_proj.input_perm() is not None
+    monkeypatch.setattr(fused, "gather_columns", lambda *a: pytest.fail("an act-order layer gathered its input"))
     assert rel_err(prompt_logits(model, IDS), want) < 1e-5

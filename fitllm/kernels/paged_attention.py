@@ -21,7 +21,9 @@ smaller groups than values (keys carry most of int4's error; see kv_cache.py).
 
 Attention kernels take queries already transformed into the cache's space (see kv_cache.py: the
 calibrated key mean/scale, the value mean and the Hadamard rotation are folded into q and the
-output) and return the raw attention output (fp32 for quantized caches).
+output) and return the raw attention output (fp32 for quantized caches). `out_cols` (act-order
+o_proj weights, fitllm.models.decoder.Attention) writes each token's output row with head h's value d
+at column out_cols[h * head_dim + d], the next GEMM's input order, which spares it a gather launch.
 """
 from __future__ import annotations
 
@@ -168,10 +170,29 @@ def gather_ref(cache, scales, zeros, table, length, kind, group, values: bool = 
     return dequantize_ref(codes, rows(scales), rows(zeros), kind, group)
 
 
+def scatter_columns(out: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """out [T, Hq, D] with each token's row written in the order out_cols asks (module docstring):
+    column cols[c] of the result is column c of out."""
+    t = out.shape[0]
+    res = torch.empty_like(out)
+    res.view(t, -1)[:, cols.long()] = out.reshape(t, -1)
+    return res
+
+
+def _check_out_cols(cols: Optional[torch.Tensor], q: torch.Tensor) -> None:
+    if cols is not None and (cols.dim() != 1 or cols.numel() != q.shape[1] * q.shape[2] or cols.dtype != torch.int32
+                             or cols.device != q.device):
+        raise ValueError(f"paged_attention: out_cols must be int32 [{q.shape[1] * q.shape[2]}] on {q.device}, "
+                         f"got {cols.dtype} {tuple(cols.shape)} on {cols.device}")
+
+
 def paged_attention_ref(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, block_tables,
                         query_start: list[int], seq_lens: list[int], scale: float, kind: int, group,
-                        sliding_window: Optional[int] = None, out_dtype=None) -> torch.Tensor:
-    """q [T, Hq, D]: each sequence's new queries over its cached keys (causal). Output [T, Hq, D]."""
+                        sliding_window: Optional[int] = None, out_dtype=None, *,
+                        out_cols: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [T, Hq, D]: each sequence's new queries over its cached keys (causal). Output [T, Hq, D]
+    (its rows in out_cols' order where given)."""
+    _check_out_cols(out_cols, q)
     from fitllm.models.kv_cache import causal_attention  # the one definition of the math
 
     out = torch.zeros(q.shape, dtype=out_dtype or q.dtype, device=q.device)
@@ -184,7 +205,7 @@ def paged_attention_ref(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zero
         v = gather_ref(v_cache, v_scales, v_zeros, block_tables[i], length, kind, vg, values=True)
         qf = q[lo:hi].float()
         out[lo:hi] = causal_attention(qf, k, v, scale, sliding_window).to(out.dtype)
-    return out
+    return out if out_cols is None else scatter_columns(out, out_cols)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,13 +506,22 @@ def _mma_query(q, KIND: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale, window, num_splits,
+def _out_columns(OCOLS, heads, offs_d, s_oh, mask, D: tl.constexpr, COLS: tl.constexpr):
+    """Offsets within a token's output row of heads [R] x dims [D]: h * s_oh + d, or with COLS
+    the columns OCOLS[h * D + d] (paged_attention's out_cols; the output rows are then contiguous)."""
+    if COLS:
+        return tl.load(OCOLS + heads[:, None] * D + offs_d[None, :], mask=mask, other=0)
+    return heads[:, None] * s_oh + offs_d[None, :]
+
+
+@triton.jit
+def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, OCOLS, PO, PML, CNT, scale, window, num_splits,
                    s_qt, s_qh, s_bt, s_ot, s_oh,
                    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
                    VGROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr,
                    RUN: tl.constexpr, WINDOWED: tl.constexpr, FUSED: tl.constexpr, GQ: tl.constexpr,
-                   SP: tl.constexpr, COMBINE_CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+                   SP: tl.constexpr, COMBINE_CHUNK: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr = False):
     """One (sequence, kv head, split): the G query heads sharing that kv head against one slice of
     the sequence. Partial results (unnormalised acc, running max, sum) go to PO/PML, or straight to
     OUT when there is a single split (DIRECT). FUSED: the split that finishes last combines them
@@ -555,7 +585,8 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
     hmask = (offs_g < G)[:, None]
     if DIRECT:
         out = acc / tl.maximum(l_i, 1e-30)[:, None]  # an empty sequence (graph padding) gives 0
-        tl.store(OUT + b * s_ot + heads[:, None] * s_oh + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=hmask)
+        tl.store(OUT + b * s_ot + _out_columns(OCOLS, heads, offs_d, s_oh, hmask, D, COLS),
+                 out.to(OUT.dtype.element_ty), mask=hmask)
     else:
         part = (b * (H * G) + heads) * num_splits + sp  # PO [B, Hq, S, D], PML [B, Hq, S, 2]
         tl.store(PO + part[:, None] * D + offs_d[None, :], acc, mask=hmask)
@@ -570,8 +601,9 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, PO, PML, CNT, scale,
                 offs_q = tl.arange(0, GQ)
                 out = _combine_partials(PO, PML, b * (H * G) + kvh * G + offs_q, offs_q < G, num_splits, used, D, SP,
                                         COMBINE_CHUNK)
-                tl.store(OUT + b * s_ot + (kvh * G + offs_q)[:, None] * s_oh + offs_d[None, :],
-                         out.to(OUT.dtype.element_ty), mask=(offs_q < G)[:, None])
+                qmask = (offs_q < G)[:, None]
+                tl.store(OUT + b * s_ot + _out_columns(OCOLS, kvh * G + offs_q, offs_d, s_oh, qmask, D, COLS),
+                         out.to(OUT.dtype.element_ty), mask=qmask)
                 tl.atomic_xchg(CNT + b * H + kvh, 0)
 
 
@@ -619,8 +651,8 @@ def _combine_partials(PO, PML, rows, rmask, num_splits, used, D: tl.constexpr, S
 
 
 @triton.jit
-def _reduce_kernel(PO, PML, SEQ, OUT, num_splits, window, s_ot, s_oh, HQ: tl.constexpr, D: tl.constexpr,
-                   SP: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+def _reduce_kernel(PO, PML, SEQ, OUT, OCOLS, num_splits, window, s_ot, s_oh, HQ: tl.constexpr, D: tl.constexpr,
+                   SP: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, COLS: tl.constexpr):
     """Combine one (sequence, head)'s split partials (the unfused path). Launched without PDL: with
     it, decode -> reduce -> decode chains lost at batch 1 (H200, fp8 KV at 32k: 25.7 -> 29.1 µs;
     bf16 won 1 µs; RESULTS.md, sixth session; the twenty-first measured 4-6 % gains at 16k-32k and
@@ -630,16 +662,17 @@ def _reduce_kernel(PO, PML, SEQ, OUT, num_splits, window, s_ot, s_oh, HQ: tl.con
     one = tl.arange(0, 1)
     used = _split_span(tl.load(SEQ + b), window, 0, num_splits, BLOCK_N, WINDOWED)[3]
     out = _combine_partials(PO, PML, b * HQ + h + one, one < 1, num_splits, used, D, SP, SP)
-    tl.store(OUT + b * s_ot + h * s_oh + tl.arange(0, D)[None, :], out.to(OUT.dtype.element_ty))
+    cols = _out_columns(OCOLS, h + one, tl.arange(0, D), s_oh, one[:, None] < 1, D, COLS)
+    tl.store(OUT + b * s_ot + cols, out.to(OUT.dtype.element_ty))
 
 
 @triton.jit
-def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, window,
+def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, OCOLS, scale, window,
                     s_qt, s_qh, s_bt, s_ot, s_oh,
                     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, KGROUP: tl.constexpr,
                     VGROUP: tl.constexpr, UPCAST: tl.constexpr, VT: tl.constexpr, RUN: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    COLS: tl.constexpr, PDL: tl.constexpr = False):
     """BLOCK_M new queries of one (sequence, head) against the cached prefix plus the new tokens
     (already written to the cache), causal. Query i of a chunk of q_len sits at position
     seq_len - q_len + i."""
@@ -690,8 +723,9 @@ def _prefill_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, QSTART, OUT, scale, wind
         m_i = m_new
     let_next_launch(PDL)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(OUT + (q0 + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :], out.to(OUT.dtype.element_ty),
-             mask=qmask[:, None])
+    one = tl.arange(0, 1)
+    cols = _out_columns(OCOLS, h + one, offs_d, s_oh, one[:, None] < 1, D, COLS)
+    tl.store(OUT + (q0 + offs_m)[:, None] * s_ot + cols, out.to(OUT.dtype.element_ty), mask=qmask[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -879,10 +913,12 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
                     sliding_window: Optional[int] = None, out_dtype=None, *, max_query_len: int,
                     max_seq_len: int, num_splits: Optional[int] = None, block_n: Optional[int] = None,
                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                    fused_reduce: Optional[bool] = None) -> torch.Tensor:
+                    fused_reduce: Optional[bool] = None, out_cols: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Triton paged attention. Decode batches (every query length 1) take the split-K kernel;
     others the prefill/extend kernel. `query_start`/`seq_lens` are device tensors here. The
-    keyword-only knobs after max_seq_len override tuned defaults (benchmarks, tests)."""
+    keyword-only knobs after max_seq_len override tuned defaults (benchmarks, tests); out_cols
+    as the reference's."""
+    _check_out_cols(out_cols, q)
     t, hq, d = q.shape
     _, page, h, dc = k_cache.shape
     out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
@@ -890,6 +926,7 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
     if t == 0 or batch == 0:
         return out
     window = sliding_window or 0
+    cols = _dummy(out_cols, seq_lens)
     groups = _group_args(kind, group, d)
     args = (k_cache, v_cache, _dummy(k_scales, k_cache), _dummy(v_scales, v_cache),
             _dummy(k_zeros, k_cache), _dummy(v_zeros, v_cache), block_tables, seq_lens)
@@ -909,22 +946,24 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
             cnt = splitk_workspace(q.device, 0, batch * h)[1]
         gq = triton.next_power_of_2(g)
         _decode_kernel[(batch, h, num_splits)](
-            q, *args, out, po, pml, cnt, scale, window, num_splits,
+            q, *args, out, cols, po, pml, cnt, scale, window, num_splits,
             q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
             H=h, G=g, GP=max(16, gq), D=d, DC=dc, PAGE=page, BLOCK_N=bn,
             KIND=kind, **groups, DIRECT=direct, UPCAST=upcast, VT=vt, RUN=min(page, bn), WINDOWED=window > 0,
-            FUSED=fused, GQ=gq, SP=sp, COMBINE_CHUNK=min(sp, FUSED_COMBINE_CHUNK),
+            FUSED=fused, GQ=gq, SP=sp, COMBINE_CHUNK=min(sp, FUSED_COMBINE_CHUNK), COLS=out_cols is not None,
             num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl_args(q))
         if not direct and not fused:
-            _reduce_kernel[(batch, hq)](po, pml, seq_lens, out, num_splits, window, out.stride(0), out.stride(1),
-                                        HQ=hq, D=d, SP=sp, BLOCK_N=bn, WINDOWED=window > 0, num_warps=4)
+            _reduce_kernel[(batch, hq)](po, pml, seq_lens, out, cols, num_splits, window, out.stride(0), out.stride(1),
+                                        HQ=hq, D=d, SP=sp, BLOCK_N=bn, WINDOWED=window > 0, COLS=out_cols is not None,
+                                        num_warps=4)
         return out
     bm = 16 if max_query_len <= 16 else 64
     bn = block_n or 64
     grid = (triton.cdiv(max_query_len, bm), hq, batch)
     _prefill_kernel[grid](
-        q, *args, query_start, out, scale, window,
+        q, *args, query_start, out, cols, scale, window,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         H=h, G=g, D=d, DC=dc, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, KIND=kind, **groups, UPCAST=upcast, VT=vt,
-        RUN=min(page, bn), num_warps=num_warps or 4, num_stages=num_stages or 2, **pdl_args(q))
+        RUN=min(page, bn), COLS=out_cols is not None, num_warps=num_warps or 4, num_stages=num_stages or 2,
+        **pdl_args(q))
     return out

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitllm.kernels import fused
+from fitllm.kernels._utils import Gathered
 from fitllm.models.config import ModelConfig
 from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
 
@@ -124,6 +125,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self._out_cols = None  # (o_proj's input_perm, where the attention writes each column)
 
     def forward(self, x, cos, sin, ctx, defer: bool = False):
         """defer: the caller hands the output to a fused RMSNorm (o_proj may return a PendingSum)."""
@@ -139,12 +141,24 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        # an act-order o_proj takes its input in its weight's order: written so by the attention
+        # kernels where the context can (ForwardContext.writes_columns), else it gathers it itself
+        perm = self.o_proj.input_perm() if getattr(ctx, "writes_columns", False) else None
+        cols = {} if perm is None else {"out_cols": self._columns_for(perm)}
         if rope_in_write:  # RoPE in the launch that writes the cache
-            out = ctx.attend(self.layer, q, k, v, self.scale, rope=(cos, sin))
+            out = ctx.attend(self.layer, q, k, v, self.scale, rope=(cos, sin), **cols)
         else:
             q, k = fused.apply_rope(q, k, cos, sin)  # in place: q and k are views of the qkv output
-            out = ctx.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(out.reshape(t, -1), defer=defer)
+            out = ctx.attend(self.layer, q, k, v, self.scale, **cols)
+        out = out.reshape(t, -1)
+        return self.o_proj(out if perm is None else Gathered(out, perm), defer=defer)
+
+    def _columns_for(self, perm: torch.Tensor) -> torch.Tensor:
+        """out_cols for o_proj's input_perm: input column perm[j] goes to position j (int32, made once
+        per weight)."""
+        if self._out_cols is None or self._out_cols[0] is not perm:
+            self._out_cols = (perm, torch.argsort(perm.long()).to(torch.int32))
+        return self._out_cols[1]
 
 
 class MLP(nn.Module):

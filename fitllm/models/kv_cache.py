@@ -429,26 +429,29 @@ class PagedKVCache:
         return not self.transformed and self.kind == pa.KIND_FLOAT and self._use_triton()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-               scale: float, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+               scale: float, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+               out_cols: Optional[torch.Tensor] = None) -> torch.Tensor:
         """write, then attention; with the three maps into cache space in one launch when it can.
         rope=(cos, sin): q and k are rotated first (fused into the write where `fuses_rope`; q, k
-        and v may then be views of the qkv GEMM's PendingSum, which that launch takes)."""
+        and v may then be views of the qkv GEMM's PendingSum, which that launch takes). out_cols:
+        each token's output row in that column order (paged_attention's; the kernels store it so,
+        a transformed cache scatters after its map back)."""
         if rope is not None:
             if self.fuses_rope and 2 * rope[0].shape[-1] == q.shape[-1]:  # (partial RoPE: apart)
                 from fitllm.kernels import paged_attention as pa
 
                 q = pa.rope_cache_write(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
-                return self.attention(layer, q, meta, scale)
+                return self.attention(layer, q, meta, scale, out_cols)
             if isinstance(q, PendingSum):  # (the decoder defers only where fuses_rope: a fallback)
                 q, k, v = q.materialize(), k.materialize(), v.materialize()
             q, k = apply_rope(q, k, *rope)
         maps = self._qkv_to_cache_space(layer, q, k, v) if self.transformed else None
         if maps is None:
             self.write(layer, k, v, meta.slot_mapping)
-            return self.attention(layer, q, meta, scale)
+            return self.attention(layer, q, meta, scale, out_cols)
         qc, kc, vc = maps
         self._store(layer, kc, vc, meta.slot_mapping)
-        return self._output_to_model_space(layer, self._attend_cache_space(layer, qc, meta, scale, q.dtype))
+        return self._attend_in_model_space(layer, qc, meta, scale, q.dtype, out_cols)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the step's new K/V [T, kv_heads, D] at their slots (quantizing on the way)."""
@@ -464,13 +467,22 @@ class PagedKVCache:
            self._m(self.v_scales, layer), self._m(self.k_zeros, layer), self._m(self.v_zeros, layer),
            slot_mapping, self.kind, self.group)
 
-    def attention(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float,
+                  out_cols: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Each sequence's new queries over its cached keys (including this step's), causal."""
-        qc = self._query_to_cache_space(layer, q)
-        return self._output_to_model_space(layer, self._attend_cache_space(layer, qc, meta, scale, q.dtype))
+        return self._attend_in_model_space(layer, self._query_to_cache_space(layer, q), meta, scale, q.dtype, out_cols)
+
+    def _attend_in_model_space(self, layer: int, qc: torch.Tensor, meta: AttentionMetadata, scale: float,
+                               model_dtype: torch.dtype, out_cols: Optional[torch.Tensor]) -> torch.Tensor:
+        if not self.transformed:
+            return self._attend_cache_space(layer, qc, meta, scale, model_dtype, out_cols)
+        from fitllm.kernels.paged_attention import scatter_columns
+
+        out = self._output_to_model_space(layer, self._attend_cache_space(layer, qc, meta, scale, model_dtype))
+        return out if out_cols is None else scatter_columns(out, out_cols)
 
     def _attend_cache_space(self, layer: int, qc: torch.Tensor, meta: AttentionMetadata, scale: float,
-                            model_dtype: torch.dtype) -> torch.Tensor:
+                            model_dtype: torch.dtype, out_cols: Optional[torch.Tensor] = None) -> torch.Tensor:
         from fitllm.kernels import paged_attention as pa
 
         out_dtype = model_dtype if not self.transformed else torch.float32
@@ -480,10 +492,10 @@ class PagedKVCache:
             # Device tensors only (graph-capturable); the host maxima pick tile sizes and splits.
             out = pa.paged_attention(*args, meta.query_start, meta.seq_lens, scale, self.kind, self.group,
                                      self.sliding_window, out_dtype, max_query_len=meta.max_query_len,
-                                     max_seq_len=meta.max_seq_len)
+                                     max_seq_len=meta.max_seq_len, out_cols=out_cols)
         else:
             out = pa.paged_attention_ref(*args, meta.query_start_list, meta.seq_lens_list, scale, self.kind,
-                                         self.group, self.sliding_window, out_dtype)
+                                         self.group, self.sliding_window, out_dtype, out_cols=out_cols)
         return out
 
     def decode_batch_classes(self, max_batch: int, max_seq_len: int) -> list[int]:
@@ -551,9 +563,13 @@ class ForwardContext:
     def fuses_rope(self) -> bool:  # then the decoder hands RoPE to attend (see PagedKVCache.attend)
         return self.cache.fuses_rope
 
+    # attend takes out_cols (PagedKVCache.attend): the decoder asks it for o_proj's input order
+    writes_columns = True
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        return self.cache.attend(layer, q, k, v, self.meta, scale, rope)
+               rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+               out_cols: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.cache.attend(layer, q, k, v, self.meta, scale, rope, out_cols)
 
     def last_positions(self, positions: torch.Tensor) -> torch.Tensor:
         return self.meta.last_positions(positions.shape[0])

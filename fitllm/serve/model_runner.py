@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from fitllm.kernels.fused import apply_rope
+from fitllm.kernels.paged_attention import scatter_columns
 from fitllm.models.decoder import CausalLM
 from fitllm.models.kv_cache import (AttentionMetadata, ForwardContext, KVCalibration, PagedKVCache,
                                     calibrate_kv_scales)
@@ -268,11 +269,12 @@ def graph_safe_attention(cache: PagedKVCache) -> Optional[Callable]:
 
 
 def padded_attend(cache: PagedKVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, rope=None) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, rope=None, out_cols=None) -> torch.Tensor:
     if rope is not None:
         q, k = apply_rope(q, k, *rope)
     cache.write(layer, k, v, meta.slot_mapping)
-    return padded_attention(cache, layer, q, meta, scale)
+    out = padded_attention(cache, layer, q, meta, scale)
+    return out if out_cols is None else scatter_columns(out, out_cols)
 
 
 def padded_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: AttentionMetadata,
@@ -303,8 +305,8 @@ class GraphContext(ForwardContext):
         super().__init__(cache, meta)
         self.attend_fn = attend  # graph_safe_attention's
 
-    def attend(self, layer, q, k, v, scale, rope=None):
-        return self.attend_fn(layer, q, k, v, self.meta, scale, rope)
+    def attend(self, layer, q, k, v, scale, rope=None, out_cols=None):
+        return self.attend_fn(layer, q, k, v, self.meta, scale, rope, out_cols)
 
 
 class StepGraphs:
