@@ -1,10 +1,11 @@
-"""Act-order GPTQ (g_idx) weights on the GPU: the standard layout's g_idx kernels against the tiled
-layout with the rows sorted by group and x gathered (KernelWeight.grouped_by_permutation and
-fused.gather_columns: what fitllm.quant.layers runs). Correctness against float64 at the Llama-3-8B shapes; two
-decoder layers whose norms and gate_up write each GEMM's input order (model_check) against the same layers gathering;
+"""Act-order GPTQ (g_idx) weights on the GPU: the standard layout's g_idx kernels against the rows
+sorted by group and x gathered (KernelWeight.grouped_by_permutation and fused.gather_columns: what
+fitllm.quant.layers runs; 4-bit rows tiled, 8-bit ones in the standard layout without g_idx).
+Correctness against float64 at the Llama-3-8B shapes; two decoder layers over a paged cache whose norms,
+attention and gate_up write each GEMM's input order (model_check) against the same layers gathering;
 then µs per layer (four linears, CUDA-graph replay of two weight copies) per M, bf16 cuBLAS in the same run.
 
-  python3 benchmarks/act_order_check.py --out $OUT [--m 1,16,64,256,1024]
+  python3 benchmarks/act_order_check.py --out $OUT [--m 1,16,64,256,1024] [--bits 4|8]
 """
 from __future__ import annotations
 
@@ -23,29 +24,32 @@ from fitllm.kernels.w4a16_tiled import tile_pack, w4a16_tiled_triton  # noqa: E4
 from fitllm.quant.formats.packing import KernelWeight, pack_dim0  # noqa: E402
 
 
-def act_order_weight(K, N, dev):
-    q = torch.randint(0, 16, (K, N), device=dev, dtype=torch.int32)
+def act_order_weight(K, N, dev, bits=4):
+    q = torch.randint(0, 2 ** bits, (K, N), device=dev, dtype=torch.int32)
     g_idx = (torch.randperm(K, device=dev) // GS).to(torch.int32)
-    kw = KernelWeight(pack_dim0(q, 4), (torch.rand(K // GS, N, device=dev) * 0.01 + 0.002).bfloat16(),
-                      torch.randint(0, 16, (K // GS, N), device=dev).bfloat16(), 4, GS, g_idx)
+    kw = KernelWeight(pack_dim0(q, bits), (torch.rand(K // GS, N, device=dev) * 0.01 + 0.002).bfloat16(),
+                      torch.randint(0, 2 ** bits, (K // GS, N), device=dev).bfloat16(), bits, GS, g_idx)
     plain, perm = kw.grouped_by_permutation()
-    return dict(kw=kw, qtile=tile_pack(plain.qweight), perm=perm, w16=torch.randn(N, K, device=dev).bfloat16() * 0.02)
+    return dict(kw=kw, plain=plain, qtile=tile_pack(plain.qweight) if bits == 4 else None, perm=perm,
+                w16=torch.randn(N, K, device=dev).bfloat16() * 0.02)
 
 
 def standard(x, w, out):
     kw = w["kw"]
-    return w4a16_gemm_triton(x, kw.qweight, kw.scales, kw.zeros, GS, 4, kw.g_idx, out=out)
+    return w4a16_gemm_triton(x, kw.qweight, kw.scales, kw.zeros, GS, kw.bits, kw.g_idx, out=out)
 
 
 def sorted_tiled(x, w, out, gather=gather_columns):
-    """What fitllm.quant.layers runs: x gathered by the PDL kernel (gather=None: not gathered, timing)."""
-    kw = w["kw"]
-    return w4a16_tiled_triton(gather(x, w["perm"]) if gather else x, w["qtile"], kw.scales, kw.zeros, GS,
-                              x.shape[1], out=out)
+    """What fitllm.quant.layers runs: x gathered by the PDL kernel (gather=None: not gathered, timing);
+    4-bit rows tiled, 8-bit ones in the standard layout without g_idx."""
+    kw, x = w["kw"], gather(x, w["perm"]) if gather else x
+    if w["qtile"] is None:
+        return w4a16_gemm_triton(x, w["plain"].qweight, kw.scales, kw.zeros, GS, kw.bits, out=out)
+    return w4a16_tiled_triton(x, w["qtile"], kw.scales, kw.zeros, GS, x.shape[1], out=out)
 
 
 @torch.no_grad()
-def model_check(dev) -> dict:
+def model_check(dev, bits: int = 4) -> dict:
     """Two Llama-3-8B layers with act-order int4 weights (gpu_engine_check.quantize_act_order) over a
     paged bf16 cache: the hidden states with the producers writing each GEMM's input order (the norms
     for qkv and gate_up, the attention kernels for o_proj, gate_up's permuted outputs for down_proj:
@@ -72,7 +76,7 @@ def model_check(dev) -> dict:
         p.copy_(1 + torch.randn_like(p) * 0.1 if "norm" in name else torch.randn_like(p) * (1.0 if "embed" in name else 0.02))
     inputs = {m: (torch.randint(0, 1024, (m,), device=dev), torch.arange(m, device=dev)) for m in (1, 16, 300)}
     os.environ["FITLLM_ACT_ORDER_FOLD"] = "0"
-    quantize_act_order(model)
+    quantize_act_order(model, bits=bits)
     reference = dense_copy(model)
     dense = {m: reference(ids, pos, NoCacheContext([m])).double() for m, (ids, pos) in inputs.items()}
     del reference
@@ -117,11 +121,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--m", default="1,16,64,256,1024")
+    ap.add_argument("--bits", type=int, default=4, choices=[4, 8])
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     torch.manual_seed(0)
     dev = "cuda"
-    copies = [{n: act_order_weight(K, N, dev) for n, (K, N) in SHAPES.items()} for _ in range(2)]
+    copies = [{n: act_order_weight(K, N, dev, a.bits) for n, (K, N) in SHAPES.items()} for _ in range(2)]
     worst = {"standard": 0.0, "sorted": 0.0}
     for M in (1, 3, 16, 33, 100, 300, 1000):
         for name, (K, N) in SHAPES.items():
@@ -142,7 +147,8 @@ def main():
         layer = QuantLinear("model.layers.0.mlp.down_proj", K, [N], False, reader=None, dtype=torch.bfloat16,
                             device=dev)
         layer.set_parts([kw])
-        assert isinstance(layer.parts[0], TiledWeight) and layer.parts[0].perm is not None, type(layer.parts[0])
+        assert isinstance(layer.parts[0], TiledWeight if a.bits == 4 else KernelWeight), type(layer.parts[0])
+        assert layer.parts[0].perm is not None and layer.parts[0].g_idx is None
         for M in (1, 33, 300):
             x = torch.randn(M, K, device=dev).bfloat16()
             worst["layer"] = max(worst["layer"], rel_err(layer(x), x.double() @ kw.dequantize(torch.float64).t()))
@@ -150,7 +156,7 @@ def main():
     log(f"check vs float64: standard g_idx {worst['standard']:.2e}, sorted + tiled {worst['sorted']:.2e}, "
         f"the loaded layer {worst['layer']:.2e}: "
         f"{'PASS' if ok else 'FAIL'}")
-    folds = model_check(dev)
+    folds = model_check(dev, a.bits)
     ok = ok and folds["pass"]
     rows = []
     for M in [int(m) for m in a.m.split(",")]:
@@ -172,7 +178,8 @@ def main():
                "tiled_no_gather": graph_time(layer_graph(lambda x, w, o: sorted_tiled(x, w, o, gather=None)))}
         rows.append(row)
         log(" ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    print("\n| M | bf16 cuBLAS | standard layout with g_idx | sorted rows, tiled, x gathered (PDL kernel) | the same, "
+    print(f"\n{a.bits}-bit weights\n| M | bf16 cuBLAS | standard layout with g_idx | sorted rows{', tiled' if a.bits == 4 else ''}, "
+          "x gathered (PDL kernel) | the same, "
           "torch index_select | the same without the gather |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['M']} | {r['bf16']:.1f} | {r['standard_g_idx']:.1f} | **{r['sorted_tiled']:.1f}** | "

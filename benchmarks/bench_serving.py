@@ -36,12 +36,12 @@ def build(scheme: str, shape: str = "llama3-8b"):
     """A random model in `scheme`: bf16, int4 or fp8; int4+head / int4+head8 quantize the lm_head too
     (RTN, 4 / 8 bits); int4-act holds act-order GPTQ weights (gpu_engine_check.quantize_act_order),
     int4-act-gather the same with each layer gathering its own input (FITLLM_ACT_ORDER_FOLD=0, set
-    here for the run of this model)."""
+    here for the run of this model); int8-act 8-bit ones, int8-act-gidx those as stored (g_idx kernels)."""
     model = random_model(shape, "cuda", torch.bfloat16)
     base, _, head = scheme.partition("+")
-    os.environ["FITLLM_ACT_ORDER_FOLD"] = "0" if base == "int4-act-gather" else "1"
-    if base.startswith("int4-act"):
-        quantize_act_order(model)
+    os.environ["FITLLM_ACT_ORDER_FOLD"] = "0" if base.endswith("-gather") else "1"
+    if base.startswith(("int4-act", "int8-act")):
+        quantize_act_order(model, bits=8 if base.startswith("int8") else 4, sort=not base.endswith("-gidx"))
     elif base != "bf16":
         quantize_in_memory(model, base, group_size=128,
                            lm_head_bits={"": None, "head": 4, "head8": 8}[head])
@@ -308,7 +308,8 @@ def main() -> int:
     ap.add_argument("--offline-max-seqs", type=int, default=256, help="offline: the engine's max_num_seqs")
     ap.add_argument("--offline-batched-tokens", type=int, default=8192, help="offline: tokens per step")
     ap.add_argument("--decode-schemes", default="bf16,int4,fp8",
-                    help="weights: bf16, int4, fp8, int4-act (act-order GPTQ), int4-act-gather (the same, each layer "
+                    help="weights: bf16, int4, fp8, int4-act (act-order GPTQ), int8-act, int8-act-gidx (as stored), "
+                         "int4-act-gather (the same, each layer "
                          "gathering its input); int4+head / int4+head8 quantize the lm_head too (4 / 8 bits)")
     ap.add_argument("--online-schemes", default="bf16,int4")
     ap.add_argument("--decode-kv", default="auto,fp8")

@@ -61,11 +61,14 @@ def random_model(shape: str, device: str, dtype: torch.dtype, seed: int = 0) -> 
 
 
 @torch.no_grad()
-def quantize_act_order(model: CausalLM, group_size: int = 128, seed: int = 0) -> CausalLM:
+def quantize_act_order(model: CausalLM, group_size: int = 128, seed: int = 0, bits: int = 4,
+                       sort: bool = True) -> CausalLM:
     """Every dense linear (not a plain lm_head) as an act-order GPTQ checkpoint holds it: groups of
-    `group_size` inputs in a random order, RTN in each, g_idx naming each input's group. Installed as
-    the GPU loader installs one (QuantLinear.set_parts: rows sorted by group, tiled), then
-    CausalLM.fold_input_orders as load_tensors runs it (FITLLM_ACT_ORDER_FOLD=0: no fold). In place."""
+    `group_size` inputs in a random order, RTN in each at `bits`, g_idx naming each input's group.
+    Installed as the GPU loader installs one (QuantLinear.set_parts: rows sorted by group; 4-bit
+    tiled), then CausalLM.fold_input_orders as load_tensors runs it (FITLLM_ACT_ORDER_FOLD=0: no
+    fold). sort=False: installed as stored instead, g_idx and all (the path before the GPU sorted
+    8-bit rows; A/B runs). In place."""
     from fitllm.models.linear import DenseLinear
     from fitllm.quant.formats.packing import KernelWeight, pack_dim0, to_kernel, unpack_dim0
     from fitllm.quant.layers import QuantLinear
@@ -79,14 +82,18 @@ def quantize_act_order(model: CausalLM, group_size: int = 128, seed: int = 0) ->
         K = lin.in_features
         size = min(group_size, K)  # (tiny test shapes)
         order = torch.randperm(K, generator=gen, device=model.device)  # input order[j] goes to group j // size
-        kw = to_kernel(rtn_quantize(lin.weight[:, order], QuantScheme("rtn", bits=4, group_size=size)), model.dtype)
+        kw = to_kernel(rtn_quantize(lin.weight[:, order], QuantScheme("rtn", bits=bits, group_size=size)), model.dtype)
         q = torch.empty(K, lin.out_features, dtype=torch.int32, device=model.device)
-        q[order] = unpack_dim0(kw.qweight, 4)
+        q[order] = unpack_dim0(kw.qweight, bits)
         g_idx = torch.empty(K, dtype=torch.int32, device=model.device)
         g_idx[order] = (torch.arange(K, device=model.device) // size).to(torch.int32)
         quantized = QuantLinear(lin.prefix, K, lin.out_sizes, lin.bias is not None, reader=None, dtype=model.dtype,
                                 device=model.device)
-        quantized.set_parts([KernelWeight(pack_dim0(q, 4), kw.scales, kw.zeros, 4, size, g_idx)])
+        stored = KernelWeight(pack_dim0(q, bits), kw.scales, kw.zeros, bits, size, g_idx)
+        if sort:
+            quantized.set_parts([stored])
+        else:
+            quantized.pending, quantized.parts = [], [stored]
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, quantized)
     model.fold_input_orders()

@@ -88,7 +88,7 @@ def linear_bytes(k: int, n: int, scheme: str, group_size: int = 128, bits: int =
         groups = math.ceil(k / group_size) if group_size > 0 else 1  # -1: one group per channel
         if bits == 8:  # GPTQ int8 (a quantized lm_head): the standard layout, no tiling
             return k * n + 2 * groups * n * 2
-        k_words = -(-k // 128) * 128  # the tiled layout's padding (act-order g_idx weights are not tiled)
+        k_words = -(-k // 128) * 128  # the tiled layout's padding (act-order weights too: rows sorted at load)
         return k_words * n // 2 + 2 * groups * n * 2  # int4 + bf16 scales and zeros
     if scheme == "fp8":
         return k * n + 4 * n  # e4m3 weights + one fp32 scale per output channel

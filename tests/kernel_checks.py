@@ -18,15 +18,15 @@ def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def act_order_weight(K, N, group_size=128):
-    """A random 4-bit act-order weight: a KernelWeight whose g_idx puts groups of group_size inputs
-    in a random order, as GPTQ's desc_act writes them."""
+def act_order_weight(K, N, group_size=128, bits=4):
+    """A random act-order weight: a KernelWeight whose g_idx puts groups of group_size inputs in a
+    random order, as GPTQ's desc_act writes them."""
     from fitllm.quant.formats.packing import KernelWeight, pack_dim0
 
     G = K // group_size
-    return KernelWeight(pack_dim0(torch.randint(0, 16, (K, N), generator=GEN), 4),
+    return KernelWeight(pack_dim0(torch.randint(0, 2 ** bits, (K, N), generator=GEN), bits),
                         (torch.rand(G, N, generator=GEN) * 0.02 + 0.01).bfloat16(),
-                        torch.randint(0, 16, (G, N), generator=GEN).bfloat16(), 4, group_size,
+                        torch.randint(0, 2 ** bits, (G, N), generator=GEN).bfloat16(), bits, group_size,
                         (torch.randperm(K, generator=GEN) // group_size).to(torch.int32))
 
 

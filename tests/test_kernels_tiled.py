@@ -289,6 +289,32 @@ def test_act_order_weight_is_served_tiled_through_sorted_rows():
     assert KernelWeight(kw.qweight, kw.scales, kw.zeros, 4, gs).grouped_by_permutation() is None
 
 
+def test_act_order_8bit_weight_is_served_through_sorted_rows():
+    """8-bit act-order weights (no tiled layout) on the GPU form (layers.gpu_form): the standard
+    layout without g_idx, rows sorted by group, perm kept; dequantized in the input's order, through
+    an output permutation too (the MLP fold); the layer computes what the g_idx weight computes,
+    from x as it is or from x its producer wrote in the rows' order (Gathered)."""
+    from fitllm.kernels._utils import Gathered
+    from fitllm.quant.layers import QuantLinear, gpu_form
+
+    K, N, gs = 256, 24, 64
+    kw = act_order_weight(K, N, gs, bits=8)
+    sw = gpu_form(kw, torch.bfloat16)
+    assert isinstance(sw, KernelWeight) and sw.bits == 8 and sw.g_idx is None and sw.perm is not None
+    assert torch.equal(sw.dequantize(), kw.dequantize())
+    idx = torch.randperm(N, generator=GEN)
+    assert torch.equal(sw.permute_outputs(idx).dequantize(), kw.dequantize()[idx])
+    layer = QuantLinear("model.layers.0.mlp.down_proj", K, [N], False, reader=None, dtype=torch.bfloat16, device="cpu")
+    layer.parts = [sw]
+    assert layer.input_perm() is sw.perm
+    x = torch.randn(3, K, generator=GEN).bfloat16()
+    want = x.double() @ kw.dequantize(torch.float64).t()
+    assert rel_err(layer(x), want) < 1e-2
+    assert torch.equal(layer(Gathered(x[:, sw.perm.long()], sw.perm)), layer(x))
+    with pytest.raises(ValueError, match="gathered for another weight"):
+        layer(Gathered(x, sw.perm.clone()))
+
+
 # --------------------------------------------------------------------------- codegen
 
 def _sass_loop(kernel, consts, warps, stages, x_type="*bf16", types=None, dump=None):

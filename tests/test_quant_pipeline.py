@@ -248,21 +248,24 @@ def test_phi3_compressed_tensors_loads_in_transformers(tiny):
     assert (prompt_logits(load_quantized_model(r.output), IDS) - ref).abs().max() < 1e-3
 
 
-def test_act_order_checkpoint_served_tiled_gets_its_input_orders_at_load(tiny, monkeypatch):
-    """fitllm's own act-order GPTQ checkpoint, loaded as on a GPU (rows sorted by group, tiled; here
-    forced on the CPU with the torch references): the loader moves each down_proj's input order into
-    its gate_up (CausalLM.fold_input_orders), the norms hand qkv and gate_up their input in order, the
-    paged attention o_proj's, so nothing is gathered, and the logits equal those of the g_idx weights
+@pytest.mark.parametrize("bits", [4, 8])
+def test_act_order_checkpoint_served_sorted_gets_its_input_orders_at_load(tiny, monkeypatch, bits):
+    """fitllm's own act-order GPTQ checkpoint, loaded as on a GPU (layers.gpu_form: rows sorted by
+    group; 4-bit tiled, 8-bit in the standard layout without g_idx; here forced on the CPU with the
+    torch references): the loader moves each down_proj's input order into its gate_up
+    (CausalLM.fold_input_orders), the norms hand qkv and gate_up their input in order, the paged
+    attention o_proj's, so nothing is gathered, and the logits equal those of the g_idx weights
     served as stored."""
     from fitllm.kernels import fused
     from fitllm.quant import layers
-    from fitllm.quant.formats.packing import TiledWeight
+    from fitllm.quant.formats.packing import KernelWeight, TiledWeight
 
-    r = convert(tiny, "gptq-act-tiled", "gptq", fmt="gptq", group_size=32, act_order=True)
+    r = convert(tiny, f"gptq-act-{bits}", "gptq", fmt="gptq", bits=bits, group_size=32, act_order=True)
     want = prompt_logits(load_quantized_model(r.output), IDS)
-    monkeypatch.setattr(layers, "_to_runtime", lambda p, device, dtype: (
-        TiledWeight.from_kernel(*p.grouped_by_permutation()) if p.g_idx is not None else p))
+    monkeypatch.setattr(layers, "_to_runtime", lambda p, device, dtype: layers.gpu_form(p, torch.bfloat16))
     model = load_quantized_model(r.output)
+    kind = TiledWeight if bits == 4 else KernelWeight
+    assert all(isinstance(p, kind) and p.g_idx is None for lin in model.fused_linears().values() for p in lin.parts)
     for layer in model.model.layers:
         assert layer.mlp.down_proj.input_perm() is None  # folded into gate_up at load
         assert layer.self_attn.qkv_proj.input_perm() is not None and layer.mlp.gate_up_proj.input_perm() is not None

@@ -4,9 +4,10 @@
 Every 4/8-bit layout is repacked at load time into fitllm's one kernel layout (KernelWeight),
 so one GEMM serves them all: fitllm.kernels.w4a16 on a GPU, a torch dequantize + matmul on CPU.
 On a GPU, 4-bit weights with 16-bit activations are repacked once more into the tiled layout of
-fitllm.kernels.w4a16_tiled (TiledWeight), whose kernels are faster at every batch size; act-order
-weights (g_idx) get there with their input rows sorted by group and x in that order: written so by
-the producer where it can (input_perm, decoder.MLP.fold_input_order), else gathered here.
+fitllm.kernels.w4a16_tiled (TiledWeight), whose kernels are faster at every batch size. Act-order
+weights (g_idx) of any width get their input rows sorted by group there, so the kernels for plain
+groups serve them, given x in that order: written so by the producer where it can (input_perm,
+decoder.MLP.fold_input_order, the attention's out_cols), else gathered here.
 FITLLM_W4_LAYOUT=standard keeps the standard layout (A/B benchmarks).
 """
 from __future__ import annotations
@@ -93,10 +94,12 @@ class QuantLinear(FusedLinear):
         return None
 
     def input_perm(self) -> torch.Tensor | None:
-        """One act-order 4-bit GEMM on the tiled kernels: the order its stored rows hold the input
-        columns in (TiledWeight.perm), which its producer may write x in (a Gathered x; see
-        FusedLinear.input_perm). FITLLM_ACT_ORDER_FOLD=0: None, the layer gathers (A/B runs)."""
-        perm = self.parts[0].perm if len(self.parts) == 1 and isinstance(self.parts[0], TiledWeight) else None
+        """One act-order GEMM with its rows sorted by group: the order its stored rows hold the input
+        columns in (TiledWeight.perm, KernelWeight.perm), which its producer may write x in (a
+        Gathered x; see FusedLinear.input_perm). FITLLM_ACT_ORDER_FOLD=0: None, the layer gathers
+        (A/B runs)."""
+        one = self.parts[0] if len(self.parts) == 1 else None
+        perm = one.perm if isinstance(one, (TiledWeight, KernelWeight)) else None
         # (the environment is read for act-order weights only: the decoder asks on every eager step)
         return perm if perm is not None and os.environ.get("FITLLM_ACT_ORDER_FOLD", "1") != "0" else None
 
@@ -131,34 +134,41 @@ class QuantLinear(FusedLinear):
         return y if self.bias is None else y + self.bias
 
     def _gemm(self, x, p, defer: bool = False):
-        if isinstance(x, Gathered) and (not isinstance(p, TiledWeight) or x.perm is not p.perm):
+        if isinstance(x, Gathered) and getattr(p, "perm", None) is not x.perm:
             raise ValueError(f"{self.prefix}: x was gathered for another weight")
         if isinstance(p, FP8Weight):
             return fp8_linear(x, p, self.fp8_mode, defer)
         shape = x.shape
+        x2 = _in_stored_order(x, p.perm)
         if isinstance(p, TiledWeight):
             from fitllm.kernels.w4a16_tiled import w4a16_tiled_gemm
 
-            if isinstance(x, Gathered):  # its producer wrote x in the rows' order (input_perm)
-                x2 = x.x
-            elif p.perm is None:
-                x2 = x.reshape(-1, shape[-1])
-            else:  # act-order: the rows are stored sorted by group (TiledWeight)
-                from fitllm.kernels.fused import gather_columns
-
-                x2 = gather_columns(x.reshape(-1, shape[-1]), p.perm)
             y = w4a16_tiled_gemm(x2, p.qtile, p.scales, p.zeros, p.group_size, p.in_features, defer=defer)
             return y if defer else y.reshape(*shape[:-1], y.shape[-1])
         try:  # Triton on CUDA, its torch reference on CPU
             from fitllm.kernels.w4a16 import w4a16_gemm
-        except ImportError:
-            return F.linear(x, p.dequantize(x.dtype))
-        y = w4a16_gemm(x.reshape(-1, shape[-1]), p.qweight, p.scales, p.zeros, p.group_size, bits=p.bits, g_idx=p.g_idx)
+        except ImportError:  # no Triton (then nothing was sorted: perm is None)
+            y = F.linear(x2, p.dequantize(x2.dtype))
+        else:
+            y = w4a16_gemm(x2, p.qweight, p.scales, p.zeros, p.group_size, bits=p.bits, g_idx=p.g_idx)
         return y.reshape(*shape[:-1], y.shape[-1])
 
     def dequantized_weight(self) -> torch.Tensor:
         """[N, K] float32 (tests, evaluation tools)."""
         return torch.cat([p.dequantize(torch.float32) for p in self.parts], dim=0)
+
+
+def _in_stored_order(x, perm) -> torch.Tensor:
+    """x [..., K] as 2-D rows whose columns follow a weight's stored rows: a Gathered x as its
+    producer wrote it (input_perm), else gathered by perm (act-order rows sorted by group), else x."""
+    if isinstance(x, Gathered):
+        return x.x
+    x2 = x.reshape(-1, x.shape[-1])
+    if perm is None:
+        return x2
+    from fitllm.kernels.fused import gather_columns
+
+    return gather_columns(x2, perm)
 
 
 def _out_features(part) -> int:
@@ -201,19 +211,30 @@ def _merge(parts: list) -> list:
 
 
 def _to_runtime(p, device, dtype):
-    """A converted weight on `device`; on a GPU, 4-bit weights the tiled kernels take are tiled."""
+    """A converted weight on `device`, in the form its kernels there take (gpu_form on a GPU)."""
     if isinstance(p, FP8Weight):
         return FP8Weight(p.weight.to(device), p.scale.to(device),
                          None if p.input_scale is None else p.input_scale.to(device))
     p = KernelWeight(p.qweight.to(device), p.scales.to(device), p.zeros.to(device), p.bits, p.group_size,
                      None if p.g_idx is None else p.g_idx.to(device))
-    if torch.device(device).type == "cuda" and os.environ.get("FITLLM_W4_LAYOUT", "tiled") != "standard":
+    return gpu_form(p, dtype) if torch.device(device).type == "cuda" else p
+
+
+def gpu_form(p: KernelWeight, dtype: torch.dtype) -> KernelWeight | TiledWeight:
+    """How a GPU serves a KernelWeight: act-order rows sorted by group (any width), so the kernels for
+    plain groups take it with x in that order (perm; the g_idx kernels are the slow legacy rows: 4-bit
+    sorted and tiled is 3.2-3.8x faster at M <= 64, RESULTS.md, twenty-seventh session), and 4-bit
+    weights the tiled kernels take tiled. The CPU keeps the stored form (its torch reference gains
+    nothing by sorting)."""
+    grouped = p.grouped_by_permutation()
+    if grouped is not None:
+        plain, perm = grouped
+        p = KernelWeight(plain.qweight, plain.scales, plain.zeros, plain.bits, plain.group_size, perm=perm)
+    if os.environ.get("FITLLM_W4_LAYOUT", "tiled") != "standard":
         from fitllm.kernels.w4a16_tiled import tiled_supported
 
-        grouped = p.grouped_by_permutation() if p.bits == 4 else None  # act-order: sort the rows, gather x
-        plain, perm = grouped if grouped is not None else (p, None)
-        if tiled_supported(plain.bits, plain.group_size, plain.in_features, plain.g_idx, dtype):
-            return TiledWeight.from_kernel(plain, perm)
+        if tiled_supported(p.bits, p.group_size, p.in_features, p.g_idx, dtype):
+            return TiledWeight.from_kernel(p, p.perm)
     return p
 
 

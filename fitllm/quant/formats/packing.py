@@ -58,13 +58,21 @@ def unpack_dim1(packed: torch.Tensor, bits: int, order=None) -> torch.Tensor:
     return blocks.reshape(packed.shape[0], -1)
 
 
+def _in_input_order(w: torch.Tensor, perm) -> torch.Tensor:
+    """A dequantized [N, K] weight whose column j holds input column perm[j] (act-order rows sorted
+    by group), with its columns put back in the input's order."""
+    return w if perm is None else torch.empty_like(w).index_copy_(1, perm.long(), w)
+
+
 class KernelWeight:
     """fitllm's one runtime layout (what fitllm.kernels.w4a16 consumes): qweight [K/per, N] int32
-    packed along K, scales/zeros [G, N] (zeros as float integers), optional g_idx [K] int32."""
+    packed along K, scales/zeros [G, N] (zeros as float integers), optional g_idx [K] int32.
+    perm (act-order weights on the GPU whose rows were sorted by group, grouped_by_permutation):
+    the input columns the stored rows hold, in order; the GEMM takes x[:, perm]."""
 
-    def __init__(self, qweight, scales, zeros, bits: int, group_size: int, g_idx=None):
+    def __init__(self, qweight, scales, zeros, bits: int, group_size: int, g_idx=None, perm=None):
         self.qweight, self.scales, self.zeros, self.g_idx = qweight, scales, zeros, g_idx
-        self.bits, self.group_size = bits, group_size
+        self.bits, self.group_size, self.perm = bits, group_size, perm
 
     @property
     def in_features(self) -> int:
@@ -79,12 +87,12 @@ class KernelWeight:
         """[N, K] in `dtype` (the torch reference path)."""
         q = unpack_dim0(self.qweight, self.bits).to(dtype)  # [K, N]
         g = self.groups()
-        return ((q - self.zeros[g].to(dtype)) * self.scales[g].to(dtype)).t()
+        return _in_input_order(((q - self.zeros[g].to(dtype)) * self.scales[g].to(dtype)).t(), self.perm)
 
     def permute_outputs(self, idx: torch.Tensor) -> "KernelWeight":
         """The same weight with output j holding output idx[j]."""
         return KernelWeight(self.qweight[:, idx], self.scales[:, idx], self.zeros[:, idx], self.bits, self.group_size,
-                            self.g_idx)
+                            self.g_idx, self.perm)
 
     def grouped_by_permutation(self) -> tuple["KernelWeight", torch.Tensor] | None:
         """An act-order weight (g_idx) as (the same weight with its input rows sorted by group, so it
@@ -133,9 +141,7 @@ class TiledWeight:
         from fitllm.kernels.w4a16_tiled import dequantize_tiled_ref
 
         w = dequantize_tiled_ref(self.qtile, self.scales, self.zeros, self.group_size, self.in_features, dtype)
-        if self.perm is None:
-            return w
-        return torch.empty_like(w).index_copy_(1, self.perm.long(), w)
+        return _in_input_order(w, self.perm)
 
 
 def to_kernel(qw, dtype=torch.float32) -> KernelWeight:
