@@ -144,7 +144,7 @@ class Attention(nn.Module):
         # an act-order o_proj takes its input in its weight's order: written so by the attention
         # kernels where the context can (ForwardContext.writes_columns), else it gathers it itself
         perm = self.o_proj.input_perm() if getattr(ctx, "writes_columns", False) else None
-        cols = {} if perm is None else {"out_cols": self._columns_for(perm)}
+        cols = {} if perm is None else {"out_cols": self.output_columns(perm)}
         if rope_in_write:  # RoPE in the launch that writes the cache
             out = ctx.attend(self.layer, q, k, v, self.scale, rope=(cos, sin), **cols)
         else:
@@ -153,9 +153,10 @@ class Attention(nn.Module):
         out = out.reshape(t, -1)
         return self.o_proj(out if perm is None else Gathered(out, perm), defer=defer)
 
-    def _columns_for(self, perm: torch.Tensor) -> torch.Tensor:
+    def output_columns(self, perm: torch.Tensor) -> torch.Tensor:
         """out_cols for o_proj's input_perm: input column perm[j] goes to position j (int32, made once
-        per weight)."""
+        per weight: at load, CausalLM.fold_input_orders, so never first inside a CUDA graph capture,
+        which would record the argsort without running it)."""
         if self._out_cols is None or self._out_cols[0] is not perm:
             self._out_cols = (perm, torch.argsort(perm.long()).to(torch.int32))
         return self._out_cols[1]
@@ -290,7 +291,12 @@ class CausalLM(nn.Module):
 
     def fold_input_orders(self) -> int:
         """After loading: each act-order down_proj's input order moved into its gate_up
-        (MLP.fold_input_order). Returns how many layers changed."""
+        (MLP.fold_input_order), and each act-order o_proj's column map for the attention made.
+        Returns how many MLPs changed."""
+        for layer in self.model.layers:
+            perm = layer.self_attn.o_proj.input_perm()
+            if perm is not None:
+                layer.self_attn.output_columns(perm)
         return sum(layer.mlp.fold_input_order() for layer in self.model.layers)
 
     def fused_linears(self) -> dict[str, FusedLinear]:
