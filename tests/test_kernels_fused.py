@@ -573,8 +573,9 @@ def _act_order_tiled(K, N):
 def test_act_order_layers_get_their_input_order_from_the_producers(tokens, monkeypatch):
     """Act-order int4 layers: the norms write qkv's and gate_up's input in their weights' order
     (Gathered), and each down_proj's order moves into its gate_up's outputs at load
-    (CausalLM.fold_input_orders), so only o_proj still gathers. The hidden states equal, bit for bit,
-    those of the model where every layer gathers its own input (FITLLM_ACT_ORDER_FOLD=0)."""
+    (CausalLM.fold_input_orders), so without a paged cache (NoCacheContext: no writes_columns) only
+    o_proj still gathers. The hidden states equal, bit for bit, those of the model where every layer
+    gathers its own input (FITLLM_ACT_ORDER_FOLD=0)."""
     from fitllm.quant.formats.packing import TiledWeight
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=256, intermediate_size=384,

@@ -27,9 +27,10 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
   greedy_tokens(logits) -> int64 [R]: each row's argmax (the first maximal column, as torch), -1
       where the row has a NaN or infinite value: the greedy sampler's step in one launch instead of
       a float copy and two single-row reductions (~45 µs per batch-1 step over Llama-3's vocab).
-  gather_columns(x, idx) -> x[:, idx]: the input of an act-order 4-bit GEMM, whose weight rows are
-      stored sorted by group (quant.layers), as a PDL launch (torch's index_select breaks the chain);
-      in the decoder only o_proj's (the norms write the others' input in order, see rms_norm's perm).
+  gather_columns(x, idx) -> x[:, idx]: the input of an act-order GEMM, whose weight rows are stored
+      sorted by group (quant.layers), as a PDL launch (torch's index_select breaks the chain); in the
+      decoder only where no producer writes that order (the norms: rms_norm's perm; o_proj's input:
+      paged_attention's out_cols; a context without those, e.g. NoCacheContext, leaves o_proj's).
 
 Dispatch as for the GEMMs (_utils.backend_for): Triton on CUDA tensors, the reference elsewhere,
 FITLLM_KERNEL_BACKEND forces either. The launches are CUDA-graph safe: shapes come from tensor
