@@ -272,3 +272,25 @@ def test_act_order_checkpoint_served_sorted_gets_its_input_orders_at_load(tiny, 
         assert layer.self_attn.o_proj.input_perm() is not None
     monkeypatch.setattr(fused, "gather_columns", lambda *a: pytest.fail("an act-order layer gathered its input"))
     assert rel_err(prompt_logits(model, IDS), want) < 1e-5
+
+
+def test_act_order_checkpoint_sorted_decodes_the_same_in_the_engine(tiny, monkeypatch):
+    """The sorted, folded act-order model (gpu_form forced on the CPU) in the engine, decode steps
+    through the CUDA-graph path emulated on the CPU (GraphContext, padded attention scattering o_proj's
+    input order) and eager prefill: greedy tokens equal those of the g_idx weights served as stored."""
+    from fitllm.models.generate import generate
+    from fitllm.quant import layers
+    from fitllm.serve.engine import EngineConfig, LLMEngine
+    from fitllm.serve.sampling import SamplingParams
+
+    r = convert(tiny, "gptq-act-engine", "gptq", fmt="gptq", group_size=32, act_order=True)
+    prompts = [IDS, IDS[:3], IDS[2:] + IDS[:2]]
+    want = generate(load_quantized_model(r.output), prompts, 6)
+    monkeypatch.setattr(layers, "_to_runtime", lambda p, device, dtype: layers.gpu_form(p, torch.bfloat16))
+    model = load_quantized_model(r.output)
+    assert all(lin.input_perm() is not None for name, lin in model.fused_linears().items() if "o_proj" in name)
+    eng = LLMEngine(EngineConfig(max_num_batched_tokens=32, block_size=8, num_kv_blocks=64, max_model_len=128,
+                                 max_num_seqs=4), model=model)
+    assert eng.runner.capture_graphs(4, emulate_on_cpu=True)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert [o.new_token_ids for o in outs] == want
