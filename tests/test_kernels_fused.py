@@ -610,9 +610,10 @@ def test_act_order_layers_get_their_input_order_from_the_producers(tokens, monke
 def test_paged_attention_writes_o_proj_input_in_its_order(tokens, kv, monkeypatch):
     """Over the paged cache (ForwardContext.writes_columns) the attention kernels store each act-order
     o_proj's input in its weight's order (out_cols; a Gathered x), so with the folds at load no layer
-    gathers at all. Hidden states: bit for bit those of every layer gathering its own input
+    of a short step gathers at all (a longer one leaves o_proj its gather). Hidden states: bit for bit those of every layer gathering its own input
     (FITLLM_ACT_ORDER_FOLD=0, same cache kind). bf16 KV fuses RoPE into the cache write; a scaled fp8
     cache maps the output back to the model's space first and scatters it after."""
+    from fitllm.models import decoder
     from fitllm.models.kv_cache import AttentionMetadata, ForwardContext, KVCalibration, PagedKVCache
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=256, intermediate_size=384,
@@ -643,6 +644,9 @@ def test_paged_attention_writes_o_proj_input_in_its_order(tokens, kv, monkeypatc
     got = run()
     assert gathers == []
     assert torch.isfinite(got).all() and torch.equal(got, ref)
+    # a step longer than ATTENTION_WRITES_ORDER_UP_TO: o_proj gathers its input itself, same output
+    monkeypatch.setattr(decoder, "ATTENTION_WRITES_ORDER_UP_TO", tokens - 1)
+    assert torch.equal(run(), ref) and gathers == [cfg.num_heads * cfg.head_dim] * cfg.num_layers
 
 
 def test_permute_outputs_keeps_each_part_whole():

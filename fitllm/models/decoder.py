@@ -108,6 +108,14 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, long_inv_freq:
     return freqs.cos(), freqs.sin()
 
 
+# Steps of up to this many tokens get an act-order o_proj's input written in its order by the
+# attention kernels (out_cols); longer ones let o_proj gather it (fused.gather_columns). Scattered
+# 2-byte stores cost about one L2 transaction each: next to a launch of ~3.5 µs that is nothing for
+# a decode step, but a long prefill would pay ~150 µs a layer at 8192 tokens (an estimate) where the
+# row-gather kernel takes 47 µs (H100, RESULTS.md twenty-eighth session). Not yet tuned on a GPU.
+ATTENTION_WRITES_ORDER_UP_TO = 64
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, make_linear: LinearFactory):
         super().__init__()
@@ -142,8 +150,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # an act-order o_proj takes its input in its weight's order: written so by the attention
-        # kernels where the context can (ForwardContext.writes_columns), else it gathers it itself
-        perm = self.o_proj.input_perm() if getattr(ctx, "writes_columns", False) else None
+        # kernels where the context can (ForwardContext.writes_columns) and the step is short, else
+        # it gathers it itself
+        writes = getattr(ctx, "writes_columns", False) and t <= ATTENTION_WRITES_ORDER_UP_TO
+        perm = self.o_proj.input_perm() if writes else None
         cols = {} if perm is None else {"out_cols": self.output_columns(perm)}
         if rope_in_write:  # RoPE in the launch that writes the cache
             out = ctx.attend(self.layer, q, k, v, self.scale, rope=(cos, sin), **cols)
