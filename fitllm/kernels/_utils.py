@@ -175,9 +175,10 @@ class Fp8Activations:
 
 @dataclass(frozen=True)
 class Gathered:
-    """Activations handed to an act-order 4-bit GEMM with their columns already in its weight's
-    storage order: x = a[:, perm] (perm: FusedLinear.input_perm). The norm before the GEMM writes
-    them so (fused.rms_norm's perm), which spares the GEMM its own gather launch."""
+    """Activations handed to an act-order GEMM with their columns already in its weight's storage
+    order: x = a[:, perm] (perm: FusedLinear.input_perm). The producer before the GEMM writes them
+    so (fused.rms_norm's perm; paged_attention's out_cols for o_proj), which spares the GEMM its own
+    gather launch."""
 
     x: torch.Tensor
     perm: torch.Tensor

@@ -50,8 +50,8 @@ class FusedLinear(nn.Module):
 
     def input_perm(self):
         """The column order this layer's one GEMM wants x in (an act-order weight stored sorted by
-        group, quant.layers), which its producer (a fused RMSNorm) may write x in, handing over
-        kernels._utils.Gathered; None: x as it is."""
+        group, quant.layers), which its producer (a fused RMSNorm, or the attention for o_proj) may
+        write x in, handing over kernels._utils.Gathered; None: x as it is."""
         return None
 
     def permute_outputs(self, idx: torch.Tensor) -> bool:
