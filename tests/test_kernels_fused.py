@@ -569,6 +569,20 @@ def _act_order_tiled(K, N):
     return TiledWeight.from_kernel(*act_order_weight(K, N).grouped_by_permutation())
 
 
+def _act_order_decoder(tokens, monkeypatch):
+    """A 2-layer bf16 decoder of act-order int4 layers on the Triton path (interpreter), `tokens`
+    random inputs, and the list of the column counts fused.gather_columns is called with."""
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=256, intermediate_size=384,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6)
+    model = quantized_model(cfg, _act_order_tiled)
+    ids, positions = torch.randint(0, 96, (tokens,), generator=GEN), torch.arange(tokens)
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
+    gathers = []
+    orig = fused.gather_columns
+    monkeypatch.setattr(fused, "gather_columns", lambda x, idx: gathers.append(x.shape[1]) or orig(x, idx))
+    return cfg, model, ids, positions, gathers
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_act_order_layers_get_their_input_order_from_the_producers(tokens, monkeypatch):
     """Act-order int4 layers: the norms write qkv's and gate_up's input in their weights' order
@@ -578,14 +592,7 @@ def test_act_order_layers_get_their_input_order_from_the_producers(tokens, monke
     gathers its own input (FITLLM_ACT_ORDER_FOLD=0)."""
     from fitllm.quant.formats.packing import TiledWeight
 
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=256, intermediate_size=384,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6)
-    model = quantized_model(cfg, _act_order_tiled)
-    ids, positions = torch.randint(0, 96, (tokens,), generator=GEN), torch.arange(tokens)
-    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
-    gathers = []
-    orig = fused.gather_columns
-    monkeypatch.setattr(fused, "gather_columns", lambda x, idx: gathers.append(x.shape[1]) or orig(x, idx))
+    cfg, model, ids, positions, gathers = _act_order_decoder(tokens, monkeypatch)
     monkeypatch.setenv("FITLLM_ACT_ORDER_FOLD", "0")
     with torch.no_grad():
         assert model.fold_input_orders() == 0
@@ -610,17 +617,14 @@ def test_act_order_layers_get_their_input_order_from_the_producers(tokens, monke
 def test_paged_attention_writes_o_proj_input_in_its_order(tokens, kv, monkeypatch):
     """Over the paged cache (ForwardContext.writes_columns) the attention kernels store each act-order
     o_proj's input in its weight's order (out_cols; a Gathered x), so with the folds at load no layer
-    of a short step gathers at all (a longer one leaves o_proj its gather). Hidden states: bit for bit those of every layer gathering its own input
-    (FITLLM_ACT_ORDER_FOLD=0, same cache kind). bf16 KV fuses RoPE into the cache write; a scaled fp8
-    cache maps the output back to the model's space first and scatters it after."""
+    of a short step gathers at all (a longer one leaves o_proj its gather). Hidden states: bit for bit
+    those of every layer gathering its own input (FITLLM_ACT_ORDER_FOLD=0, same cache kind). bf16 KV
+    fuses RoPE into the cache write; a scaled fp8 cache maps the output back to the model's space
+    first and scatters it after."""
     from fitllm.models import decoder
     from fitllm.models.kv_cache import AttentionMetadata, ForwardContext, KVCalibration, PagedKVCache
 
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=256, intermediate_size=384,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6)
-    model = quantized_model(cfg, _act_order_tiled)
-    ids, positions = torch.randint(0, 96, (tokens,), generator=GEN), torch.arange(tokens)
-    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
+    cfg, model, ids, positions, gathers = _act_order_decoder(tokens, monkeypatch)
     cal = KVCalibration.from_scales([0.05] * cfg.num_layers, [0.05] * cfg.num_layers, cfg.num_kv_heads,
                                     cfg.head_dim) if kv == "fp8" else None
 
@@ -632,9 +636,6 @@ def test_paged_attention_writes_o_proj_input_in_its_order(tokens, kv, monkeypatc
             return model(ids, positions, ForwardContext(cache, AttentionMetadata.build([tokens], [tokens], [[2]], 16,
                                                                                         "cpu")))
 
-    gathers = []
-    orig = fused.gather_columns
-    monkeypatch.setattr(fused, "gather_columns", lambda x, idx: gathers.append(x.shape[1]) or orig(x, idx))
     monkeypatch.setenv("FITLLM_ACT_ORDER_FOLD", "0")
     ref = run()
     assert len(gathers) == 4 * cfg.num_layers
