@@ -533,8 +533,9 @@ def test_gather_columns_matches_index_select(T, K, idx_dtype, rows_from, monkeyp
                                       (2, 64, "mixed-dtype")])
 def test_rms_norm_writes_its_output_in_a_given_column_order(T, N, mode):
     """perm (an act-order GEMM's input_perm): out[:, j] is the normalised column perm[j], bit for bit
-    the unpermuted output gathered; the new residual keeps the model's order; a pending sum's
-    workspace ends zero. The reference path gathers the same way."""
+    the unpermuted output gathered, whether the kernel gathers the weight or is handed it permuted;
+    the new residual keeps the model's order; a pending sum's workspace ends zero. The reference
+    path gathers the same way."""
     from fitllm.kernels._utils import Fp8Input, Gathered
 
     vals = randn(T, N, scale=3.0)
@@ -543,16 +544,17 @@ def test_rms_norm_writes_its_output_in_a_given_column_order(T, N, mode):
     perm = torch.randperm(N, generator=GEN).to(torch.int32)
     want = fused.rms_norm_triton(x, w, 1e-6, r)
     ws = None
-    if mode == "pending":
-        x, ws = _pending(vals)
-    got = fused.rms_norm_triton(x, w, 1e-6, r, perm=perm)
-    if r is not None:
-        assert torch.equal(got[1], want[1])
-        got, want = got[0], want[0]
-    assert isinstance(got, Gathered) and got.perm is perm and got.shape == want.shape
-    assert torch.equal(got.x, want[:, perm.long()])
-    if ws is not None:
-        assert (ws == 0).all()
+    for permuted_weight in (None, w[perm.long()]):
+        if mode == "pending":
+            x, ws = _pending(vals)
+        got = fused.rms_norm_triton(x, w, 1e-6, r, perm=perm, permuted_weight=permuted_weight)
+        got_out, want_out = (got[0], want[0]) if r is not None else (got, want)
+        if r is not None:
+            assert torch.equal(got[1], want[1])
+        assert isinstance(got_out, Gathered) and got_out.perm is perm and got_out.shape == want_out.shape
+        assert torch.equal(got_out.x, want_out[:, perm.long()])
+        if ws is not None:
+            assert (ws == 0).all()
     ref = fused.rms_norm(vals.to(torch.bfloat16), w, 1e-6, r, perm=perm)
     ref = ref[0] if r is not None else ref
     assert isinstance(ref, Gathered)
@@ -560,6 +562,10 @@ def test_rms_norm_writes_its_output_in_a_given_column_order(T, N, mode):
         fused.rms_norm_triton(vals.to(torch.bfloat16), w, 1e-6, perm=perm[:-1])
     with pytest.raises(ValueError, match="perm"):
         fused.rms_norm_triton(vals.to(torch.bfloat16), w, 1e-6, fp8=Fp8Input(), perm=perm)
+    with pytest.raises(ValueError, match="permuted_weight"):
+        fused.rms_norm(vals.to(torch.bfloat16), w, 1e-6, permuted_weight=w)
+    with pytest.raises(ValueError, match="permuted_weight"):
+        fused.rms_norm_triton(vals.to(torch.bfloat16), w, 1e-6, perm=perm, permuted_weight=w.float())
 
 
 def _act_order_tiled(K, N):
@@ -606,6 +612,11 @@ def test_act_order_layers_get_their_input_order_from_the_producers(tokens, monke
     # down_proj's columns and gate|up's rows now both run in down_proj's stored order
     assert torch.equal(mlp.down_proj.dequantized_weight(), down[:, p])
     assert torch.equal(mlp.gate_up_proj.dequantized_weight(), gate_up[torch.cat([p, p + cfg.intermediate_size])])
+    # each norm's weight in its GEMM's input order, made at load (never first inside a graph capture)
+    layer = model.model.layers[0]
+    qkv_perm = layer.self_attn.qkv_proj.input_perm()
+    made = layer.input_layernorm._in_order
+    assert made[0] is qkv_perm and torch.equal(made[2], layer.input_layernorm.weight[qkv_perm.long()])
     gathers.clear()
     with torch.no_grad():
         got = model(ids, positions, NoCacheContext([tokens]))
@@ -617,7 +628,8 @@ def test_act_order_layers_get_their_input_order_from_the_producers(tokens, monke
 def test_paged_attention_writes_o_proj_input_in_its_order(tokens, kv, monkeypatch):
     """Over the paged cache (ForwardContext.writes_columns) the attention kernels store each act-order
     o_proj's input in its weight's order (out_cols; a Gathered x), so with the folds at load no layer
-    of a short step gathers at all (a longer one leaves o_proj its gather). Hidden states: bit for bit
+    of a short step gathers at all (a longer one leaves o_proj its gather; decoder.ATTENTION_WRITES_ORDER_UP_TO,
+    raised here to test the kernels' out_cols on a 5-token step too). Hidden states: bit for bit
     those of every layer gathering its own input (FITLLM_ACT_ORDER_FOLD=0, same cache kind). bf16 KV
     fuses RoPE into the cache write; a scaled fp8 cache maps the output back to the model's space
     first and scatters it after."""
@@ -642,12 +654,25 @@ def test_paged_attention_writes_o_proj_input_in_its_order(tokens, kv, monkeypatc
     monkeypatch.delenv("FITLLM_ACT_ORDER_FOLD")
     assert model.fold_input_orders() == cfg.num_layers
     gathers.clear()
+    monkeypatch.setattr(decoder, "ATTENTION_WRITES_ORDER_UP_TO", tokens)  # (5: the prefill kernel's out_cols)
     got = run()
     assert gathers == []
     assert torch.isfinite(got).all() and torch.equal(got, ref)
     # a step longer than ATTENTION_WRITES_ORDER_UP_TO: o_proj gathers its input itself, same output
     monkeypatch.setattr(decoder, "ATTENTION_WRITES_ORDER_UP_TO", tokens - 1)
     assert torch.equal(run(), ref) and gathers == [cfg.num_heads * cfg.head_dim] * cfg.num_layers
+
+
+def test_rms_norm_weight_in_order_is_made_once_and_follows_the_weight():
+    from fitllm.models.decoder import RMSNorm
+
+    norm, perm = RMSNorm(8, 1e-6), torch.randperm(8, generator=GEN).to(torch.int32)
+    assert norm.weight_in_order(None) is None
+    first = norm.weight_in_order(perm)
+    assert norm.weight_in_order(perm) is first  # cached
+    with torch.no_grad():
+        norm.weight.copy_(torch.arange(8.0))
+    assert torch.equal(norm.weight_in_order(perm), torch.arange(8.0)[perm.long()])  # remade after a change
 
 
 def test_permute_outputs_keeps_each_part_whole():

@@ -257,6 +257,7 @@ def test_act_order_checkpoint_served_sorted_gets_its_input_orders_at_load(tiny, 
     attention o_proj's, so nothing is gathered, and the logits equal those of the g_idx weights
     served as stored."""
     from fitllm.kernels import fused
+    from fitllm.models import decoder
     from fitllm.quant import layers
     from fitllm.quant.formats.packing import KernelWeight, TiledWeight
 
@@ -270,6 +271,8 @@ def test_act_order_checkpoint_served_sorted_gets_its_input_orders_at_load(tiny, 
         assert layer.mlp.down_proj.input_perm() is None  # folded into gate_up at load
         assert layer.self_attn.qkv_proj.input_perm() is not None and layer.mlp.gate_up_proj.input_perm() is not None
         assert layer.self_attn.o_proj.input_perm() is not None
+    # (the attention writes o_proj's order in steps of any length here, the prompt's too)
+    monkeypatch.setattr(decoder, "ATTENTION_WRITES_ORDER_UP_TO", len(IDS))
     monkeypatch.setattr(fused, "gather_columns", lambda *a: pytest.fail("an act-order layer gathered its input"))
     assert rel_err(prompt_logits(model, IDS), want) < 1e-5
 
@@ -278,11 +281,13 @@ def test_act_order_checkpoint_sorted_decodes_the_same_in_the_engine(tiny, monkey
     """The sorted, folded act-order model (gpu_form forced on the CPU) in the engine, decode steps
     through the CUDA-graph path emulated on the CPU (GraphContext, padded attention scattering o_proj's
     input order) and eager prefill: greedy tokens equal those of the g_idx weights served as stored."""
+    from fitllm.models import decoder
     from fitllm.models.generate import generate
     from fitllm.quant import layers
     from fitllm.serve.engine import EngineConfig, LLMEngine
     from fitllm.serve.sampling import SamplingParams
 
+    monkeypatch.setattr(decoder, "ATTENTION_WRITES_ORDER_UP_TO", 4)  # the graphs' padded steps of 3 rows too
     r = convert(tiny, "gptq-act-engine", "gptq", fmt="gptq", group_size=32, act_order=True)
     prompts = [IDS, IDS[:3], IDS[2:] + IDS[:2]]
     want = generate(load_quantized_model(r.output), prompts, 6)

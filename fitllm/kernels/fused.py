@@ -178,13 +178,13 @@ def _with_fp8(out: torch.Tensor, scale: torch.Tensor, mode: int, dtype: torch.dt
 
 def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None, fp8: Fp8Input | None = None,
-                    perm: torch.Tensor | None = None):
+                    perm: torch.Tensor | None = None, permuted_weight: torch.Tensor | None = None):
     N = x.shape[-1]
     has_res = residual is not None
     if weight.shape != (N,) or (has_res and residual.shape != x.shape):
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
                          f"{tuple(residual.shape) if has_res else None}")
-    _check_perm(perm, x, fp8)
+    _check_perm(perm, x, fp8, weight, permuted_weight)
     if perm is not None and not _kernels().HAS_GATHER:  # an older Triton: normalise, then gather
         return _gathered(rms_norm_triton(x, weight, eps, residual), perm, gather_columns_triton)
     pending = isinstance(x, PendingSum)
@@ -204,17 +204,24 @@ def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: flo
     if rows:
         block = _pow2(N)
         _kernels().rms_norm_kernel[(rows,)](
-            x, residual, weight.contiguous(), out, h, scale, out if perm is None else perm, N, n_inner, sx_o, sx_i,
+            x, residual, (weight if permuted_weight is None else permuted_weight).contiguous(), out, h, scale,
+            out if perm is None else perm, N, n_inner, sx_o, sx_i,
             sr_o, sr_i, float(eps), HAS_RES=has_res, X_SUM=pending, RNE=_rne(dtype), RNE_OUT=_rne(out_dtype),
-            BLOCK_N=block, PERM=perm is not None, num_warps=_warps(block), **fp8_opts, **pdl_args(h))
+            BLOCK_N=block, PERM=perm is not None, W_PERMUTED=permuted_weight is not None, num_warps=_warps(block),
+            **fp8_opts, **pdl_args(h))
     out = _with_fp8(out, scale, mode, out_dtype) if perm is None else Gathered(out, perm)
     return (out, h) if has_res else out
 
 
-def _check_perm(perm: torch.Tensor | None, x, fp8: Fp8Input | None) -> None:
+def _check_perm(perm: torch.Tensor | None, x, fp8: Fp8Input | None, weight: torch.Tensor,
+                permuted_weight: torch.Tensor | None) -> None:
     if perm is not None and (len(x.shape) != 2 or perm.shape != (x.shape[-1],) or fp8 is not None):
         raise ValueError(f"rms_norm: perm {tuple(perm.shape)} needs x [T, N] with N = its length and no fp8, "
                          f"got x {tuple(x.shape)}, fp8 {fp8}")
+    if permuted_weight is not None and (perm is None or permuted_weight.shape != weight.shape
+                                        or permuted_weight.dtype != weight.dtype):
+        raise ValueError(f"rms_norm: permuted_weight {tuple(permuted_weight.shape)} {permuted_weight.dtype} needs a "
+                         f"perm and the weight's shape and dtype ({tuple(weight.shape)} {weight.dtype})")
 
 
 def _gathered(result, perm: torch.Tensor | None, gather=gather_columns_ref):
@@ -345,20 +352,22 @@ def gather_columns_triton(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- dispatch
 
 def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             fp8: Fp8Input | None = None, perm: torch.Tensor | None = None):
+             fp8: Fp8Input | None = None, perm: torch.Tensor | None = None,
+             permuted_weight: torch.Tensor | None = None):
     """RMSNorm over the last dim, math in float32, output in x's dtype (promoted with weight's).
     With `residual`: h = x + residual first, returns (rms_norm(h), h). x may be a GEMM's
     PendingSum: taken (and its workspace zeroed) here. fp8 (the next GEMM's FusedLinear.fp8_input):
     the Triton path may return the output quantized for that GEMM (Fp8Activations). perm (the next
     GEMM's FusedLinear.input_perm, x [T, N]): the output is Gathered, its columns in perm's order
-    (both paths). The kernel reads `weight`, `residual` and `perm` before it waits for the kernel
+    (both paths); permuted_weight (optional, weight[perm] made once by the caller) spares the kernel
+    gathering the weight. The kernel reads `weight`, `residual` and `perm` before it waits for the kernel
     launched just before it (PDL): they must not be that kernel's output (the decoder's residual is
     a norm's, two or more launches back)."""
     if isinstance(x, PendingSum) and backend_for(x.acc) != "triton":
         x = x.materialize()
     if backend_for(x.acc if isinstance(x, PendingSum) else x) == "triton":
-        return rms_norm_triton(x, weight, eps, residual, fp8, perm)
-    _check_perm(perm, x, fp8)
+        return rms_norm_triton(x, weight, eps, residual, fp8, perm, permuted_weight)
+    _check_perm(perm, x, fp8, weight, permuted_weight)
     return _gathered(rms_norm_ref(x, weight, eps, residual), perm)
 
 

@@ -25,13 +25,26 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self._in_order = None  # (perm, the weight's version, weight[perm])
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, fp8=None, perm=None):
         """Normalise in float32 as the reference implementations do, then cast back. With `residual`,
         normalises h = x + residual and returns (norm(h), h): the residual add, fused. fp8: the next
         layer's FusedLinear.fp8_input (the output may come quantized for it); perm: its input_perm
         (the output comes with its columns in that order)."""
-        return fused.rms_norm(x, self.weight, self.eps, residual, fp8, perm)
+        return fused.rms_norm(x, self.weight, self.eps, residual, fp8, perm, self.weight_in_order(perm))
+
+    def weight_in_order(self, perm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """weight[perm], which the kernel reads contiguously instead of gathering it (int4-act batch-1
+        decode +1.9 %, H100: RESULTS.md, thirtieth session). Made once per perm, at load
+        (CausalLM.fold_input_orders: never first inside a CUDA graph capture), and again only if the
+        weight changes."""
+        if perm is None:
+            return None
+        cached = self._in_order
+        if cached is None or cached[0] is not perm or cached[1] != self.weight._version:
+            cached = self._in_order = (perm, self.weight._version, self.weight[perm.long()].contiguous())
+        return cached[2]
 
 
 def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
@@ -109,11 +122,11 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, long_inv_freq:
 
 
 # Steps of up to this many tokens get an act-order o_proj's input written in its order by the
-# attention kernels (out_cols); longer ones let o_proj gather it (fused.gather_columns). Scattered
-# 2-byte stores cost about one L2 transaction each: next to a launch of ~3.5 µs that is nothing for
-# a decode step, but a long prefill would pay ~150 µs a layer at 8192 tokens (an estimate) where the
-# row-gather kernel takes 47 µs (H100, RESULTS.md twenty-eighth session). Not yet tuned on a GPU.
-ATTENTION_WRITES_ORDER_UP_TO = 64
+# attention kernels (out_cols); longer ones let o_proj gather it (fused.gather_columns). Measured on
+# an H100, Llama-3-8B shapes, act-order int4 decode steps: writing the order is 0.3-0.5 % faster at
+# batch 1, 0.3 % slower at 8 and 1-1.7 % slower at 32-256 (scattered 2-byte stores from each of the
+# many attention programs cost more than one row-gather launch). RESULTS.md, thirtieth session.
+ATTENTION_WRITES_ORDER_UP_TO = 1
 
 
 class Attention(nn.Module):
@@ -301,12 +314,15 @@ class CausalLM(nn.Module):
 
     def fold_input_orders(self) -> int:
         """After loading: each act-order down_proj's input order moved into its gate_up
-        (MLP.fold_input_order), and each act-order o_proj's column map for the attention made.
-        Returns how many MLPs changed."""
+        (MLP.fold_input_order), and the orders that producers write made: each act-order o_proj's
+        column map for the attention, each norm's weight in its GEMM's input order. Returns how many
+        MLPs changed."""
         for layer in self.model.layers:
             perm = layer.self_attn.o_proj.input_perm()
             if perm is not None:
                 layer.self_attn.output_columns(perm)
+            layer.input_layernorm.weight_in_order(layer.self_attn.qkv_proj.input_perm())
+            layer.post_attention_layernorm.weight_in_order(layer.mlp.gate_up_proj.input_perm())
         return sum(layer.mlp.fold_input_order() for layer in self.model.layers)
 
     def fused_linears(self) -> dict[str, FusedLinear]:
