@@ -700,6 +700,22 @@ W4A16_CONFIGS = {
     ],
 }
 
+# 8-bit weights (GPTQ int8): twice the bytes of a K tile, no packed-pairs GEMV. sm90 rows: an H100
+# sweep of ~35-110 random configs per M (RESULTS.md, thirtieth session), µs per Llama-3-8B layer
+# against the 4-bit table's rows: M=1 GEMV 99 (106), M=4 tc 142 (GEMV 195), M=16 146, M=32 196 (216),
+# M=64 225 (230), M=128 tc BM128 395 (dequant + cuBLAS 464); from M=256 dequant + cuBLAS stays best.
+W8A16_CONFIGS = {
+    "sm90": [
+        (1, _gemv(64, 256, 4, waves=4)),
+        (16, _tc(16, 64, 128, 4, 3, waves=4, swap=True, unpack=0)),
+        (32, _tc(32, 128, 128, 8, 4, waves=2, unpack=1)),
+        (64, _tc(64, 64, 64, 4, 4, waves=2, unpack=0)),
+        (128, _tc(128, 128, 64, 8, 4, waves=1, unpack=0)),
+        (1 << 62, _cfg(128, 128, 64, False, 8, 4, backend="dequant")),
+    ],
+    "default": W4A16_CONFIGS["default"],
+}
+
 # Where the small-M kernels do not apply (g_idx, odd group sizes, fp32 activations). The sm90 rows
 # are the 2026-11-29 H200 sweep (benchmarks/RESULTS.md): split-j Triton for M <= 16, then one
 # dequant pass + cuBLAS.
@@ -809,7 +825,8 @@ def w4a16_gemm_triton(x, qweight, scales, zeros, group_size, bits=4, g_idx=None,
     M, K = x.shape
     N = qweight.shape[1]
     dev = device_index(x)
-    cfg = dict(config) if config is not None else pick_config(W4A16_CONFIGS, gpu_arch(dev), M)
+    table = W4A16_CONFIGS if bits == 4 else W8A16_CONFIGS
+    cfg = dict(config) if config is not None else pick_config(table, gpu_arch(dev), M)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
