@@ -29,8 +29,8 @@ def act_order_weight(K, N, dev, bits=4):
     g_idx = (torch.randperm(K, device=dev) // GS).to(torch.int32)
     kw = KernelWeight(pack_dim0(q, bits), (torch.rand(K // GS, N, device=dev) * 0.01 + 0.002).bfloat16(),
                       torch.randint(0, 2 ** bits, (K // GS, N), device=dev).bfloat16(), bits, GS, g_idx)
-    plain, perm = kw.grouped_by_permutation()
-    return dict(kw=kw, plain=plain, qtile=tile_pack(plain.qweight) if bits == 4 else None, perm=perm,
+    plain = kw.grouped_by_permutation()
+    return dict(kw=kw, plain=plain, qtile=tile_pack(plain.qweight) if bits == 4 else None, perm=plain.perm,
                 w16=torch.randn(N, K, device=dev).bfloat16() * 0.02)
 
 

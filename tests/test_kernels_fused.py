@@ -572,7 +572,7 @@ def _act_order_tiled(K, N):
     """A random act-order 4-bit weight as the GPU loader stores it: rows sorted by group, tiled, perm."""
     from fitllm.quant.formats.packing import TiledWeight
 
-    return TiledWeight.from_kernel(*act_order_weight(K, N).grouped_by_permutation())
+    return TiledWeight.from_kernel(act_order_weight(K, N).grouped_by_permutation())
 
 
 def _act_order_decoder(tokens, monkeypatch):

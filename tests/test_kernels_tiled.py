@@ -271,11 +271,14 @@ def test_act_order_weight_is_served_tiled_through_sorted_rows():
     K, N, gs = 384, 40, 128
     kw = act_order_weight(K, N, gs)
     g_idx = kw.g_idx
-    plain, perm = kw.grouped_by_permutation()
-    assert plain.g_idx is None and sorted(perm.tolist()) == list(range(K))
-    assert torch.equal(plain.dequantize(), kw.dequantize()[:, perm.long()])
-    tw = TiledWeight.from_kernel(plain, perm)
-    assert torch.equal(tw.dequantize(), kw.dequantize())
+    grouped = kw.grouped_by_permutation()
+    perm = grouped.perm
+    assert grouped.g_idx is None and sorted(perm.tolist()) == list(range(K))
+    stored = KernelWeight(grouped.qweight, grouped.scales, grouped.zeros, 4, gs)  # the same rows, perm dropped
+    assert torch.equal(stored.dequantize(), kw.dequantize()[:, perm.long()])
+    assert torch.equal(grouped.dequantize(), kw.dequantize())  # with its perm: in the input's order
+    tw = TiledWeight.from_kernel(grouped)
+    assert tw.perm is perm and torch.equal(tw.dequantize(), kw.dequantize())
     layer = QuantLinear("model.layers.0.mlp.down_proj", K, [N], False, reader=None, dtype=torch.bfloat16, device="cpu")
     layer.parts = [tw]
     x = torch.randn(2, 3, K, generator=GEN).bfloat16()

@@ -226,15 +226,12 @@ def gpu_form(p: KernelWeight, dtype: torch.dtype) -> KernelWeight | TiledWeight:
     sorted and tiled is 3.2-3.8x faster at M <= 64, RESULTS.md, twenty-seventh session), and 4-bit
     weights the tiled kernels take tiled. The CPU keeps the stored form (its torch reference gains
     nothing by sorting)."""
-    grouped = p.grouped_by_permutation()
-    if grouped is not None:
-        plain, perm = grouped
-        p = KernelWeight(plain.qweight, plain.scales, plain.zeros, plain.bits, plain.group_size, perm=perm)
+    p = p.grouped_by_permutation() or p
     if os.environ.get("FITLLM_W4_LAYOUT", "tiled") != "standard":
         from fitllm.kernels.w4a16_tiled import tiled_supported
 
         if tiled_supported(p.bits, p.group_size, p.in_features, p.g_idx, dtype):
-            return TiledWeight.from_kernel(p, p.perm)
+            return TiledWeight.from_kernel(p)
     return p
 
 

@@ -94,10 +94,10 @@ class KernelWeight:
         return KernelWeight(self.qweight[:, idx], self.scales[:, idx], self.zeros[:, idx], self.bits, self.group_size,
                             self.g_idx, self.perm)
 
-    def grouped_by_permutation(self) -> tuple["KernelWeight", torch.Tensor] | None:
-        """An act-order weight (g_idx) as (the same weight with its input rows sorted by group, so it
-        needs no g_idx, and that order `perm`, int32 [K]): y = x W^T = x[:, perm] W_sorted^T. So the
-        kernels for plain groups serve it, given the gathered x (exllama and Marlin do the same).
+    def grouped_by_permutation(self) -> "KernelWeight | None":
+        """An act-order weight (g_idx) as the same weight with its input rows sorted by group, so it
+        needs no g_idx, carrying that order as `perm` (int32 [K]): y = x W^T = x[:, perm] W_sorted^T. So
+        the kernels for plain groups serve it, given the gathered x (exllama and Marlin do the same).
         None when there is nothing to sort, or its groups are not group_size rows each."""
         if self.g_idx is None:
             return None
@@ -106,8 +106,8 @@ class KernelWeight:
         if not torch.equal(g[perm], torch.arange(self.in_features, device=g.device) // self.group_size):
             return None
         q = unpack_dim0(self.qweight, self.bits)[perm]
-        return KernelWeight(pack_dim0(q, self.bits), self.scales, self.zeros, self.bits, self.group_size), \
-            perm.to(torch.int32)
+        return KernelWeight(pack_dim0(q, self.bits), self.scales, self.zeros, self.bits, self.group_size,
+                            perm=perm.to(torch.int32))
 
 
 class TiledWeight:
@@ -124,10 +124,11 @@ class TiledWeight:
         self.group_size, self.in_features, self.perm = group_size, in_features, perm
 
     @classmethod
-    def from_kernel(cls, kw: KernelWeight, perm=None) -> "TiledWeight":
+    def from_kernel(cls, kw: KernelWeight) -> "TiledWeight":
+        """kw (no g_idx) tiled; an act-order weight sorted by group keeps its perm."""
         from fitllm.kernels.w4a16_tiled import tile_pack
 
-        return cls(tile_pack(kw.qweight), kw.scales, kw.zeros, kw.group_size, kw.in_features, perm)
+        return cls(tile_pack(kw.qweight), kw.scales, kw.zeros, kw.group_size, kw.in_features, kw.perm)
 
     def permute_outputs(self, idx: torch.Tensor) -> "TiledWeight":
         """The same weight with output j holding output idx[j]."""
