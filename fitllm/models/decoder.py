@@ -176,10 +176,12 @@ class Attention(nn.Module):
         out = out.reshape(t, -1)
         return self.o_proj(out if perm is None else Gathered(out, perm), defer=defer)
 
-    def output_columns(self, perm: torch.Tensor) -> torch.Tensor:
+    def output_columns(self, perm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """out_cols for o_proj's input_perm: input column perm[j] goes to position j (int32, made once
         per weight: at load, CausalLM.fold_input_orders, so never first inside a CUDA graph capture,
-        which would record the argsort without running it)."""
+        which would record the argsort without running it); None without a perm."""
+        if perm is None:
+            return None
         if self._out_cols is None or self._out_cols[0] is not perm:
             self._out_cols = (perm, torch.argsort(perm.long()).to(torch.int32))
         return self._out_cols[1]
@@ -318,9 +320,7 @@ class CausalLM(nn.Module):
         column map for the attention, each norm's weight in its GEMM's input order. Returns how many
         MLPs changed."""
         for layer in self.model.layers:
-            perm = layer.self_attn.o_proj.input_perm()
-            if perm is not None:
-                layer.self_attn.output_columns(perm)
+            layer.self_attn.output_columns(layer.self_attn.o_proj.input_perm())
             layer.input_layernorm.weight_in_order(layer.self_attn.qkv_proj.input_perm())
             layer.post_attention_layernorm.weight_in_order(layer.mlp.gate_up_proj.input_perm())
         return sum(layer.mlp.fold_input_order() for layer in self.model.layers)
