@@ -65,7 +65,7 @@ def quantize_act_order(model: CausalLM, group_size: int = 128, seed: int = 0, bi
                        sort: bool = True) -> CausalLM:
     """Every dense linear (not a plain lm_head) as an act-order GPTQ checkpoint holds it: groups of
     `group_size` inputs in a random order, RTN in each at `bits`, g_idx naming each input's group.
-    Installed as the GPU loader installs one (QuantLinear.set_parts: rows sorted by group; 4-bit
+    Installed as the GPU loader installs one (QuantLinear.set_parts: rows sorted by group and
     tiled), then CausalLM.fold_input_orders as load_tensors runs it (FITLLM_ACT_ORDER_FOLD=0: no
     fold). sort=False: installed as stored instead, g_idx and all (the path before the GPU sorted
     8-bit rows; A/B runs). In place."""
@@ -221,9 +221,10 @@ def main() -> int:
     ap.add_argument("--kv-dtype", default="auto", help="the engines' KV cache dtype (fp8: calibrated on "
                     "self-generated text; the check against generate() is skipped)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script's logic (no graphs)")
-    ap.add_argument("--weights", default="dense", choices=["dense", "int4", "int4-act"],
-                    help="int4: the parity models' linears as RTN int4 (g128); int4-act: as act-order GPTQ int4 "
-                         "(quantize_act_order). Both bfloat16 only, FITLLM_DETERMINISTIC=1 for bit-stable split-K sums")
+    ap.add_argument("--weights", default="dense", choices=["dense", "int4", "int4-act", "int8-act"],
+                    help="int4: the parity models' linears as RTN int4 (g128); int4-act / int8-act: as act-order GPTQ "
+                         "int4 / int8 (quantize_act_order). bfloat16 only, FITLLM_DETERMINISTIC=1 for bit-stable "
+                         "split-K sums")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -236,8 +237,8 @@ def main() -> int:
             dtype = getattr(torch, dtype_name)
             print(f"== {shape} (random weights, {dtype_name}): parity", flush=True)
             model = random_model(shape, args.device, dtype)
-            if args.weights == "int4-act":
-                quantize_act_order(model)
+            if args.weights in ("int4-act", "int8-act"):
+                quantize_act_order(model, bits=8 if args.weights == "int8-act" else 4)
             elif args.weights == "int4":
                 from fitllm.quant.inplace import quantize_in_memory
 

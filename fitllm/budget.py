@@ -79,17 +79,15 @@ def default_group_size(config: ModelConfig) -> int:
 def linear_bytes(k: int, n: int, scheme: str, group_size: int = 128, bits: int = 4) -> int:
     """Bytes of one k->n linear as fitllm holds it on the GPU after loading. Every int4 layout
     (AWQ, GPTQ, compressed-tensors) is repacked into one runtime layout,
-    fitllm.quant.formats.packing.KernelWeight: int4 packed in int32, and per group of
+    fitllm.quant.formats.packing.KernelWeight: int4 (or int8) packed in int32, and per group of
     `group_size` inputs one scale and one zero point, both in the bf16 compute dtype. On the GPU
-    the int4 words are tiled (fitllm.kernels.w4a16_tiled: K padded to a multiple of 128)."""
+    the words are tiled (fitllm.kernels.w4a16_tiled: K padded to a multiple of 128)."""
     if scheme in ("bf16", "fp16"):
         return 2 * k * n
     if scheme in ("awq", "gptq"):
         groups = math.ceil(k / group_size) if group_size > 0 else 1  # -1: one group per channel
-        if bits == 8:  # GPTQ int8 (a quantized lm_head): the standard layout, no tiling
-            return k * n + 2 * groups * n * 2
         k_words = -(-k // 128) * 128  # the tiled layout's padding (act-order weights too: rows sorted at load)
-        return k_words * n // 2 + 2 * groups * n * 2  # int4 + bf16 scales and zeros
+        return k_words * n * bits // 8 + 2 * groups * n * 2  # int4 or int8 + bf16 scales and zeros
     if scheme == "fp8":
         return k * n + 4 * n  # e4m3 weights + one fp32 scale per output channel
     if scheme == "nf4":

@@ -94,16 +94,16 @@ def test_w4a16_triton_vs_float64(cfg, M, K, N, bits, gs, gidx, dtype):
     assert not ws.any() and not cnt.any(), "split-K workspace must be left zeroed"
 
 
-@pytest.mark.parametrize("M", [1, 4, 17, 33, 65, 130])
+@pytest.mark.parametrize("M", [1, 2, 4, 17, 33, 65, 130])
 def test_w8a16_table_rows_as_an_sm90_card_picks_them(M, monkeypatch):
-    """8-bit weights take their own sm90 table (W8A16_CONFIGS: GEMV at M = 1, tensor-core tiles up to
+    """8-bit weights take their own sm90 table (W8A16_CONFIGS: GEMV at M <= 2, tensor-core tiles up to
     M = 128, dequantize + cuBLAS beyond), picked by the launcher itself: each row computes the right
     function, N not a multiple of the tiles, output poisoned first."""
     import fitllm.kernels.w4a16 as w4a16_module
 
     monkeypatch.setattr(w4a16_module, "gpu_arch", lambda _: "sm90")
     row = _utils.pick_config(w4a16_module.W8A16_CONFIGS, "sm90", M)
-    assert row["backend"] == ("gemv" if M == 1 else "dequant" if M > 128 else "tc")
+    assert row["backend"] == ("gemv" if M <= 2 else "dequant" if M > 128 else "tc")
     _, w = rand_w4(256, 160, 8, 64)
     x = torch.randn(M, 256, generator=GEN).to(torch.bfloat16)
     ref = x.double() @ dequantize_packed(**w, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""The tiled 4-bit layout and its kernels (fitllm/kernels/w4a16_tiled.py): the layout against its
+"""The tiled 4/8-bit layout and its kernels (fitllm/kernels/w4a16_tiled.py): the layout against its
 documented bit positions, round trips, and every kernel path under TRITON_INTERPRET=1 (set by
 conftest.py) against a float64 oracle of the dequantized weights."""
 
@@ -14,6 +14,7 @@ from fitllm.kernels.w4a16_tiled import (
     _tiled,
     _ws,
     dequantize_tiled,
+    permute_tile_rows,
     tile_pack,
     tile_unpack,
     tiled_supported,
@@ -26,14 +27,14 @@ from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
 from kernel_checks import GEN, act_order_weight, offline_script_rows, rel_err, split_k_both_ways  # noqa: E402
 
 
-def rand_weight(K, N, group_size, dtype=torch.bfloat16):
-    q = torch.randint(0, 16, (K, N), generator=GEN)
+def rand_weight(K, N, group_size, dtype=torch.bfloat16, bits=4):
+    q = torch.randint(0, 1 << bits, (K, N), generator=GEN)
     G = -(-K // group_size)
     scales = (torch.rand(G, N, generator=GEN) * 0.05 + 0.01).to(dtype)
-    zeros = torch.randint(0, 16, (G, N), generator=GEN).to(dtype)
+    zeros = torch.randint(0, 1 << bits, (G, N), generator=GEN).to(dtype)
     g = torch.arange(K) // min(group_size, K)
     w64 = (q.double() - zeros.double()[g]) * scales.double()[g]  # [K, N]
-    return tile_pack(pack_dim0(q, 4)), scales, zeros, w64, q
+    return tile_pack(pack_dim0(q, bits), bits), scales, zeros, w64, q
 
 
 # --------------------------------------------------------------------------- layout
@@ -58,6 +59,27 @@ def test_layout_matches_the_documented_bit_positions():
                             assert (word >> (4 * (f + 4 * h))) & 0xF == int(q[k, n])
 
 
+def test_8bit_layout_matches_the_documented_bit_positions():
+    K, N = 256, 131
+    q = torch.randint(0, 256, (K, N), generator=GEN)
+    qt = tile_pack(pack_dim0(q, 8), 8)
+    assert qt.shape == (N, K // 4) and qt.dtype == torch.int32
+    flat, W = qt.reshape(-1).to(torch.int64) & 0xFFFFFFFF, K // 4
+    for n in (0, 77, 128, 130):
+        b = n // 128
+        rows = min(128, N - 128 * b)
+        for tile in range(K // 128):
+            for u in range(2):
+                for c in range(4):
+                    for t in range(4):
+                        # 32 words a tile: section u at p = 16 u + 4 c + t, word r = c + 4 t
+                        word = int(flat[128 * b * W + (tile * rows + n - 128 * b) * 32 + 16 * u + 4 * c + t])
+                        for f in range(2):
+                            for h in range(2):
+                                k = 128 * tile + 64 * u + 32 * f + 8 * t + 2 * c + h
+                                assert (word >> (8 * (f + 2 * h))) & 0xFF == int(q[k, n])
+
+
 def test_layout_pairs_are_neighbouring_k():
     # the LOP3 (w >> 4f) & 0x000F000F puts fields f and f+4 in the two halves: they must be k, k+1
     q = torch.arange(128).remainder(16).view(128, 1).repeat(1, 2)  # q[k] = k % 16
@@ -67,32 +89,41 @@ def test_layout_pairs_are_neighbouring_k():
         assert pair & 0xF == (32 * f) % 16 and pair >> 16 == (32 * f + 1) % 16
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("K,N", [(128, 5), (576, 5), (4096 + 64, 5), (256, 256), (384, 300)])
-def test_round_trip_and_padding(K, N):
-    q = torch.randint(0, 16, (K, N), generator=GEN)
-    qt = tile_pack(pack_dim0(q, 4))
-    assert qt.shape[1] * 8 == -(-K // 128) * 128
-    assert torch.equal(tile_unpack(qt, K), q.to(torch.int32))
-    assert (tile_unpack(qt, qt.shape[1] * 8)[K:] == 0).all()  # padding words are zero
+def test_round_trip_and_padding(K, N, bits):
+    q = torch.randint(0, 1 << bits, (K, N), generator=GEN)
+    qt = tile_pack(pack_dim0(q, bits), bits)
+    kp = qt.shape[1] * 32 // bits
+    assert kp == -(-K // 128) * 128
+    assert torch.equal(tile_unpack(qt, K, bits), q.to(torch.int32))
+    assert (tile_unpack(qt, kp, bits)[K:] == 0).all()  # padding words are zero
+    idx = torch.randperm(N, generator=GEN)
+    assert torch.equal(tile_unpack(permute_tile_rows(qt, idx, bits), K, bits), q.to(torch.int32)[:, idx])
 
 
 def test_supported_weights():
     assert tiled_supported(4, 128, 4096, None, torch.bfloat16)
     assert tiled_supported(4, 64, 576, None, torch.float16)
     assert tiled_supported(4, 4096, 4096, None, torch.bfloat16)  # per channel
-    assert not tiled_supported(8, 128, 4096, None, torch.bfloat16)
+    assert tiled_supported(8, 128, 4096, None, torch.bfloat16)
+    assert not tiled_supported(2, 128, 4096, None, torch.bfloat16)
     assert not tiled_supported(4, 128, 4096, torch.zeros(4096, dtype=torch.int32), torch.bfloat16)
     assert not tiled_supported(4, 128, 4096, None, torch.float32)
     assert not tiled_supported(4, 96, 4608, None, torch.bfloat16)
 
 
-def test_tiled_weight_dequantizes_like_the_standard_layout():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tiled_weight_dequantizes_like_the_standard_layout(bits):
     K, N = 320, 24
-    q = torch.randint(0, 16, (K, N), generator=GEN)
-    kw = KernelWeight(pack_dim0(q, 4), torch.rand(K // 64, N, generator=GEN), torch.randint(0, 16, (K // 64, N)).float(),
-                      4, 64)
+    q = torch.randint(0, 1 << bits, (K, N), generator=GEN)
+    kw = KernelWeight(pack_dim0(q, bits), torch.rand(K // 64, N, generator=GEN),
+                      torch.randint(0, 1 << bits, (K // 64, N)).float(), bits, 64)
     tw = TiledWeight.from_kernel(kw)
+    assert tw.bits == bits and tw.qtile.shape == (N, 384 * bits // 32)
     assert torch.equal(tw.dequantize(torch.float32), kw.dequantize(torch.float32))
+    idx = torch.randperm(N, generator=GEN)
+    assert torch.equal(tw.permute_outputs(idx).dequantize(), kw.dequantize()[idx])
 
 
 # --------------------------------------------------------------------------- kernels
@@ -127,18 +158,52 @@ TC_CASES = [  # (M, K, N, group, dtype, config)
 ]
 
 
-@pytest.mark.parametrize("M,K,N,gs,dtype,cfg", TC_CASES, ids=[f"{c[5]['backend']}-M{c[0]}-K{c[1]}-g{c[3]}"
-                                                             for c in TC_CASES])
-def test_kernel_matches_float64(M, K, N, gs, dtype, cfg):
-    qt, s, z, w64, _ = rand_weight(K, N, gs, dtype)
+W8_CASES = [  # 8-bit weights: bf16 through fp32, fp16 through 16-bit pairs; every chunk; the table's tiles
+    (3, 256, 64, 128, torch.bfloat16, _tiled(16, 64, 4, 2, waves=4)),
+    (17, 384, 96, 64, torch.float16, _tiled(16, 64, 4, 2, waves=0)),
+    (5, 256, 64, 32, torch.bfloat16, _tiled(32, 128, 4, 2, waves=2)),
+    (2, 576, 64, 64, torch.bfloat16, _tiled(16, 64, 4, 2, waves=2)),  # K padded
+    (9, 256, 64, 256, torch.float16, _tiled(16, 64, 4, 2, waves=2)),  # per channel
+    (20, 256, 64, 128, torch.bfloat16, _tiled(32, 64, 4, 2, waves=0, scale_in_w=True)),
+    (4, 192, 64, 64, torch.float16, _tiled(16, 64, 4, 2, waves=2, scale_in_w=True)),
+    (65, 256, 320, 128, torch.bfloat16, _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)),
+    (70, 256, 320, 128, torch.bfloat16, _tiled(0, 0, 4, 1, backend="dequant")),
+    (1, 256, 320, 128, torch.bfloat16, _gemv(128, 1, 8, waves=4)),  # no 8-bit GEMV: the tc tile
+    (100, 256, 256, 128, torch.bfloat16, _ws(64, 4, _tiled(64, 64, 4, 2, waves=1))),  # no 8-bit ws: its fallback
+]
+KERNEL_CASES = [(4, *c) for c in TC_CASES] + [(8, *c) for c in W8_CASES]
+
+
+@pytest.mark.parametrize("bits,M,K,N,gs,dtype,cfg", KERNEL_CASES,
+                         ids=[f"w{c[0]}-{c[6]['backend']}-M{c[1]}-K{c[2]}-g{c[4]}-{str(c[5])[6:]}" for c in KERNEL_CASES])
+def test_kernel_matches_float64(bits, M, K, N, gs, dtype, cfg):
+    qt, s, z, w64, _ = rand_weight(K, N, gs, dtype, bits)
     x = torch.randn(M, K, generator=GEN).to(dtype)
     bias = torch.randn(N, generator=GEN).to(dtype)
     y = torch.full((M, N), float("nan"), dtype=dtype)
-    w4a16_tiled_triton(x, qt, s, z, gs, K, bias=bias, config=cfg, out=y)
+    w4a16_tiled_triton(x, qt, s, z, gs, K, bias=bias, config=cfg, out=y, bits=bits)
     ref = x.double() @ w64 + bias.double()
     assert rel_err(y, ref) < 1e-2
     # the torch reference computes the same function
-    assert rel_err(w4a16_tiled_ref(x, qt, s, z, gs, K, bias=bias), ref) < 1e-2
+    assert rel_err(w4a16_tiled_ref(x, qt, s, z, gs, K, bias=bias, bits=bits), ref) < 1e-2
+
+
+@pytest.mark.parametrize("M", [1, 17, 33, 65, 130, 257])
+def test_8bit_table_rows_as_an_sm90_card_picks_them(M, monkeypatch):
+    """8-bit tiled weights take TILED8_CONFIGS: tensor-core tiles up to M = 256 (the M <= 128 row by
+    width), dequantize + cuBLAS beyond, picked by the launcher itself; N crosses a stored block."""
+    import fitllm.kernels.w4a16_tiled as tiled
+
+    monkeypatch.setattr(tiled, "gpu_arch", lambda _: "sm90")
+    K, N = 256, 6144 if M == 65 else 192  # N = 6144: the M <= 128 row's width range
+    qt, s, z, w64, _ = rand_weight(K, N, 128, torch.bfloat16, 8)
+    x = torch.randn(M, K, generator=GEN).to(torch.bfloat16)
+    y = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+    ran = []
+    monkeypatch.setattr(tiled, "dequantize_tiled", lambda *a, **k: ran.append("dequant") or dequantize_tiled(*a, **k))
+    tiled.w4a16_tiled_triton(x, qt, s, z, 128, K, out=y, bits=8)
+    assert rel_err(y, x.double() @ w64) < 1e-2
+    assert ran == (["dequant"] if M > 256 else [])
 
 
 def test_split_k_workspace_is_left_clean():
@@ -225,12 +290,13 @@ def test_deterministic_split_k_sums_the_same_partials(cfg, monkeypatch):
     assert torch.equal(ordered, atomic)
 
 
-def test_dequant_kernel_is_exactly_the_reference_rounding():
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.bfloat16), (8, torch.float16)])
+def test_dequant_kernel_is_exactly_the_reference_rounding(bits, dtype):
     K, N = 320, 64
-    qt, s, z, w64, q = rand_weight(K, N, 64)
-    w = dequantize_tiled(qt, s, z, 64, K, torch.bfloat16)
+    qt, s, z, w64, q = rand_weight(K, N, 64, dtype, bits)
+    w = dequantize_tiled(qt, s, z, 64, K, dtype, bits=bits)
     g = torch.arange(K) // 64
-    expect = ((q.float() - z.float()[g]) * s.float()[g]).bfloat16().t()
+    expect = ((q.float() - z.float()[g]) * s.float()[g]).to(dtype).t()
     assert torch.equal(w, expect)
 
 
@@ -242,6 +308,8 @@ def test_cpu_tensors_take_the_reference_and_bad_shapes_fail_clearly():
         w4a16_tiled_triton(x.float(), qt, s, z, 128, 256)
     with pytest.raises(ValueError, match="qtile"):
         w4a16_tiled_triton(x, qt[:, :16], s, z, 128, 256)
+    with pytest.raises(ValueError, match="qtile"):  # 4-bit words read as 8-bit
+        w4a16_tiled_triton(x, qt, s, z, 128, 256, bits=8)
     with pytest.raises(ValueError, match="scales"):
         w4a16_tiled_triton(x, qt, s[:1], z, 128, 256)
 
@@ -293,17 +361,17 @@ def test_act_order_weight_is_served_tiled_through_sorted_rows():
 
 
 def test_act_order_8bit_weight_is_served_through_sorted_rows():
-    """8-bit act-order weights (no tiled layout) on the GPU form (layers.gpu_form): the standard
-    layout without g_idx, rows sorted by group, perm kept; dequantized in the input's order, through
-    an output permutation too (the MLP fold); the layer computes what the g_idx weight computes,
-    from x as it is or from x its producer wrote in the rows' order (Gathered)."""
+    """8-bit act-order weights on the GPU form (layers.gpu_form): tiled without g_idx, rows sorted
+    by group, perm kept; dequantized in the input's order, through an output permutation too (the
+    MLP fold); the layer computes what the g_idx weight computes, from x as it is or from x its
+    producer wrote in the rows' order (Gathered)."""
     from fitllm.kernels._utils import Gathered
     from fitllm.quant.layers import QuantLinear, gpu_form
 
     K, N, gs = 256, 24, 64
     kw = act_order_weight(K, N, gs, bits=8)
     sw = gpu_form(kw, torch.bfloat16)
-    assert isinstance(sw, KernelWeight) and sw.bits == 8 and sw.g_idx is None and sw.perm is not None
+    assert isinstance(sw, TiledWeight) and sw.bits == 8 and sw.g_idx is None and sw.perm is not None
     assert torch.equal(sw.dequantize(), kw.dequantize())
     idx = torch.randperm(N, generator=GEN)
     assert torch.equal(sw.permute_outputs(idx).dequantize(), kw.dequantize()[idx])
@@ -359,6 +427,13 @@ def test_tensor_core_path_keeps_weights_out_of_shared_memory():
         assert loop.get("HGMMA", 0) >= 8, loop  # the main loop is the wgmma loop
         assert loop.get("STS", 0) <= (2 if "BN=128,ROW_WARPS=4" in consts else 0), loop
         assert not any(loop.get(op, 0) for op in ("STSM", "LDSM")), loop
+    # 8-bit weights (bf16 through fp32): the same operand layout, the M <= 16 and M <= 256 tiles
+    for consts, warps in (("BM=16,BN=64,ROW_WARPS=4,CHUNK=128,GROUP_SIZE=128,SCALE_IN_W=False", 4),
+                          ("BM=128,BN=128,ROW_WARPS=8,CHUNK=128,GROUP_SIZE=128,SCALE_IN_W=True", 8)):
+        consts += ",HAS_BIAS=False,USE_WS=True,F16=False,ASM=True,UPCAST=False,BITS=8"
+        loop = _sass_loop("fitllm.kernels.w4a16_tiled:_w4a16_tiled_kernel", consts, warps, 3)["loop_hist"]
+        assert loop.get("HGMMA", 0) >= 8 and loop.get("F2FP", 0) >= 32, loop  # one packing convert a pair
+        assert not any(loop.get(op, 0) for op in ("STS", "STSM", "LDSM")), loop
 
 
 def test_batch1_gemv_keeps_four_programs_of_256_threads_per_sm_and_its_loads_up_front():

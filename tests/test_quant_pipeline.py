@@ -259,14 +259,13 @@ def test_act_order_checkpoint_served_sorted_gets_its_input_orders_at_load(tiny, 
     from fitllm.kernels import fused
     from fitllm.models import decoder
     from fitllm.quant import layers
-    from fitllm.quant.formats.packing import KernelWeight, TiledWeight
+    from fitllm.quant.formats.packing import TiledWeight
 
     r = convert(tiny, f"gptq-act-{bits}", "gptq", fmt="gptq", bits=bits, group_size=32, act_order=True)
     want = prompt_logits(load_quantized_model(r.output), IDS)
     monkeypatch.setattr(layers, "_to_runtime", lambda p, device, dtype: layers.gpu_form(p, torch.bfloat16))
     model = load_quantized_model(r.output)
-    kind = TiledWeight if bits == 4 else KernelWeight
-    assert all(isinstance(p, kind) and p.g_idx is None for lin in model.fused_linears().values() for p in lin.parts)
+    assert all(isinstance(p, TiledWeight) and p.bits == bits and p.g_idx is None for lin in model.fused_linears().values() for p in lin.parts)
     for layer in model.model.layers:
         assert layer.mlp.down_proj.input_perm() is None  # folded into gate_up at load
         assert layer.self_attn.qkv_proj.input_perm() is not None and layer.mlp.gate_up_proj.input_perm() is not None

@@ -704,9 +704,13 @@ W4A16_CONFIGS = {
 # sweep of ~35-110 random configs per M (RESULTS.md, thirtieth session), µs per Llama-3-8B layer
 # against the 4-bit table's rows: M=1 GEMV 99 (106), M=4 tc 142 (GEMV 195), M=16 146, M=32 196 (216),
 # M=64 225 (230), M=128 tc BM128 395 (dequant + cuBLAS 464); from M=256 dequant + cuBLAS stays best.
+# Thirty-first session, the table through the launcher (w8_table_check.py): M=2 on the tc row 142, on
+# the 4-bit table's (GEMV) row 114. Most 8-bit weights now run the tiled layout (w4a16_tiled,
+# TILED8_CONFIGS); this table serves those it refuses (groups that are not 32, 64 or 128·j).
 W8A16_CONFIGS = {
     "sm90": [
         (1, _gemv(64, 256, 4, waves=4)),
+        (2, _gemv(64, 128, 4, waves=8)),
         (16, _tc(16, 64, 128, 4, 3, waves=4, swap=True, unpack=0)),
         (32, _tc(32, 128, 128, 8, 4, waves=2, unpack=1)),
         (64, _tc(64, 64, 64, 4, 4, waves=2, unpack=0)),

@@ -27,8 +27,17 @@ word) so Triton's load layout, pushed through the unpack's join / permute / resh
 MMA operand layout: no shared-memory round trip for the weights (benchmarks/sass_offline.py shows
 the SASS: no STS/LDSM in the main loop). Per word: 3 shifts, 4 LOP3, 4 packed FMAs (q - z, exact),
 about 1.4 instructions per weight before the MMA, which then does the math for any M up to the tile.
-Group sizes 32, 64, multiples of 128 and per-channel; 16-bit activations; no g_idx (those weights
-keep the standard layout and fitllm.kernels.w4a16).
+Group sizes 32, 64, multiples of 128 and per-channel; 16-bit activations; no g_idx (act-order
+weights get their rows sorted by group first, fitllm.quant.layers.gpu_form).
+
+8-bit weights (GPTQ int8) use the same layout with twice the words, `qtile` [N, Kp / 4]: a row's K
+tile is two sections of 16 words (section u holds k = 64 u ..), each word four 8-bit fields, field
+f + 2h (f = 0..1) of word r of section u being k = 64 u + 32 f + 2 r + h; positions, tile-major blocks
+and scales as above (a tile is 32 words, section u at p = 16 u + 4 c + t). With fp16 activations
+`(w >> 8f) & 0x00FF00FF | magic` is again a pair 1024 + q; bf16 cannot hold 128 + q exactly past
+q = 127, so its codes go through fp32 (2**23 + q, one subtraction, one packing convert a pair: ~2.5
+instructions a weight). Only the tensor-core and dequant kernels take 8 bits (no GEMV: one token is
+~7 % slower than the standard layout's GEMV, every other batch faster; RESULTS.md, thirty-first session).
 """
 
 from __future__ import annotations
@@ -53,74 +62,93 @@ TILE_N = 128  # rows per stored block (tile-major storage, see the module docstr
 
 # --------------------------------------------------------------------------- layout (torch)
 
-def _field_shifts(device) -> torch.Tensor:
-    """[f, h] -> bit offset of field f + 4h in a word."""
-    return (4 * (torch.arange(4).view(4, 1) + 4 * torch.arange(2).view(1, 2))).to(device)
+def _geometry(bits: int) -> tuple[int, int]:
+    """(sections, pair fields): a row's K tile of 128 is `sections` runs of 16 words (4-bit: 1,
+    8-bit: 2), each word holding `pair fields` pairs (4-bit: 4, 8-bit: 2) of neighbouring k."""
+    if bits not in (4, 8):
+        raise ValueError(f"tiled layout: bits must be 4 or 8, got {bits}")
+    return bits // 4, 16 // bits
 
 
-def tile_pack(qweight: torch.Tensor) -> torch.Tensor:
-    """Standard 4-bit qweight [K/8, N] -> qtile [N, Kp/8] (see the module docstring)."""
-    q = torch.stack([(qweight >> (4 * j)) & 0xF for j in range(8)], dim=1).reshape(-1, qweight.shape[1])  # [K, N]
+def words_per_tile(bits: int) -> int:
+    """int32 words of one row's K tile of 128."""
+    return 4 * bits
+
+
+def _field_shifts(device, bits: int = 4) -> torch.Tensor:
+    """[f, h] -> bit offset of field f + F h (F pair fields) in a word."""
+    _, F = _geometry(bits)
+    return (bits * (torch.arange(F).view(F, 1) + F * torch.arange(2).view(1, 2))).to(device)
+
+
+def tile_pack(qweight: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Standard qweight [K*bits/32, N] -> qtile [N, Kp*bits/32] (see the module docstring)."""
+    U, F = _geometry(bits)
+    q = torch.stack([(qweight >> (bits * j)) & ((1 << bits) - 1) for j in range(32 // bits)], dim=1)
+    q = q.reshape(-1, qweight.shape[1])  # [K, N]
     K, N = q.shape
     kp = -(-K // TILE_K) * TILE_K
     if kp != K:
         q = torch.cat([q, q.new_zeros(kp - K, N)])
-    # k = 128 tile + 32 f + 8 t + 2 c + h  ->  [N, tile, f, t, c, h]
-    q = q.t().reshape(N, kp // TILE_K, 4, 4, 4, 2).to(torch.int64)
-    words = (q << _field_shifts(q.device).view(1, 1, 4, 1, 1, 2)).sum(dim=(2, 5))  # [N, tile, t, c]; disjoint bits
-    words = words.permute(0, 1, 3, 2)  # word r = c + 4t stored at p = 4c + t
+    # k = 128 tile + 32 F u + 32 f + 8 t + 2 c + h  ->  [N, tile, u, f, t, c, h]
+    q = q.t().reshape(N, kp // TILE_K, U, F, 4, 4, 2).to(torch.int64)
+    words = (q << _field_shifts(q.device, bits).view(1, 1, 1, F, 1, 1, 2)).sum(dim=(3, 6))  # [N, tile, u, t, c]
+    words = words.permute(0, 1, 2, 4, 3)  # word r = c + 4t of section u stored at p = 16 u + 4c + t
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the same 32 bits as int32
-    return _to_blocks(words.reshape(N, kp // TILE_K, 16).to(torch.int32))
+    return _to_blocks(words.reshape(N, kp // TILE_K, words_per_tile(bits)).to(torch.int32))
 
 
-def permute_tile_rows(qtile: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def permute_tile_rows(qtile: torch.Tensor, idx: torch.Tensor, bits: int = 4) -> torch.Tensor:
     """qtile of the weight whose output row j is row idx[j] of qtile's weight."""
-    return _to_blocks(_from_blocks(qtile)[idx])
+    return _to_blocks(_from_blocks(qtile, words_per_tile(bits))[idx])
 
 
 def _to_blocks(words: torch.Tensor) -> torch.Tensor:
-    """[N, tiles, 16] row-major words -> qtile [N, tiles * 16] stored tile-major per TILE_N rows."""
-    N, tiles, _ = words.shape
+    """[N, tiles, W] row-major words -> qtile [N, tiles * W] stored tile-major per TILE_N rows."""
+    N, tiles, W = words.shape
     full = N // TILE_N * TILE_N
-    head = words[:full].reshape(-1, TILE_N, tiles, 16).permute(0, 2, 1, 3).reshape(-1)
+    head = words[:full].reshape(-1, TILE_N, tiles, W).permute(0, 2, 1, 3).reshape(-1)
     tail = words[full:].permute(1, 0, 2).reshape(-1)  # the last, shorter block
-    return torch.cat([head, tail]).view(N, tiles * 16)
+    return torch.cat([head, tail]).view(N, tiles * W)
 
 
-def _from_blocks(qtile: torch.Tensor) -> torch.Tensor:
-    """Inverse of _to_blocks: qtile [N, tiles * 16] -> [N, tiles, 16] words of each row."""
-    N, tiles = qtile.shape[0], qtile.shape[1] // 16
+def _from_blocks(qtile: torch.Tensor, W: int = 16) -> torch.Tensor:
+    """Inverse of _to_blocks: qtile [N, tiles * W] -> [N, tiles, W] words of each row."""
+    N, tiles = qtile.shape[0], qtile.shape[1] // W
     full = N // TILE_N * TILE_N
     flat = qtile.reshape(-1)
-    head = flat[: full * tiles * 16].view(-1, tiles, TILE_N, 16).permute(0, 2, 1, 3).reshape(full, tiles, 16)
-    tail = flat[full * tiles * 16:].view(tiles, N - full, 16).permute(1, 0, 2)
+    head = flat[: full * tiles * W].view(-1, tiles, TILE_N, W).permute(0, 2, 1, 3).reshape(full, tiles, W)
+    tail = flat[full * tiles * W:].view(tiles, N - full, W).permute(1, 0, 2)
     return torch.cat([head, tail])
 
 
-def tile_unpack(qtile: torch.Tensor, K: int) -> torch.Tensor:
-    """Inverse of tile_pack: qtile [N, Kp/8] -> q [K, N] int32 (tests, the reference path)."""
+def tile_unpack(qtile: torch.Tensor, K: int, bits: int = 4) -> torch.Tensor:
+    """Inverse of tile_pack: qtile [N, Kp*bits/32] -> q [K, N] int32 (tests, the reference path)."""
+    U, F = _geometry(bits)
     N = qtile.shape[0]
-    w = (_from_blocks(qtile).to(torch.int64) & 0xFFFFFFFF).reshape(N, -1, 4, 4).permute(0, 1, 3, 2)  # [N, tile, t, c]
-    q = (w[:, :, None, :, :, None] >> _field_shifts(w.device).view(1, 1, 4, 1, 1, 2)) & 0xF  # [N, tile, f, t, c, h]
+    w = _from_blocks(qtile, words_per_tile(bits)).to(torch.int64) & 0xFFFFFFFF
+    w = w.reshape(N, -1, U, 4, 4).permute(0, 1, 2, 4, 3)  # [N, tile, u, t, c]
+    shifts = _field_shifts(w.device, bits).view(1, 1, 1, F, 1, 1, 2)
+    q = (w[:, :, :, None, :, :, None] >> shifts) & ((1 << bits) - 1)  # [N, tile, u, f, t, c, h]
     return q.reshape(N, -1)[:, :K].t().to(torch.int32).contiguous()
 
 
 def tiled_supported(bits: int, group_size: int, K: int, g_idx, dtype: torch.dtype) -> bool:
     """Whether a weight can use this layout (otherwise it stays in the standard one)."""
     chunk_ok = group_size >= K or group_size % TILE_K == 0 or group_size in (32, 64)
-    return bits == 4 and g_idx is None and chunk_ok and dtype in (torch.bfloat16, torch.float16)
+    return bits in (4, 8) and g_idx is None and chunk_ok and dtype in (torch.bfloat16, torch.float16)
 
 
-def dequantize_tiled_ref(qtile, scales, zeros, group_size, K, dtype):
+def dequantize_tiled_ref(qtile, scales, zeros, group_size, K, dtype, bits=4):
     """Torch reference of dequantize_tiled (same signature): W [N, K] in `dtype`, computed in fp32."""
-    q = tile_unpack(qtile, K)
+    q = tile_unpack(qtile, K, bits)
     g = torch.arange(K, device=q.device) // min(group_size, K)
     return ((q.float() - zeros.float()[g]) * scales.float()[g]).t().to(dtype)
 
 
-def w4a16_tiled_ref(x, qtile, scales, zeros, group_size, K, bias=None):
+def w4a16_tiled_ref(x, qtile, scales, zeros, group_size, K, bias=None, bits=4):
     """Torch reference of w4a16_tiled_gemm (same signature): untile, dequantize to x's dtype, matmul."""
-    y = x @ dequantize_tiled_ref(qtile, scales, zeros, group_size, K, x.dtype).t()
+    y = x @ dequantize_tiled_ref(qtile, scales, zeros, group_size, K, x.dtype, bits).t()
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -142,18 +170,18 @@ if triton is not None:
     _TILE_N: tl.constexpr = tl.constexpr(TILE_N)
 
     @triton.jit
-    def _word_offsets(n, kt, N, stride_q):
-        """Offset of word 0 of K tile kt for rows n (any shape) in the tile-major storage; rows
-        past N get offsets that must stay masked. (The row terms are loop-invariant: per K tile
-        this is one multiply-add per row.)"""
+    def _word_offsets(n, kt, N, stride_q, WORDS: tl.constexpr = 16):
+        """Offset of word 0 of K tile kt (WORDS words a row) for rows n (any shape) in the
+        tile-major storage; rows past N get offsets that must stay masked. (The row terms are
+        loop-invariant: per K tile this is one multiply-add per row.)"""
         blk = n // _TILE_N
         rows = tl.minimum(_TILE_N, N - blk * _TILE_N)
-        return blk * _TILE_N * stride_q + (kt * rows + n - blk * _TILE_N) * 16
+        return blk * _TILE_N * stride_q + (kt * rows + n - blk * _TILE_N) * WORDS
 
     @triton.jit
     def _load_tile_words(q_ptr, n0, N, stride_q, kt, BN: tl.constexpr, ROW_WARPS: tl.constexpr,
-                         EVEN_N: tl.constexpr = False):
-        """Words [BN, 16] of K tile kt. Loaded as [8, ROW_WARPS, 2, REP, 16]: Triton spreads the dims
+                         EVEN_N: tl.constexpr = False, BITS: tl.constexpr = 4, SECTION: tl.constexpr = 0):
+        """Words [BN, 16] of K tile kt (8-bit weights: of its section 0 or 1). Loaded as [8, ROW_WARPS, 2, REP, 16]: Triton spreads the dims
         after the contiguous word axis over lanes then warps in index order, so thread (warp w, lane
         l) holds rows 16 w + l // 4 (+ 8) and words 4 (l % 4) .. + 3, which is the A-fragment
         ownership of the MMA (row = REP index * 16 ROW_WARPS + 16 w + 8 a + g). EVEN_N: every row
@@ -165,7 +193,7 @@ if triton is not None:
         rep = tl.arange(0, REP)[None, None, None, :, None]
         p = tl.arange(0, 16)[None, None, None, None, :]
         n = n0 + rep * (16 * ROW_WARPS) + w * 16 + a * 8 + g
-        ptrs = q_ptr + _word_offsets(n, kt, N, stride_q) + p
+        ptrs = q_ptr + _word_offsets(n, kt, N, stride_q, 4 * BITS) + 16 * SECTION + p
         if EVEN_N:
             qw = tl.load(ptrs)
         else:
@@ -173,11 +201,13 @@ if triton is not None:
         return tl.reshape(tl.permute(qw, (3, 1, 2, 0, 4)), (BN, 16))
 
     @triton.jit
-    def _round_to(v, F16: tl.constexpr):
-        """fp32 -> the 16-bit dtype, round to nearest even done by hand for bf16 (triton 3.6's
+    def _round_to(v, F16: tl.constexpr, BY_HAND: tl.constexpr = True):
+        """fp32 -> the 16-bit dtype, round to nearest even done BY_HAND for bf16 (triton 3.6's
         interpreter truncates that cast; on the GPU both give the same bits)."""
         if F16:
             return v.to(tl.float16)
+        if not BY_HAND:
+            return v.to(tl.bfloat16)
         b = v.to(tl.int32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
         return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
@@ -207,27 +237,45 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
+    def _tile_field(qw0, qw1, j: tl.constexpr, MAGIC2, nz, zf, s2, sf, F16: tl.constexpr, ASM: tl.constexpr,
+                    SCALE_IN_W: tl.constexpr, BITS: tl.constexpr = 4, UPCAST: tl.constexpr = True):
+        """[BN, 32]: columns 32 j .. 32 j + 31 of the K tile whose words are qw0 (8-bit: sections
+        qw0, qw1) as _field_tile makes them."""
+        F: tl.constexpr = 16 // BITS
+        return _field_tile(qw1 if j >= F else qw0, j % F, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST)
+
+    @triton.jit
     def _field_tile(qw, f: tl.constexpr, MAGIC2, nz, zf, s2, sf, F16: tl.constexpr, ASM: tl.constexpr,
-                    SCALE_IN_W: tl.constexpr):
-        """[BN, 32]: fields f, f + 4 of every word as q - z (SCALE_IN_W: (q - z) * s rounded once to
-        the 16-bit dtype, as the reference dequantizes), column 8 t + 2 c + h (= k - 32 f)."""
-        DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
+                    SCALE_IN_W: tl.constexpr, BITS: tl.constexpr = 4, UPCAST: tl.constexpr = True):
+        """[BN, 32]: pair field f of every word (fields f, f + 16 / BITS) as q - z (SCALE_IN_W:
+        (q - z) * s rounded once to the 16-bit dtype, as the reference dequantizes), column
+        8 t + 2 c + h (= k - 32 f). 8-bit codes with bf16 activations take fp32 (bf16 holds
+        magic + q exactly only for q < 128): MAGIC2 = 2**23 as fp32, zf = 2**23 + z, one cvt a pair."""
         BN: tl.constexpr = qw.shape[0]
-        v = ((qw >> (4 * f)) & 0x000F000F) | MAGIC2  # two 16-bit floats magic + q
-        if ASM:  # packed FMAs on the pair; its halves stay one register for the MMA
+        WIDE: tl.constexpr = BITS == 8 and not F16
+        if WIDE:  # the byte under a fp32 2**23
+            lo = (((qw >> (8 * f)) & 0xFF) | MAGIC2).to(tl.float32, bitcast=True)
+            hi = (((qw >> (8 * f + 16)) & 0xFF) | MAGIC2).to(tl.float32, bitcast=True)
+        else:
+            MASK: tl.constexpr = 0x000F000F if BITS == 4 else 0x00FF00FF
+            v = ((qw >> (BITS * f)) & MASK) | MAGIC2  # two 16-bit floats magic + q
+        if ASM and not WIDE:  # packed FMAs on the pair; its halves stay one register for the MMA
             nzb = tl.broadcast_to(nz, v.shape)
             if SCALE_IN_W:
                 lo, hi = _minus_magic_zero_times_scale(v, nzb, tl.broadcast_to(s2, v.shape), F16)
             else:
                 lo, hi = _minus_magic_zero(v, nzb, F16)
-        else:  # fp32 twin: the same values ((q - z) * s is exact in fp32 before the one rounding)
-            lo = _half(v, False, F16) - zf
-            hi = _half(v, True, F16) - zf
+        else:  # fp32 ((q - z) * s is exact in fp32 before the one rounding)
+            if not WIDE:
+                lo = _half(v, False, F16)
+                hi = _half(v, True, F16)
+            lo = lo - zf
+            hi = hi - zf
             if SCALE_IN_W:
                 lo = lo * sf
                 hi = hi * sf
-            lo = _round_to(lo, F16)
-            hi = _round_to(hi, F16)
+            lo = _round_to(lo, F16, UPCAST)
+            hi = _round_to(hi, F16, UPCAST)
         t = tl.reshape(tl.join(lo, hi), (BN, 4, 4, 2))  # [BN, c, t, h] (storage p = 4 c + t)
         return tl.reshape(tl.permute(t, (0, 2, 1, 3)), (BN, 32))
 
@@ -296,9 +344,9 @@ if triton is not None:
         BM: tl.constexpr, BN: tl.constexpr, ROW_WARPS: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
         SCALE_IN_W: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
         ORDERED: tl.constexpr = False, EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-        DEFER: tl.constexpr = False,
+        DEFER: tl.constexpr = False, BITS: tl.constexpr = 4,
     ):
-        """y = x W^T for the tiled layout: program (tile of BM rows x BN columns, K split) walks
+        """y = x W^T for the tiled layout (BITS 4 or 8): program (tile of BM rows x BN columns, K split) walks
         K_ITERS tiles of 128; per tile one dot per group chunk (CHUNK = 128, 64 or 32 columns),
         weights on the MMA's M side (acc is [BN, BM]). Scales are applied to the fp32 partial sum
         of each chunk (small M: BN x BM multiplies per chunk), or with SCALE_IN_W folded into the
@@ -306,7 +354,7 @@ if triton is not None:
         accumulates in place). EVEN_N (BN divides N) and EVEN_K (K a multiple of 128) drop the
         weight-row and x-column masks; the loop stops at the last K tile, so nothing else is
         masked but the rows of x."""
-        MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
+        MAGICF: tl.constexpr = 1024.0 if F16 else (8388608.0 if BITS == 8 else 128.0)  # see _field_tile
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_pid_m = tl.cdiv(M, BM)
@@ -319,7 +367,7 @@ if triton is not None:
         n_mask = offs_n < N
         n_load = None if EVEN_N else n_mask
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        k_iters = tl.minimum(K_ITERS, stride_q // 16 - pid_k * K_ITERS)  # the last split may be shorter
+        k_iters = tl.minimum(K_ITERS, stride_q // (4 * BITS) - pid_k * K_ITERS)  # the last split may be shorter
         if CHUNK == 128:  # one group per tile: its scale and zero rows are loaded a tile ahead (their
             # load latency was the main stall: ncu, 46% of the cycles between issues at M=16)
             s_next, z_next = _group_raw(s_ptr, z_ptr, pid_k * K_ITERS * 128, N, NUM_GROUPS, offs_n, n_load,
@@ -327,29 +375,31 @@ if triton is not None:
         for it in range(0, k_iters):
             kt = pid_k * K_ITERS + it
             k0 = kt * 128
-            qw = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N)
+            qw = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS)
+            qw1 = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS, 1) if BITS == 8 else qw
             if CHUNK == 128:
                 s, nz, zf, s2, sf = _group_cols(s_next, z_next, MAGICF, F16)
                 s_next, z_next = _group_raw(s_ptr, z_ptr, k0 + 128, N, NUM_GROUPS, offs_n, n_load, GROUP_SIZE,
                                             it + 1 < k_iters)
-                w = _cat_k(_cat_k(_field_tile(qw, 0, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
-                                  _field_tile(qw, 1, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)),
-                           _cat_k(_field_tile(qw, 2, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
-                                  _field_tile(qw, 3, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)))
+                w = _cat_k(_cat_k(_tile_field(qw, qw1, 0, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST),
+                                  _tile_field(qw, qw1, 1, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST)),
+                           _cat_k(_tile_field(qw, qw1, 2, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST),
+                                  _tile_field(qw, qw1, 3, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST)))
                 acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0, K, w, acc, s, UPCAST, SCALE_IN_W, EVEN_K)
             elif CHUNK == 64:
                 for j in tl.static_range(2):
                     s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0 + 64 * j, N, NUM_GROUPS, offs_n, n_load,
                                                     MAGICF, GROUP_SIZE, F16)
-                    w = _cat_k(_field_tile(qw, 2 * j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W),
-                               _field_tile(qw, 2 * j + 1, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W))
+                    w = _cat_k(_tile_field(qw, qw1, 2 * j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST),
+                               _tile_field(qw, qw1, 2 * j + 1, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS,
+                                           UPCAST))
                     acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0 + 64 * j, K, w, acc, s, UPCAST,
                                      SCALE_IN_W, EVEN_K)
             else:
                 for j in tl.static_range(4):
                     s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0 + 32 * j, N, NUM_GROUPS, offs_n, n_load,
                                                     MAGICF, GROUP_SIZE, F16)
-                    w = _field_tile(qw, j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W)
+                    w = _tile_field(qw, qw1, j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST)
                     acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0 + 32 * j, K, w, acc, s, UPCAST,
                                      SCALE_IN_W, EVEN_K)
         let_next_launch(PDL)
@@ -358,17 +408,19 @@ if triton is not None:
 
     @triton.jit
     def _tiled_dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, NUM_GROUPS, stride_q, MAGIC2,
-                              GROUP_SIZE: tl.constexpr, BN: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr):
+                              GROUP_SIZE: tl.constexpr, BN: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
+                              BITS: tl.constexpr = 4, UPCAST: tl.constexpr = True):
         """qtile -> W [N, K] in the activation dtype, one 128-column tile per program (large M)."""
-        MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
+        MAGICF: tl.constexpr = 1024.0 if F16 else (8388608.0 if BITS == 8 else 128.0)  # see _field_tile
         kt = tl.program_id(0)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
-        qw = _load_tile_words(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4)
+        qw = _load_tile_words(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4, False, BITS)
+        qw1 = _load_tile_words(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4, False, BITS, 1) if BITS == 8 else qw
         for f in tl.static_range(4):
             k0 = kt * 128 + 32 * f
             s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0, N, NUM_GROUPS, offs_n, n_mask, MAGICF, GROUP_SIZE, F16)
-            w = _field_tile(qw, f, MAGIC2, nz, zf, s2, sf, F16, ASM, True)
+            w = _tile_field(qw, qw1, f, MAGIC2, nz, zf, s2, sf, F16, ASM, True, BITS, UPCAST)
             offs_k = k0 + tl.arange(0, 32)
             tl.store(w_ptr + offs_n[:, None] * K + offs_k[None, :], w, mask=n_mask[:, None] & (offs_k < K)[None, :])
 
@@ -550,7 +602,34 @@ TILED_CONFIGS = {
 }
 
 
-def dequant_from_tokens(arch: str, N: int, K: int, group_size: int) -> int:
+# 8-bit weights in the tiled layout (GPTQ int8): the tensor-core kernel up to M = 256 (no GEMV, no
+# warp-specialised kernel for them), then dequant + cuBLAS. sm90: an H100 sweep (RESULTS.md, thirty-first
+# session), µs per Llama-3-8B layer against the standard layout's W8A16 table / bf16 cuBLAS: M=1 106 (GEMV
+# 99) / 164; M=4 105 (140) / 165; M=16 110 (143) / 168; M=32 117 (198) / 169; M=64 148 (226) / 171;
+# M=128 ~206 (393) / 180, qkv on BN 64; M=256 350 (492) / 208; M=512 dequant 572 (604) / 328.
+_W8_M128 = _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)
+TILED8_CONFIGS = {
+    "sm90": [
+        (16, _tiled(16, 64, 4, 3, waves=4)),
+        (32, _tiled(32, 64, 4, 3, waves=4)),
+        (64, by_width(_tiled(64, 64, 4, 3, waves=3), (16384, 1 << 62, _tiled(64, 64, 4, 3, waves=2)))),
+        (128, by_width(_W8_M128, (4096, 16384, _tiled(128, 64, 4, 3, waves=1, scale_in_w=True)))),
+        (256, _W8_M128),
+        (1 << 62, _tiled(0, 0, 4, 1, backend="dequant")),
+    ],
+    "default": [
+        (16, _tiled(16, 64, 4, 2, waves=4)),
+        (64, _tiled(64, 64, 4, 2, waves=2)),
+        (1 << 62, _tiled(0, 0, 4, 1, backend="dequant")),
+    ],
+}
+
+
+def tile_table(bits: int) -> dict:
+    return TILED_CONFIGS if bits == 4 else TILED8_CONFIGS
+
+
+def dequant_from_tokens(arch: str, N: int, K: int, group_size: int, bits: int = 4) -> int:
     """The fewest tokens for which w4a16_tiled_triton dequantizes this [N, K] weight whole to 16 bits
     and calls cuBLAS (a transient copy fitllm.budget reserves), as the tile table for `arch` picks:
     ws rows count as their fallback where the ws kernel refuses the shape (w4a16_ws.ws_shape_ok;
@@ -558,11 +637,12 @@ def dequant_from_tokens(arch: str, N: int, K: int, group_size: int) -> int:
     from .w4a16_ws import ws_shape_ok
 
     ws_ok = arch == "sm90" and ws_shape_ok(N, group_size, K, torch.bfloat16, 2 * K, 0)
+    table = tile_table(bits)
 
     def backend(m: int) -> str:
-        return _unless_ws_refuses(config_for(pick_config(TILED_CONFIGS, arch, m), N), ws_ok)["backend"]
+        return _unless_ws_refuses(config_for(pick_config(table, arch, m), N), ws_ok)["backend"]
 
-    starts = sorted({1} | {b + 1 for b in row_bounds(TILED_CONFIGS, arch)})  # nothing changes inside a row
+    starts = sorted({1} | {b + 1 for b in row_bounds(table, arch)})  # nothing changes inside a row
     return next((m for m in starts if backend(m) == "dequant"), 1 << 62)
 
 
@@ -588,71 +668,78 @@ def _chunk_for(group_size: int, K: int) -> int:
     raise ValueError(f"tiled layout: group size {group_size} is not 32, 64 or a multiple of 128")
 
 
-def _check(x, qtile, scales, zeros, group_size, K):
+def _check(x, qtile, scales, zeros, group_size, K, bits):
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"tiled W4A16 needs bf16/fp16 activations, got {x.dtype}")
     kp = -(-K // TILE_K) * TILE_K
-    if qtile.dtype != torch.int32 or qtile.shape[1] * 8 != kp or x.shape[1] != K:
-        raise ValueError(f"qtile must be int32 [N, {kp // 8}] for K={K}, got {tuple(qtile.shape)} {qtile.dtype}")
+    words = kp // TILE_K * words_per_tile(bits)
+    if qtile.dtype != torch.int32 or qtile.shape[1] != words or x.shape[1] != K:
+        raise ValueError(f"qtile must be int32 [N, {words}] for K={K} at {bits} bits, got {tuple(qtile.shape)} {qtile.dtype}")
     G = -(-K // group_size)
     if scales.shape != (G, qtile.shape[0]) or zeros.shape != scales.shape:
         raise ValueError(f"scales/zeros must be [{G}, N]: got {tuple(scales.shape)}, {tuple(zeros.shape)}")
 
 
-def _magic2(dtype) -> int:
-    return 0x64006400 if dtype == torch.float16 else 0x43004300  # 1024 (fp16) / 128 (bf16), twice
+def _magic2(dtype, bits: int = 4) -> int:
+    """The bits the unpack ORs over a code: 1024 (fp16) / 128 (bf16) twice; 8-bit codes under bf16
+    go through fp32, 2**23 (see _field_tile)."""
+    if dtype == torch.float16:
+        return 0x64006400
+    return 0x4B000000 if bits == 8 else 0x43004300
 
 
-def dequantize_tiled(qtile, scales, zeros, group_size, K, dtype, out=None):
+def dequantize_tiled(qtile, scales, zeros, group_size, K, dtype, out=None, bits=4):
     """W [N, K] in `dtype` by the Triton dequant kernel (the large-M path's first step); `out`, a
     contiguous [N, K] tensor of that dtype, receives it (benchmarks reuse buffers)."""
     N = qtile.shape[0]
     w = out if out is not None else torch.empty((N, K), dtype=dtype, device=qtile.device)
-    _tiled_dequant_kernel[(qtile.shape[1] // 16, triton.cdiv(N, 64))](
-        qtile, scales, zeros, w, N, K, scales.shape[0], qtile.shape[1], _magic2(dtype),
+    _tiled_dequant_kernel[(qtile.shape[1] // words_per_tile(bits), triton.cdiv(N, 64))](
+        qtile, scales, zeros, w, N, K, scales.shape[0], qtile.shape[1], _magic2(dtype, bits),
         GROUP_SIZE=min(group_size, K), BN=64, F16=dtype == torch.float16,
-        ASM=_packed_math_ok(device_index(qtile), dtype), num_warps=4)
+        ASM=_packed_math_ok(device_index(qtile), dtype), BITS=bits, UPCAST=interpreting(), num_warps=4)
     return w
 
 
-def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config=None, out=None, defer=False):
+def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config=None, out=None, defer=False, bits=4):
     """The Triton path; `config` overrides the table, `out` receives y (benchmarks, tests). defer:
-    a split-K launch returns a PendingSum instead of y (see _utils.PendingSum; not with `out`)."""
-    _check(x, qtile, scales, zeros, group_size, K)
+    a split-K launch returns a PendingSum instead of y (see _utils.PendingSum; not with `out`).
+    8-bit weights (bits=8) take the tensor-core and dequant paths only (a GEMV or ws row given for
+    them runs the M <= 16 tensor-core tile, or its fallback)."""
+    _check(x, qtile, scales, zeros, group_size, K, bits)
     x = x.contiguous() if x.stride(-1) != 1 else x
     M, N = x.shape[0], qtile.shape[0]
     dev = device_index(x)
-    cfg = config_for(dict(config) if config is not None else pick_config(TILED_CONFIGS, gpu_arch(dev), M), N)
+    cfg = config_for(dict(config) if config is not None else pick_config(tile_table(bits), gpu_arch(dev), M), N)
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     defer = defer_splitk(defer, out, bias)
-    if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K:
+    if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K and bits == 4:
         return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defer)
-    if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word: the tensor-core path
+    if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word, or 8 bits: the tensor-core path
         cfg = _tiled(16, 64, cfg["num_warps"], 3, waves=cfg["waves"])
     if cfg["backend"] == "ws":
         from .w4a16_ws import w4a16_ws_triton, ws_supported
 
-        cfg = _unless_ws_refuses(cfg, ws_supported(x, N, group_size, K))
+        cfg = _unless_ws_refuses(cfg, bits == 4 and ws_supported(x, N, group_size, K))
         if cfg["backend"] == "ws":
             return w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias, y, cfg["BM"], cfg["num_stages"])
     if cfg["backend"] == "dequant":  # large M: one dequant pass, then cuBLAS
-        torch.mm(x, dequantize_tiled(qtile, scales, zeros, group_size, K, x.dtype).t(), out=y)
+        torch.mm(x, dequantize_tiled(qtile, scales, zeros, group_size, K, x.dtype, bits=bits).t(), out=y)
         return y if bias is None else y.add_(bias.to(y.dtype))
     BM, BN, warps = cfg["BM"], cfg["BN"], cfg["num_warps"]
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    split, k_iters = split_k_for(tiles_mn, qtile.shape[1] // 16, num_sms(dev), cfg.get("waves", 0.0))
+    split, k_iters = split_k_for(tiles_mn, qtile.shape[1] // words_per_tile(bits), num_sms(dev), cfg.get("waves", 0.0))
     use_ws = split > 1
     ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if use_ws else (y, y, {})
     defer = defer and use_ws
     _w4a16_tiled_kernel[(tiles_mn, split)](
         x, qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
-        M, N, K, scales.shape[0], qtile.shape[1], x.stride(0), y.stride(0), k_iters, split, _magic2(x.dtype),
+        M, N, K, scales.shape[0], qtile.shape[1], x.stride(0), y.stride(0), k_iters, split, _magic2(x.dtype, bits),
         GROUP_SIZE=min(group_size, K), CHUNK=_chunk_for(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws,
         BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
         SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), EVEN_N=N % BN == 0, EVEN_K=K % TILE_K == 0,
-        DEFER=defer, num_warps=warps, num_stages=cfg["num_stages"], **pdl_args(x), **order)
+        DEFER=defer, BITS=bits, num_warps=warps, num_stages=cfg["num_stages"], **pdl_args(x), **order)
     return pending_or_y(y, ws, defer)
 
 
@@ -683,10 +770,10 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defe
     return pending_or_y(y, ws, defer)
 
 
-def w4a16_tiled_gemm(x, qtile, scales, zeros, group_size, K, bias=None, defer=False):
-    """y = x @ W^T (+ bias) for a weight in the tiled layout; x [M, K] bf16/fp16.
+def w4a16_tiled_gemm(x, qtile, scales, zeros, group_size, K, bias=None, defer=False, bits=4):
+    """y = x @ W^T (+ bias) for a weight (4 or 8 bits) in the tiled layout; x [M, K] bf16/fp16.
     Triton on CUDA tensors, the torch reference on CPU (FITLLM_KERNEL_BACKEND forces either).
     defer: may return a PendingSum instead of y (a split-K launch on the Triton path)."""
     if backend_for(x) == "triton" and triton is not None:
-        return w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias, defer=defer)
-    return w4a16_tiled_ref(x, qtile, scales, zeros, group_size, K, bias)
+        return w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias, defer=defer, bits=bits)
+    return w4a16_tiled_ref(x, qtile, scales, zeros, group_size, K, bias, bits)

@@ -3,8 +3,9 @@
 
 Every 4/8-bit layout is repacked at load time into fitllm's one kernel layout (KernelWeight),
 so one GEMM serves them all: fitllm.kernels.w4a16 on a GPU, a torch dequantize + matmul on CPU.
-On a GPU, 4-bit weights with 16-bit activations are repacked once more into the tiled layout of
-fitllm.kernels.w4a16_tiled (TiledWeight), whose kernels are faster at every batch size. Act-order
+On a GPU, 4- and 8-bit weights with 16-bit activations are repacked once more into the tiled layout
+of fitllm.kernels.w4a16_tiled (TiledWeight), whose kernels are faster at every batch size (8-bit: from
+2 tokens on; one token reads them ~7 % slower than the standard layout's GEMV). Act-order
 weights (g_idx) of any width get their input rows sorted by group there, so the kernels for plain
 groups serve them, given x in that order: written so by the producer where it can (input_perm,
 decoder.MLP.fold_input_order, the attention's out_cols), else gathered here.
@@ -143,7 +144,7 @@ class QuantLinear(FusedLinear):
         if isinstance(p, TiledWeight):
             from fitllm.kernels.w4a16_tiled import w4a16_tiled_gemm
 
-            y = w4a16_tiled_gemm(x2, p.qtile, p.scales, p.zeros, p.group_size, p.in_features, defer=defer)
+            y = w4a16_tiled_gemm(x2, p.qtile, p.scales, p.zeros, p.group_size, p.in_features, defer=defer, bits=p.bits)
             return y if defer else y.reshape(*shape[:-1], y.shape[-1])
         try:  # Triton on CUDA, its torch reference on CPU
             from fitllm.kernels.w4a16 import w4a16_gemm
@@ -223,8 +224,8 @@ def _to_runtime(p, device, dtype):
 def gpu_form(p: KernelWeight, dtype: torch.dtype) -> KernelWeight | TiledWeight:
     """How a GPU serves a KernelWeight: act-order rows sorted by group (any width), so the kernels for
     plain groups take it with x in that order (perm; the g_idx kernels are the slow legacy rows: 4-bit
-    sorted and tiled is 3.2-3.8x faster at M <= 64, RESULTS.md, twenty-seventh session), and 4-bit
-    weights the tiled kernels take tiled. The CPU keeps the stored form (its torch reference gains
+    sorted and tiled is 3.2-3.8x faster at M <= 64, RESULTS.md, twenty-seventh session), and 4- and
+    8-bit weights the tiled kernels take tiled. The CPU keeps the stored form (its torch reference gains
     nothing by sorting)."""
     p = p.grouped_by_permutation() or p
     if os.environ.get("FITLLM_W4_LAYOUT", "tiled") != "standard":

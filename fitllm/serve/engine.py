@@ -184,7 +184,8 @@ class LLMEngine:
         from fitllm.kernels._utils import gpu_arch, row_bounds
 
         arch = gpu_arch(self.device.index)
-        tables = (w4a16_tiled.TILED_CONFIGS, fp8.FP8_CONFIGS, w4a16.W4A16_CONFIGS, w4a16.W8A16_CONFIGS)
+        tables = (w4a16_tiled.TILED_CONFIGS, w4a16_tiled.TILED8_CONFIGS, fp8.FP8_CONFIGS, w4a16.W4A16_CONFIGS,
+                  w4a16.W8A16_CONFIGS)
         return sorted({m for t in tables for m in row_bounds(t, arch)}
                       | {self.config.max_num_batched_tokens, fp8.TMA_EAGER_MIN_M - 1})
 

@@ -111,37 +111,38 @@ class KernelWeight:
 
 
 class TiledWeight:
-    """The GPU form of a 4-bit KernelWeight without g_idx: qtile [N, Kp/8] in the tiled layout of
-    fitllm.kernels.w4a16_tiled (built for its tensor-core kernel), scales/zeros as KernelWeight's.
-    perm (act-order weights, KernelWeight.grouped_by_permutation): the input columns the stored rows
-    hold, in order; the GEMM gathers x[:, perm] first."""
+    """The GPU form of a 4- or 8-bit KernelWeight without g_idx: qtile [N, Kp*bits/32] in the tiled
+    layout of fitllm.kernels.w4a16_tiled (built for its tensor-core kernel), scales/zeros as
+    KernelWeight's. perm (act-order weights, KernelWeight.grouped_by_permutation): the input columns
+    the stored rows hold, in order; the GEMM gathers x[:, perm] first."""
 
-    bits = 4
     g_idx = None
 
-    def __init__(self, qtile, scales, zeros, group_size: int, in_features: int, perm=None):
+    def __init__(self, qtile, scales, zeros, group_size: int, in_features: int, perm=None, bits: int = 4):
         self.qtile, self.scales, self.zeros = qtile, scales, zeros
-        self.group_size, self.in_features, self.perm = group_size, in_features, perm
+        self.group_size, self.in_features, self.perm, self.bits = group_size, in_features, perm, bits
 
     @classmethod
     def from_kernel(cls, kw: KernelWeight) -> "TiledWeight":
         """kw (no g_idx) tiled; an act-order weight sorted by group keeps its perm."""
         from fitllm.kernels.w4a16_tiled import tile_pack
 
-        return cls(tile_pack(kw.qweight), kw.scales, kw.zeros, kw.group_size, kw.in_features, kw.perm)
+        return cls(tile_pack(kw.qweight, kw.bits), kw.scales, kw.zeros, kw.group_size, kw.in_features, kw.perm,
+                   kw.bits)
 
     def permute_outputs(self, idx: torch.Tensor) -> "TiledWeight":
         """The same weight with output j holding output idx[j]."""
         from fitllm.kernels.w4a16_tiled import permute_tile_rows
 
-        return TiledWeight(permute_tile_rows(self.qtile, idx), self.scales[:, idx], self.zeros[:, idx],
-                           self.group_size, self.in_features, self.perm)
+        return TiledWeight(permute_tile_rows(self.qtile, idx, self.bits), self.scales[:, idx], self.zeros[:, idx],
+                           self.group_size, self.in_features, self.perm, self.bits)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`, columns in the input's order (tests, evaluation tools)."""
         from fitllm.kernels.w4a16_tiled import dequantize_tiled_ref
 
-        w = dequantize_tiled_ref(self.qtile, self.scales, self.zeros, self.group_size, self.in_features, dtype)
+        w = dequantize_tiled_ref(self.qtile, self.scales, self.zeros, self.group_size, self.in_features, dtype,
+                                 self.bits)
         return _in_input_order(w, self.perm)
 
 
