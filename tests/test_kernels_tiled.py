@@ -168,7 +168,11 @@ W8_CASES = [  # 8-bit weights: bf16 through fp32, fp16 through 16-bit pairs; eve
     (4, 192, 64, 64, torch.float16, _tiled(16, 64, 4, 2, waves=2, scale_in_w=True)),
     (65, 256, 320, 128, torch.bfloat16, _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)),
     (70, 256, 320, 128, torch.bfloat16, _tiled(0, 0, 4, 1, backend="dequant")),
-    (1, 256, 320, 128, torch.bfloat16, _gemv(128, 1, 8, waves=4)),  # no 8-bit GEMV: the tc tile
+    (1, 512, 320, 128, torch.bfloat16, _gemv(128, 1, 8, waves=4)),  # the GEMV: one row, split-K, N across blocks
+    (2, 384, 96, 128, torch.bfloat16, _gemv(64, 2, 4, waves=2)),  # two rows, N tail, unroll 2 (odd tiles)
+    (3, 256, 64, 256, torch.float16, _gemv(64, 1, 4, waves=0)),  # four-row block, per channel, fp16
+    (6, 576, 64, 576, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # two row blocks, K padded
+    (1, 256, 64, 64, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # groups of 64: the tc tile
     (100, 256, 256, 128, torch.bfloat16, _ws(64, 4, _tiled(64, 64, 4, 2, waves=1))),  # no 8-bit ws: its fallback
 ]
 KERNEL_CASES = [(4, *c) for c in TC_CASES] + [(8, *c) for c in W8_CASES]
@@ -190,8 +194,9 @@ def test_kernel_matches_float64(bits, M, K, N, gs, dtype, cfg):
 
 @pytest.mark.parametrize("M", [1, 17, 33, 65, 130, 257])
 def test_8bit_table_rows_as_an_sm90_card_picks_them(M, monkeypatch):
-    """8-bit tiled weights take TILED8_CONFIGS: tensor-core tiles up to M = 256 (the M <= 128 row by
-    width), dequantize + cuBLAS beyond, picked by the launcher itself; N crosses a stored block."""
+    """8-bit tiled weights take TILED8_CONFIGS: the GEMV at M = 1 (the tensor-core tile for the widest
+    weights), tensor-core tiles up to M = 256 (the M <= 128 row by width), dequantize + cuBLAS beyond,
+    picked by the launcher itself; N crosses a stored block."""
     import fitllm.kernels.w4a16_tiled as tiled
 
     monkeypatch.setattr(tiled, "gpu_arch", lambda _: "sm90")
@@ -199,11 +204,12 @@ def test_8bit_table_rows_as_an_sm90_card_picks_them(M, monkeypatch):
     qt, s, z, w64, _ = rand_weight(K, N, 128, torch.bfloat16, 8)
     x = torch.randn(M, K, generator=GEN).to(torch.bfloat16)
     y = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
-    ran = []
+    ran, gemv = [], tiled._launch_gemv
     monkeypatch.setattr(tiled, "dequantize_tiled", lambda *a, **k: ran.append("dequant") or dequantize_tiled(*a, **k))
+    monkeypatch.setattr(tiled, "_launch_gemv", lambda *a: ran.append("gemv") or gemv(*a))
     tiled.w4a16_tiled_triton(x, qt, s, z, 128, K, out=y, bits=8)
     assert rel_err(y, x.double() @ w64) < 1e-2
-    assert ran == (["dequant"] if M > 256 else [])
+    assert ran == (["gemv"] if M == 1 else ["dequant"] if M > 256 else [])
 
 
 def test_split_k_workspace_is_left_clean():

@@ -36,8 +36,8 @@ f + 2h (f = 0..1) of word r of section u being k = 64 u + 32 f + 2 r + h; positi
 and scales as above (a tile is 32 words, section u at p = 16 u + 4 c + t). With fp16 activations
 `(w >> 8f) & 0x00FF00FF | magic` is again a pair 1024 + q; bf16 cannot hold 128 + q exactly past
 q = 127, so its codes go through fp32 (2**23 + q, one subtraction, one packing convert a pair: ~2.5
-instructions a weight). Only the tensor-core and dequant kernels take 8 bits (no GEMV: one token is
-~7 % slower than the standard layout's GEMV, every other batch faster; RESULTS.md, thirty-first session).
+instructions a weight; the byte goes under the magic in one PRMT). The GEMV takes them in fp32 (q - z
+exact, one FFMA a weight), the tensor-core and dequant kernels as above; the ws kernel does not.
 """
 
 from __future__ import annotations
@@ -245,6 +245,24 @@ if triton is not None:
         return _field_tile(qw1 if j >= F else qw0, j % F, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST)
 
     @triton.jit
+    def _code(qw, byte: tl.constexpr, MAGIC, ASM: tl.constexpr):
+        """Byte `byte` of every word under MAGIC's upper bytes (2**23 + q as fp32): one PRMT (ASM)
+        instead of a shift or byte extract and a LOP3."""
+        if ASM:
+            if byte == 0:
+                sel: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7650;"
+            elif byte == 1:
+                sel: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7651;"
+            elif byte == 2:
+                sel: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7652;"
+            else:
+                sel: tl.constexpr = "prmt.b32 $0, $1, $2, 0x7653;"
+            v = tl.inline_asm_elementwise(sel, "=r,r,r", [qw, MAGIC], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            v = ((qw >> (8 * byte)) & 0xFF) | MAGIC
+        return v.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _field_tile(qw, f: tl.constexpr, MAGIC2, nz, zf, s2, sf, F16: tl.constexpr, ASM: tl.constexpr,
                     SCALE_IN_W: tl.constexpr, BITS: tl.constexpr = 4, UPCAST: tl.constexpr = True):
         """[BN, 32]: pair field f of every word (fields f, f + 16 / BITS) as q - z (SCALE_IN_W:
@@ -254,8 +272,8 @@ if triton is not None:
         BN: tl.constexpr = qw.shape[0]
         WIDE: tl.constexpr = BITS == 8 and not F16
         if WIDE:  # the byte under a fp32 2**23
-            lo = (((qw >> (8 * f)) & 0xFF) | MAGIC2).to(tl.float32, bitcast=True)
-            hi = (((qw >> (8 * f + 16)) & 0xFF) | MAGIC2).to(tl.float32, bitcast=True)
+            lo = _code(qw, f, MAGIC2, ASM)
+            hi = _code(qw, f + 2, MAGIC2, ASM)
         else:
             MASK: tl.constexpr = 0x000F000F if BITS == 4 else 0x00FF00FF
             v = ((qw >> (BITS * f)) & MASK) | MAGIC2  # two 16-bit floats magic + q
@@ -458,6 +476,62 @@ if triton is not None:
         return qw, tl.broadcast_to(_pair16(-(z + MAGICF), DT), qw.shape), s[:, None]
 
     @triton.jit
+    def _load_words(q_ptr, offs, w_mask):
+        """Words at offs [BN, 16], rows masked by w_mask [BN] (None: every row exists)."""
+        if w_mask is None:
+            qw = tl.load(q_ptr + offs)
+        else:
+            qw = tl.load(q_ptr + offs, mask=w_mask[:, None], other=0)
+        return qw
+
+    @triton.jit
+    def _codes_minus_z(qw, zf, MAGIC, ASM: tl.constexpr):
+        """An 8-bit word's four codes as fp32 q - z ((2**23 + q) - (2**23 + z), exact): fields 0 and 2
+        (the pair k, k + 1 of x pair j = 2 u), then 1 and 3 (pair j + 1)."""
+        return (_code(qw, 0, MAGIC, ASM) - zf, _code(qw, 2, MAGIC, ASM) - zf,
+                _code(qw, 1, MAGIC, ASM) - zf, _code(qw, 3, MAGIC, ASM) - zf)
+
+    @triton.jit
+    def _pair_dot(lo, hi, xp, t, F16: tl.constexpr):
+        """t + lo x[k] + hi x[k + 1] for the x pair xp (one FFMA chain)."""
+        t += lo * _half(xp, False, F16)
+        return t + hi * _half(xp, True, F16)
+
+    @triton.jit
+    def _gemv_tile8(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask,
+                    w_mask, p_ar, xoff, acc0, acc1, acc2, acc3, MAGIC, GROUP_SIZE: tl.constexpr, BM: tl.constexpr,
+                    F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
+        """_gemv_tile for 8-bit weights, fp32 math: a tile's two sections of words [BN, 16] each, the
+        codes unpacked once for all rows (x pairs j = 0, 1 meet section 0, j = 2, 3 section 1)."""
+        offs = _word_offsets(offs_n, kt, N, stride_q, 32)[:, None] + p_ar
+        qa = _load_words(q_ptr, offs, w_mask)
+        qb = _load_words(q_ptr, offs + 16, w_mask)
+        s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
+        zf = (z + 8388608.0)[:, None]
+        s = s[:, None]
+        a0, a1, a2, a3 = _codes_minus_z(qa, zf, MAGIC, ASM)
+        b0, b1, b2, b3 = _codes_minus_z(qb, zf, MAGIC, ASM)
+        KP = K // 2
+        for m in tl.static_range(BM):
+            if BM == 1:  # M == 1: the row mask folds away
+                x0, x1, x2, x3 = _x_pairs(x_ptr, 0, 1, stride_xw, kt, xoff, KP, EVEN_K)
+            else:
+                x0, x1, x2, x3 = _x_pairs(x_ptr, m0 + m, M, stride_xw, kt, xoff, KP, EVEN_K)
+            t = _pair_dot(a0, a1, x0, a0 * 0.0, F16)
+            t = _pair_dot(a2, a3, x1, t, F16)
+            t = _pair_dot(b0, b1, x2, t, F16)
+            t = _pair_dot(b2, b3, x3, t, F16) * s
+            if m == 0:
+                acc0 += t
+            elif m == 1:
+                acc1 += t
+            elif m == 2:
+                acc2 += t
+            else:
+                acc3 += t
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
     def _gemv_tile(x_ptr, q_ptr, s_ptr, z_ptr, kt, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n, n_mask, w_mask,
                    p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE: tl.constexpr, BM: tl.constexpr,
                    F16: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr):
@@ -485,11 +559,11 @@ if triton is not None:
     @triton.jit
     def _tiled_gemv_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
-        M, N, K, NUM_GROUPS, stride_q, stride_xw, stride_ym, K_ITERS, SPLIT,
+        M, N, K, NUM_GROUPS, stride_q, stride_xw, stride_ym, K_ITERS, SPLIT, MAGIC,
         GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr = False, PDL: tl.constexpr = False,
-        ORDERED: tl.constexpr = False, DEFER: tl.constexpr = False,
+        ORDERED: tl.constexpr = False, DEFER: tl.constexpr = False, BITS: tl.constexpr = 4,
     ):
         """y = x W^T for 1..4 rows of x (BM in 1, 2, 4; more rows: grid axis 2), CUDA cores, packed
         16-bit math (w4a16's _unpack_q_minus_z / _dot_pairs / _one_row_dot). Program (n, k, m) owns
@@ -499,7 +573,8 @@ if triton is not None:
         per-channel): each word's fp32 sum is scaled once. x_ptr: x as int32 pairs.
         EVEN_N (BN divides N) loads the words unmasked, and BM == 1 (the launcher's M == 1) reads
         row 0 of x unmasked: at M = 1 those masks cost ~8 % of the layer (RESULTS.md, twelfth
-        session)."""
+        session). BITS = 8: _gemv_tile8 (fp32 math; MAGIC = 2**23 as fp32 bits, from a register so
+        the mask and OR are one LOP3)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         if BM == 1:
@@ -515,11 +590,15 @@ if triton is not None:
         acc1 = tl.zeros((BN, 16), dtype=tl.float32)
         acc2 = tl.zeros((BN, 16), dtype=tl.float32)
         acc3 = tl.zeros((BN, 16), dtype=tl.float32)
-        kt_end = tl.minimum((pid_k + 1) * K_ITERS, stride_q // 16)  # the last split may be shorter
+        kt_end = tl.minimum((pid_k + 1) * K_ITERS, stride_q // (4 * BITS))  # the last split may be shorter
         wait_for_previous(PDL)  # x is the previous kernel's output
         for kt in range(pid_k * K_ITERS, kt_end, UNROLL):
             for u in tl.static_range(UNROLL):
-                if UNROLL == 1 or kt + u < kt_end:
+                if (UNROLL == 1 or kt + u < kt_end) and BITS == 8:
+                    acc0, acc1, acc2, acc3 = _gemv_tile8(
+                        x_ptr, q_ptr, s_ptr, z_ptr, kt + u, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n,
+                        n_mask, w_mask, p_ar, xoff, acc0, acc1, acc2, acc3, MAGIC, GROUP_SIZE, BM, F16, ASM, EVEN_K)
+                elif UNROLL == 1 or kt + u < kt_end:
                     acc0, acc1, acc2, acc3 = _gemv_tile(
                         x_ptr, q_ptr, s_ptr, z_ptr, kt + u, m0, M, N, K, NUM_GROUPS, stride_q, stride_xw, offs_n,
                         n_mask, w_mask, p_ar, xoff, acc0, acc1, acc2, acc3, GROUP_SIZE, BM, F16, ASM, EVEN_K)
@@ -602,14 +681,17 @@ TILED_CONFIGS = {
 }
 
 
-# 8-bit weights in the tiled layout (GPTQ int8): the tensor-core kernel up to M = 256 (no GEMV, no
-# warp-specialised kernel for them), then dequant + cuBLAS. sm90: an H100 sweep (RESULTS.md, thirty-first
-# session), µs per Llama-3-8B layer against the standard layout's W8A16 table / bf16 cuBLAS: M=1 106 (GEMV
-# 99) / 164; M=4 105 (140) / 165; M=16 110 (143) / 168; M=32 117 (198) / 169; M=64 148 (226) / 171;
-# M=128 ~206 (393) / 180, qkv on BN 64; M=256 350 (492) / 208; M=512 dequant 572 (604) / 328.
+# 8-bit weights in the tiled layout (GPTQ int8): the GEMV at M = 1 (but for the widest weights), the
+# tensor-core kernel up to M = 256 (no warp-specialised kernel for them), then dequant + cuBLAS. sm90: H100
+# sweeps (RESULTS.md, thirty-first session), µs per Llama-3-8B layer against the standard layout's W8A16
+# table / bf16 cuBLAS: M=1 93 (97) / 157 (GEMV qkv / o / down 13.3 / 8.3 / 26.1, tc 15.3 / 10.1 / 27.5;
+# gate_up tc 45.7, GEMV 48.3); M=2 99 (113) / 158 (the GEMV 4-15 % slower than tc on every linear); M=4 98
+# (143) / 159; M=16 110 (143) / 168; M=32 117 (198) / 169; M=64 148 (226) / 171; M=128 ~206 (393) / 180,
+# qkv on BN 64; M=256 350 (492) / 208; M=512 dequant 572 (604) / 328.
 _W8_M128 = _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)
 TILED8_CONFIGS = {
     "sm90": [
+        (1, by_width(_gemv(128, 1, 8, waves=4), (16384, 1 << 62, _tiled(16, 64, 4, 3, waves=4)))),
         (16, _tiled(16, 64, 4, 3, waves=4)),
         (32, _tiled(32, 64, 4, 3, waves=4)),
         (64, by_width(_tiled(64, 64, 4, 3, waves=3), (16384, 1 << 62, _tiled(64, 64, 4, 3, waves=2)))),
@@ -680,6 +762,9 @@ def _check(x, qtile, scales, zeros, group_size, K, bits):
         raise ValueError(f"scales/zeros must be [{G}, N]: got {tuple(scales.shape)}, {tuple(zeros.shape)}")
 
 
+_MAGIC32 = 0x4B000000  # 2**23 as fp32: the 8-bit GEMV's code bits go under it
+
+
 def _magic2(dtype, bits: int = 4) -> int:
     """The bits the unpack ORs over a code: 1024 (fp16) / 128 (bf16) twice; 8-bit codes under bf16
     go through fp32, 2**23 (see _field_tile)."""
@@ -703,8 +788,7 @@ def dequantize_tiled(qtile, scales, zeros, group_size, K, dtype, out=None, bits=
 def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config=None, out=None, defer=False, bits=4):
     """The Triton path; `config` overrides the table, `out` receives y (benchmarks, tests). defer:
     a split-K launch returns a PendingSum instead of y (see _utils.PendingSum; not with `out`).
-    8-bit weights (bits=8) take the tensor-core and dequant paths only (a GEMV or ws row given for
-    them runs the M <= 16 tensor-core tile, or its fallback)."""
+    8-bit weights (bits=8) take the GEMV, tensor-core and dequant paths (a ws row runs its fallback)."""
     _check(x, qtile, scales, zeros, group_size, K, bits)
     x = x.contiguous() if x.stride(-1) != 1 else x
     M, N = x.shape[0], qtile.shape[0]
@@ -714,9 +798,9 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     if M == 0:
         return y
     defer = defer_splitk(defer, out, bias)
-    if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K and bits == 4:
-        return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defer)
-    if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word, or 8 bits: the tensor-core path
+    if cfg["backend"] == "gemv" and _chunk_for(group_size, K) == TILE_K:
+        return _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defer, bits)
+    if cfg["backend"] == "gemv":  # groups of 32/64 change inside a word: the tensor-core path
         cfg = _tiled(16, 64, cfg["num_warps"], 3, waves=cfg["waves"])
     if cfg["backend"] == "ws":
         from .w4a16_ws import w4a16_ws_triton, ws_supported
@@ -748,7 +832,7 @@ def _reg_cap(cfg) -> dict:
     return {} if cfg.get("maxnreg") is None or interpreting() else {"maxnreg": cfg["maxnreg"]}
 
 
-def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defer=False):
+def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defer=False, bits=4):
     M, N = x.shape[0], qtile.shape[0]
     if x.stride(0) % 2 or x.storage_offset() % 2:  # viewed as int32 pairs below
         x = x.clone(memory_format=torch.contiguous_format)
@@ -756,16 +840,16 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defe
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
     wide = cfg.get("wide")
     waves = wide[1] if wide and N >= wide[0] else cfg.get("waves", 0.0)
-    split, k_iters = split_k_for(m_blocks * n_blocks, qtile.shape[1] // 16, num_sms(dev), waves)
+    split, k_iters = split_k_for(m_blocks * n_blocks, qtile.shape[1] // words_per_tile(bits), num_sms(dev), waves)
     use_ws = split > 1
     ws, cnt, order = splitk_buffers(x.device, M * N, m_blocks * n_blocks, split) if use_ws else (y, y, {})
     defer = defer and use_ws
     _tiled_gemv_kernel[(n_blocks, split, m_blocks)](
         x.view(torch.int32), qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
-        M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split,
+        M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split, _MAGIC32,
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0, EVEN_N=N % BN == 0,
-        DEFER=defer, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
+        DEFER=defer, BITS=bits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
         **pdl_args(x), **order)
     return pending_or_y(y, ws, defer)
 

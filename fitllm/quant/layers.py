@@ -4,8 +4,7 @@
 Every 4/8-bit layout is repacked at load time into fitllm's one kernel layout (KernelWeight),
 so one GEMM serves them all: fitllm.kernels.w4a16 on a GPU, a torch dequantize + matmul on CPU.
 On a GPU, 4- and 8-bit weights with 16-bit activations are repacked once more into the tiled layout
-of fitllm.kernels.w4a16_tiled (TiledWeight), whose kernels are faster at every batch size (8-bit: from
-2 tokens on; one token reads them ~7 % slower than the standard layout's GEMV). Act-order
+of fitllm.kernels.w4a16_tiled (TiledWeight), whose kernels are faster at every batch size. Act-order
 weights (g_idx) of any width get their input rows sorted by group there, so the kernels for plain
 groups serve them, given x in that order: written so by the producer where it can (input_perm,
 decoder.MLP.fold_input_order, the attention's out_cols), else gathered here.
