@@ -1,41 +1,63 @@
-"""8-bit weights (GPTQ int8, g128) on the GPU: the launcher's own table (W8A16_CONFIGS) checked against
-float64 at M in {1, 3, 16, 33, 128, 1000} for one Llama-3-8B layer's four linears (outputs poisoned
-first), then µs per layer for bf16 cuBLAS, the 4-bit table's rows run on 8-bit weights (what 8-bit
-weights ran before the thirtieth session) and W8A16_CONFIGS, each a CUDA-graph replay of two layer copies.
+"""8-bit weights (GPTQ int8, g128) on the GPU: both launchers' own tables checked against float64 at M in
+{1, 2, 3, 4, 16, 33, 128, 300, 1000} for one Llama-3-8B layer's four linears (outputs poisoned first): the
+standard layout's W8A16_CONFIGS (fitllm.kernels.w4a16) and the tiled layout's TILED8_CONFIGS
+(fitllm.kernels.w4a16_tiled, what the GPU serves). Then µs per layer for bf16 cuBLAS and both tables, each
+linear alone in a CUDA graph over two copies of the layer (bench_gemm.graph_time).
 
   python3 benchmarks/w8_table_check.py
 """
 import os, sys, torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemm import SHAPES, make_w4, graph_time, rel_err
-from fitllm.kernels.w4a16 import W4A16_CONFIGS, W8A16_CONFIGS, dequantize_packed, w4a16_gemm_triton
-from fitllm.kernels._utils import pick_config
+from fitllm.kernels.w4a16 import dequantize_packed, w4a16_gemm_triton
+from fitllm.kernels.w4a16_tiled import tile_pack, w4a16_tiled_triton
 
 dev = "cuda"
 torch.manual_seed(0)
-copies = [{n: (make_w4(K, N, dev, bits=8), torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02) for n, (K, N) in SHAPES.items()} for _ in range(2)]
-
-def layer_time(M, cfg):
-    xs = {K: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for K in (4096, 14336)}
-    ys = {n: torch.empty(M, N, device=dev, dtype=torch.bfloat16) for n, (K, N) in SHAPES.items()}
-    if cfg == "bf16":
-        fn = lambda: [torch.mm(xs[SHAPES[n][0]], c[n][1].t(), out=ys[n]) for c in copies for n in SHAPES]
-    else:
-        fn = lambda: [w4a16_gemm_triton(xs[SHAPES[n][0]], **c[n][0], config=cfg, out=ys[n]) for c in copies for n in SHAPES]
-    return graph_time(fn)
-
-worst = 0.0
-for M in (1, 3, 16, 33, 128, 1000):  # the table itself (config=None), poisoned outputs, every linear
+copies = []
+for _ in range(2):
+    layer = {}
     for n, (K, N) in SHAPES.items():
-        w = copies[1][n][0]
+        w = make_w4(K, N, dev, bits=8)
+        layer[n] = dict(std=w, bf16=torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02,
+                        tiled=dict(qtile=tile_pack(w["qweight"], 8), scales=w["scales"], zeros=w["zeros"],
+                                   group_size=128, K=K))
+    copies.append(layer)
+
+
+def run(kind, x, w, y):
+    if kind == "bf16":
+        torch.mm(x, w["bf16"].t(), out=y)
+    elif kind == "standard":
+        w4a16_gemm_triton(x, **w["std"], out=y)
+    else:
+        w4a16_tiled_triton(x, **w["tiled"], out=y, bits=8)
+
+
+def layer_time(M, kind):
+    total = 0.0
+    for n, (K, N) in SHAPES.items():
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        ref = x.double() @ dequantize_packed(w["qweight"], w["scales"], w["zeros"], 128, 8).double()
-        y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-        w4a16_gemm_triton(x, **w, out=y)
-        worst = max(worst, rel_err(y, ref))
-print(f"{torch.cuda.get_device_name()}  8-bit table check vs float64, M in 1,3,16,33,128,1000, 4 linears: worst rel err {worst:.2e} {'PASS' if worst < 1e-2 else 'FAIL'}")
-print("| M | bf16 cuBLAS | 8-bit, the 4-bit table's row | 8-bit, W8A16_CONFIGS | change |")
+        y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+        total += graph_time(lambda: [run(kind, x, c[n], y) for c in copies], 30.0)
+    return total
+
+
+worst = {"standard": 0.0, "tiled": 0.0}
+for M in (1, 2, 3, 4, 16, 33, 128, 300, 1000):
+    for n, (K, N) in SHAPES.items():
+        w = copies[1][n]
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        ref = x.double() @ dequantize_packed(w["std"]["qweight"], w["std"]["scales"], w["std"]["zeros"], 128, 8).double()
+        for kind in worst:
+            y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
+            run(kind, x, w, y)
+            worst[kind] = max(worst[kind], rel_err(y, ref))
+ok = all(v < 1e-2 for v in worst.values())
+print(f"{torch.cuda.get_device_name()}  8-bit tables vs float64, 4 linears: worst rel err standard "
+      f"{worst['standard']:.2e}, tiled {worst['tiled']:.2e}: {'PASS' if ok else 'FAIL'}")
+print("| M | bf16 cuBLAS | 8-bit standard (W8A16_CONFIGS) | 8-bit tiled (TILED8_CONFIGS) | tiled vs bf16 |")
 print("|---|---|---|---|---|")
-for M in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-    a, b, c = layer_time(M, "bf16"), layer_time(M, pick_config(W4A16_CONFIGS, "sm90", M)), layer_time(M, pick_config(W8A16_CONFIGS, "sm90", M))
-    print(f"| {M} | {a:.1f} | {b:.1f} | {c:.1f} | {100 * (c / b - 1):+.0f} % |", flush=True)
+for M in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+    a, b, c = layer_time(M, "bf16"), layer_time(M, "standard"), layer_time(M, "tiled")
+    print(f"| {M} | {a:.1f} | {b:.1f} | {c:.1f} | {a / c:.2f}x |", flush=True)

@@ -181,11 +181,11 @@ if triton is not None:
     @triton.jit
     def _load_tile_words(q_ptr, n0, N, stride_q, kt, BN: tl.constexpr, ROW_WARPS: tl.constexpr,
                          EVEN_N: tl.constexpr = False, BITS: tl.constexpr = 4, SECTION: tl.constexpr = 0):
-        """Words [BN, 16] of K tile kt (8-bit weights: of its section 0 or 1). Loaded as [8, ROW_WARPS, 2, REP, 16]: Triton spreads the dims
-        after the contiguous word axis over lanes then warps in index order, so thread (warp w, lane
-        l) holds rows 16 w + l // 4 (+ 8) and words 4 (l % 4) .. + 3, which is the A-fragment
-        ownership of the MMA (row = REP index * 16 ROW_WARPS + 16 w + 8 a + g). EVEN_N: every row
-        exists (unmasked)."""
+        """Words [BN, 16] of K tile kt (8-bit weights: of its SECTION 0 or 1). Loaded as [8, ROW_WARPS,
+        2, REP, 16]: Triton spreads the dims after the contiguous word axis over lanes then warps in
+        index order, so thread (warp w, lane l) holds rows 16 w + l // 4 (+ 8) and words 4 (l % 4) ..
+        + 3, which is the A-fragment ownership of the MMA (row = REP index * 16 ROW_WARPS + 16 w + 8 a
+        + g). EVEN_N: every row exists (unmasked)."""
         REP: tl.constexpr = BN // (16 * ROW_WARPS)
         g = tl.arange(0, 8)[:, None, None, None, None]
         w = tl.arange(0, ROW_WARPS)[None, :, None, None, None]
@@ -394,7 +394,9 @@ if triton is not None:
             kt = pid_k * K_ITERS + it
             k0 = kt * 128
             qw = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS)
-            qw1 = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS, 1) if BITS == 8 else qw
+            qw1 = qw
+            if BITS == 8:
+                qw1 = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS, 1)
             if CHUNK == 128:
                 s, nz, zf, s2, sf = _group_cols(s_next, z_next, MAGICF, F16)
                 s_next, z_next = _group_raw(s_ptr, z_ptr, k0 + 128, N, NUM_GROUPS, offs_n, n_load, GROUP_SIZE,
@@ -434,7 +436,9 @@ if triton is not None:
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         qw = _load_tile_words(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4, False, BITS)
-        qw1 = _load_tile_words(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4, False, BITS, 1) if BITS == 8 else qw
+        qw1 = qw
+        if BITS == 8:
+            qw1 = _load_tile_words(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4, False, BITS, 1)
         for f in tl.static_range(4):
             k0 = kt * 128 + 32 * f
             s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0, N, NUM_GROUPS, offs_n, n_mask, MAGICF, GROUP_SIZE, F16)
@@ -756,7 +760,8 @@ def _check(x, qtile, scales, zeros, group_size, K, bits):
     kp = -(-K // TILE_K) * TILE_K
     words = kp // TILE_K * words_per_tile(bits)
     if qtile.dtype != torch.int32 or qtile.shape[1] != words or x.shape[1] != K:
-        raise ValueError(f"qtile must be int32 [N, {words}] for K={K} at {bits} bits, got {tuple(qtile.shape)} {qtile.dtype}")
+        raise ValueError(f"qtile must be int32 [N, {words}] for K={K} at {bits} bits, "
+                         f"got {tuple(qtile.shape)} {qtile.dtype}")
     G = -(-K // group_size)
     if scales.shape != (G, qtile.shape[0]) or zeros.shape != scales.shape:
         raise ValueError(f"scales/zeros must be [{G}, N]: got {tuple(scales.shape)}, {tuple(zeros.shape)}")
