@@ -113,9 +113,10 @@ class Weights:
         return self.linears + self.lm_head + self.norms_biases + (self.embeddings if self.lm_head == 0 else 0)
 
 
-def weight_bytes(config: ModelConfig, scheme: str = "bf16", group_size: Optional[int] = None) -> Weights:
+def weight_bytes(config: ModelConfig, scheme: str = "bf16", group_size: Optional[int] = None, bits: int = 4) -> Weights:
+    """The weights as fitllm holds them on the GPU; `bits` (4 or 8) are those of awq / gptq layers."""
     group_size = group_size or default_group_size(config)
-    per_layer = sum(linear_bytes(k, n, scheme, group_size) for _, k, n in linear_shapes(config))
+    per_layer = sum(linear_bytes(k, n, scheme, group_size, bits) for _, k, n in linear_shapes(config))
     if scheme == "gptq":  # act-order: an int32 group index per input row of each fused GEMM (qkv, o, gate|up, down)
         per_layer += 4 * (2 * config.hidden_size + config.q_size + config.intermediate_size)
     table = 2 * config.vocab_size * config.hidden_size
@@ -170,9 +171,22 @@ def detect_scheme(config: ModelConfig) -> str:
             w = group.get("weights") or {}
             if w.get("num_bits") == 8 and w.get("type") == "float":
                 return "fp8"
-            if w.get("num_bits") == 4:
-                return "awq"  # int4 with group scales: the same bytes as AWQ
+            if w.get("num_bits") in (4, 8) and w.get("type", "int") == "int":
+                return "awq"  # int4 / int8 with group scales: the same bytes as AWQ (checkpoint_bits says which)
     return "bf16"
+
+
+def checkpoint_bits(config: ModelConfig) -> int:
+    """The weight bits of an int-quantized checkpoint's layers: GPTQ's and AWQ's `bits`, or the
+    `num_bits` of a compressed-tensors config's int weights; 4 when it states none."""
+    q = config.quantization_config or {}
+    if q.get("bits") is not None:
+        return int(q["bits"])
+    for group in (q.get("config_groups") or {}).values():
+        w = group.get("weights") or {}
+        if w.get("type", "int") == "int" and w.get("num_bits") in (4, 8):
+            return int(w["num_bits"])
+    return 4
 
 
 def checkpoint_group_size(config: ModelConfig) -> Optional[int]:
@@ -259,19 +273,21 @@ def attention_workspace_bytes(config: ModelConfig, num_seqs: int, context: int, 
     return num_seqs * c.num_heads * splits * (c.head_dim + 2) * 4 if splits > 1 else 0
 
 
-def dequant_min_tokens(config: ModelConfig, group_size: Optional[int] = None, arch: Optional[str] = None) -> int:
-    """The fewest tokens in a step at which one of the model's 4-bit GEMMs dequantizes its weight
-    whole to bf16 for cuBLAS, as fitllm's kernel tables pick on `arch` ('sm90', 'sm89', ...; None, a
-    card not known: the 'default' rows, which do it soonest). On Hopper the warp-specialised kernel
-    takes 257..3072 tokens where the shapes allow (whole 128-row weight blocks, groups of 128·j).
-    AWQ and GPTQ, act-order included (its rows sorted by group at load), run the tiled layout."""
+def dequant_min_tokens(config: ModelConfig, group_size: Optional[int] = None, arch: Optional[str] = None,
+                       bits: int = 4) -> int:
+    """The fewest tokens in a step at which one of the model's 4-bit (or `bits`) GEMMs dequantizes
+    its weight whole to bf16 for cuBLAS, as fitllm's kernel tables pick on `arch` ('sm90', 'sm89',
+    ...; None, a card not known: the 'default' rows, which do it soonest). On Hopper the
+    warp-specialised kernel takes 257..3072 tokens where the shapes allow (whole 128-row weight
+    blocks, groups of 128·j); 8-bit weights have no such kernel and dequantize from 257. AWQ and
+    GPTQ, act-order included (its rows sorted by group at load), run the tiled layout."""
     from fitllm.kernels.w4a16_tiled import dequant_from_tokens
 
     arch = arch or "default"
     h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
     gs = default_group_size(config) if group_size is None else group_size  # <= 0: per channel
     # the runtime's fused GEMMs, (N, K): qkv, o, gate|up, down
-    return min(dequant_from_tokens(arch, n, k, gs if 0 < gs < k else k)
+    return min(dequant_from_tokens(arch, n, k, gs if 0 < gs < k else k, bits)
                for n, k in ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i)))
 
 
@@ -322,6 +338,7 @@ class Settings:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     cuda_graphs: bool = True
     group_size: Optional[int] = None
+    bits: int = 4  # awq / gptq layers: 4 or 8 (GPTQ int8)
     # Attention implementation, eager / in the decode graphs: "fused" (Triton, the target),
     # "torch" / "padded" (today's fallbacks; see attention_workspace_bytes).
     attention: str = "fused"
@@ -422,10 +439,10 @@ def estimate(config: ModelConfig, settings: Settings, gpu_memory_bytes: int,
     the server will allocate); pass the server's real block count to predict its actual peak.
     """
     s = replace(settings, kv_dtype=normalize_kv_dtype(settings.kv_dtype))
-    weights = weight_bytes(config, s.scheme, s.group_size)
+    weights = weight_bytes(config, s.scheme, s.group_size, s.bits)
     t, seqs, ctx = s.max_batched_tokens, s.max_num_seqs, s.max_model_len
     sampled = min(seqs, t)  # at most one sampled row per sequence
-    dequant_from = dequant_min_tokens(config, s.group_size, s.gpu_arch) if s.scheme in ("awq", "gptq") else None
+    dequant_from = dequant_min_tokens(config, s.group_size, s.gpu_arch, s.bits) if s.scheme in ("awq", "gptq") else None
     activations = activation_bytes(config, t, sampled, s.scheme,
                                    attention_workspace_bytes(config, min(seqs, t), ctx, t, s.attention), dequant_from)
     graph_batch = min(seqs, CUDA_GRAPH_MAX_BATCH)
@@ -590,7 +607,11 @@ def plan(config: ModelConfig, settings: Settings, gpu_memory_bytes: int, gpu: Op
 
     alternatives: list[dict] = []
 
+    def four_bit(changes: dict) -> dict:  # the smaller schemes are 4-bit ones
+        return {**changes, "bits": 4} if changes.get("scheme", s.scheme) != s.scheme else changes
+
     def attempt(why: str, **changes) -> bool:
+        changes = four_bit(changes)
         alt = estimate(config, replace(s, **changes), gpu_memory_bytes)
         if not alt.fits:
             return False
@@ -610,7 +631,7 @@ def plan(config: ModelConfig, settings: Settings, gpu_memory_bytes: int, gpu: Op
     for changes in ({}, smallest):
         if changes and len(alternatives) > 0:
             break
-        longest = estimate(config, replace(s, **changes), gpu_memory_bytes).longest_context_at(1)
+        longest = estimate(config, replace(s, **four_bit(changes)), gpu_memory_bytes).longest_context_at(1)
         longest = min(longest, s.max_model_len) // 1024 * 1024
         why = f"context {longest}" + "".join(f", {k} {v}" for k, v in changes.items())
         if longest >= 1024 and attempt(why, max_model_len=longest, **changes):

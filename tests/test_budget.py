@@ -115,7 +115,7 @@ def test_a_quantized_lm_head_counts_as_int4():
         assert w.lm_head == head and w.embeddings == 2 * EMBED
         assert w.read_per_step == w.linears + head + w.norms_biases
     assert bm.weight_bytes(replace(LLAMA3, quantization_config={**gptq, "lm_head": False}), "gptq").lm_head == 2 * EMBED
-    # an 8-bit head through a GPTQModel `dynamic` rule: a byte per weight, standard layout
+    # an 8-bit head through a GPTQModel `dynamic` rule: a byte per weight (tiled: K padded to 128, here none)
     head8 = {**gptq, "dynamic": {"+:lm_head": {"bits": 8}}}
     assert bm.weight_bytes(replace(LLAMA3, quantization_config=head8), "gptq").lm_head == \
         4096 * 128256 + 32 * 128256 * 2 * 2 + 4 * 4096
@@ -123,11 +123,37 @@ def test_a_quantized_lm_head_counts_as_int4():
 
 def test_detect_scheme_from_checkpoint_config():
     cfg = replace(LLAMA3, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128})
-    assert bm.detect_scheme(cfg) == "awq"
+    assert bm.detect_scheme(cfg) == "awq" and bm.checkpoint_bits(cfg) == 4
     ct = {"quant_method": "compressed-tensors",
           "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}}}
     assert bm.detect_scheme(replace(LLAMA3, quantization_config=ct)) == "fp8"
-    assert bm.detect_scheme(LLAMA3) == "bf16"
+    ct["config_groups"]["group_0"]["weights"] = {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 128}
+    assert bm.detect_scheme(replace(LLAMA3, quantization_config=ct)) == "awq"  # int8 groups: awq's bytes at 8 bits
+    assert bm.checkpoint_bits(replace(LLAMA3, quantization_config=ct)) == 8
+    gptq8 = replace(LLAMA3, quantization_config={"quant_method": "gptq", "bits": 8, "group_size": 128})
+    assert bm.detect_scheme(gptq8) == "gptq" and bm.checkpoint_bits(gptq8) == 8
+    assert bm.detect_scheme(LLAMA3) == "bf16" and bm.checkpoint_bits(LLAMA3) == 4
+
+
+def test_gptq_int8_layers_by_hand():
+    """GPTQ int8 (e.g. the published *-GPTQ-Int8 checkpoints): a byte per weight in the tiled layout (K
+    padded to 128), bf16 scales and zeros per group of 128, the act-order int32 per input row; on Hopper
+    8-bit GEMMs have no warp-specialised kernel, so they dequantize from 257 tokens a step."""
+    def gptq8(k, n):
+        return -(-k // 128) * 128 * n + 2 * (k // 128) * n * 2
+
+    layer = 2 * gptq8(4096, 4096) + 2 * gptq8(4096, 1024) + 2 * gptq8(4096, 14336) + gptq8(14336, 4096)
+    in_rows = 4096 * 3 + 14336
+    w = bm.weight_bytes(LLAMA3, "gptq", 128, bits=8)
+    assert w.linears == 32 * (layer + 4 * in_rows)
+    # against int4: the same scales, zeros and g_idx; half a byte more per weight
+    assert w.linears - bm.weight_bytes(LLAMA3, "gptq", 128).linears == 32 * LLAMA3_PARAMS_PER_LAYER // 2
+    assert bm.dequant_min_tokens(LLAMA3, 128, "sm90", bits=8) == 257
+    s = bm.Settings(scheme="gptq", bits=8, max_model_len=8192, max_num_seqs=128, group_size=128, gpu_arch="sm90")
+    terms = bm.estimate(LLAMA3, s, 140 * bm.GiB).terms
+    assert terms["weights"] == w.total
+    ws = bm.attention_workspace_bytes(LLAMA3, 128, 8192, 2048, s.attention)
+    assert terms["activations"] == bm.activation_bytes(LLAMA3, 2048, 128, "gptq", ws, dequant_from=257)
 
 
 # ---------------------------------------------------------------- activations, whole budget
@@ -352,6 +378,22 @@ def test_cli_config_json_file_and_catalog(tmp_path, monkeypatch):
     monkeypatch.setattr(memory_cli, "_local_gpu", lambda: (None, 0, None))
     doc = _json([str(tmp_path)])
     assert len(doc["gpus"]) == len(bm.GPUS) and all(r["fits"] for r in doc["gpus"])
+
+
+def test_cli_plans_gptq_int8():
+    """--quant gptq --bits 8 counts a byte per weight and says how to convert; a GPTQ int8 checkpoint
+    is planned at its own bits; --bits is checked."""
+    four = _json(["llama-3-8b", "--gpu", "h200", "--quant", "gptq"])["weights_bytes"]
+    eight = _json(["llama-3-8b", "--gpu", "h200", "--quant", "gptq", "--bits", "8"])["weights_bytes"]
+    assert eight["linears"] == bm.weight_bytes(LLAMA3, "gptq", 128, bits=8).linears > 1.8 * four["linears"]
+    assert eight["lm_head"] == four["lm_head"] == 2 * EMBED
+    result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "h200", "--quant", "gptq", "--bits", "8"])
+    text = " ".join(result.output.split())
+    assert "weights gptq 8-bit" in text and "--method gptq --bits 8" in text
+    for args, why in ((["--quant", "awq", "--bits", "8"], "--quant gptq"),
+                      (["--quant", "gptq", "--bits", "3"], "4 or 8")):
+        result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "h200", *args])
+        assert result.exit_code == 1 and why in result.output and "Traceback" not in result.output
 
 
 def test_cli_errors_are_one_line():

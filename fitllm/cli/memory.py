@@ -46,6 +46,8 @@ def memory(
                                  help="With --quant gptq: plan a checkpoint whose lm_head is quantized too "
                                       "(quant convert --format gptq --quantize-lm-head)."),
     lm_head_bits: int = typer.Option(8, "--lm-head-bits", help="With --quantize-lm-head: 8 or 4."),
+    bits: Optional[int] = typer.Option(None, "--bits", help="With --quant gptq: the layers' weight bits, 4 or 8 "
+                                       "(default: the checkpoint's own, else 4)."),
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto | bf16 | fp16 | fp8 | int8 | int4"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="(default: the model's limit)"),
     max_num_seqs: int = typer.Option(bm.DEFAULT_MAX_NUM_SEQS, "--max-num-seqs"),
@@ -66,6 +68,7 @@ def memory(
         group = bm.checkpoint_group_size(config) if scheme == checkpoint_scheme else None
         if scheme not in bm.SCHEMES:
             raise FitLLMError(f"unknown --quant {scheme!r}; choose one of {', '.join(bm.SCHEMES)}")
+        bits = _weight_bits(bits, scheme, checkpoint_scheme, config)
         if lm_head and bm.lm_head_bits(config) is None:
             if scheme != "gptq":
                 raise FitLLMError("--quantize-lm-head: only GPTQ checkpoints carry a quantized lm_head; add --quant gptq")
@@ -77,7 +80,7 @@ def memory(
                                max_model_len=max_model_len or config.max_position_embeddings,
                                max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                                block_size=block_size, gpu_memory_utilization=utilization,
-                               cuda_graphs=not no_cuda_graphs, group_size=group)
+                               cuda_graphs=not no_cuda_graphs, group_size=group, bits=bits)
         if gpu is not None and gpu_mem is not None:
             raise FitLLMError("give --gpu or --gpu-mem, not both")
         card, mem, arch = (bm.find_gpu(gpu), 0, None) if gpu else (None, int(gpu_mem * bm.GiB), None) if gpu_mem \
@@ -101,8 +104,24 @@ def memory(
     _print_plan(p, config, label, mem, needs_convert, model, lm_head)
 
 
+def _weight_bits(bits: Optional[int], scheme: str, checkpoint_scheme: str, config) -> int:
+    """--bits checked against the scheme; by default the checkpoint's own bits, else 4."""
+    if bits is None:
+        return bm.checkpoint_bits(config) if scheme == checkpoint_scheme and scheme in ("awq", "gptq") else 4
+    if bits not in (4, 8):
+        raise FitLLMError(f"--bits: {bits} is not supported (4 or 8)")
+    if bits != 4 and scheme != "gptq":
+        raise FitLLMError(f"--bits {bits}: only GPTQ weights come in 8 bits; add --quant gptq")
+    return bits
+
+
 def _smallest(s: bm.Settings) -> bm.Settings:
-    return bm.Settings(**{**asdict(s), "scheme": "awq", "kv_dtype": "int4" if s.kv_dtype != "fp8" else "fp8"})
+    kv = "int4" if s.kv_dtype != "fp8" else "fp8"
+    return bm.Settings(**{**asdict(s), "scheme": "awq", "bits": 4, "kv_dtype": kv})
+
+
+def _scheme_name(s: bm.Settings) -> str:
+    return f"{s.scheme} {s.bits}-bit" if s.scheme in ("awq", "gptq") else s.scheme
 
 
 def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, model: Optional[str],
@@ -110,7 +129,7 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
     b, s, card = p.budget, p.budget.settings, p.gpu
     where = f"{card.name} ({card.memory_gib:g} GiB, {card.bandwidth_gbs:g} GB/s{', FP8' if card.fp8 else ''})" \
         if card else f"a {mem / bm.GiB:g} GiB card"
-    out.print(f"[bold]{label}[/] · weights {s.scheme} · KV {s.kv_dtype} · block {s.block_size} · on {where}")
+    out.print(f"[bold]{label}[/] · weights {_scheme_name(s)} · KV {s.kv_dtype} · block {s.block_size} · on {where}")
     table = Table(show_edge=False)
     table.add_column("term")
     table.add_column("size", justify="right")
@@ -139,7 +158,8 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
                       f"sequence; ~{speed['batch_full_ctx']:.0f} tok/s total at {speed['batch_seqs']} x {s.max_model_len} tokens.")
         if needs_convert:
             head = f" --format gptq --quantize-lm-head --lm-head-bits {bm.lm_head_bits(config)}" if lm_head else ""
-            out.print(f"First convert: quant convert {model or ''} --method {s.scheme}{head} -o CONVERTED_DIR")
+            bits = f" --bits {s.bits}" if s.bits != 4 else ""
+            out.print(f"First convert: quant convert {model or ''} --method {s.scheme}{bits}{head} -o CONVERTED_DIR")
         out.print(f"Run: [bold]{p.command}[/]")
         return
     short = "the model's limit is " + str(b.model_max_len) if s.max_model_len > b.model_max_len else \
@@ -170,7 +190,7 @@ def _catalog(config, label: str, s: bm.Settings, json_out: bool) -> None:
     if json_out:
         print(json.dumps({"model": label, "settings": asdict(s), "gpus": rows}, indent=2))
         return
-    out.print(f"[bold]{label}[/] · weights {s.scheme} · KV {s.kv_dtype} · {s.max_model_len} tokens "
+    out.print(f"[bold]{label}[/] · weights {_scheme_name(s)} · KV {s.kv_dtype} · {s.max_model_len} tokens "
               f"(no --gpu given and no GPU here: every card in the catalog)")
     table = Table("gpu", "GiB", f"seqs at {s.max_model_len}", "longest context, 1 seq", "tok/s, 1 seq", show_edge=False)
     for r in rows:

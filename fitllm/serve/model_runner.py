@@ -111,6 +111,7 @@ class ModelRunner:
                                        max_batched_tokens=max_num_batched_tokens, block_size=self.block_size,
                                        gpu_memory_utilization=utilization, cuda_graphs=cuda_graphs,
                                        group_size=budget.checkpoint_group_size(self.model.config),
+                                       bits=budget.checkpoint_bits(self.model.config),
                                        gpu_arch=gpu_arch(self.device.index))
             terms = budget.estimate(self.model.config, settings, total, num_kv_blocks=0).terms
             # Weights and the CUDA context are already in `total - free`: count them as measured.
