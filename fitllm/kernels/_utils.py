@@ -188,6 +188,16 @@ class Gathered:
         return self.x.shape
 
 
+def scatter_columns(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """x [T, ...] with its columns (trailing dims flattened) moved: column cols[c] of the result is
+    column c of x, cols a permutation. The inverse of a gather x[:, cols]: an act-order weight's
+    columns back in the input's order, an attention output row in o_proj's (out_cols)."""
+    t = x.shape[0]
+    res = torch.empty_like(x, memory_format=torch.contiguous_format)
+    res.view(t, -1)[:, cols.long()] = x.reshape(t, -1)
+    return res
+
+
 def pending_or_y(y: torch.Tensor, ws: torch.Tensor, pending: bool):
     """What a GEMM launch returns: y, or (pending) the sum it left in the workspace's first y.numel()
     floats as a PendingSum of y's shape and dtype."""

@@ -38,7 +38,7 @@ from fitllm.kernels._fused_triton import (_as_stored, _cast, _rope_heads, _rotat
                                           _zero_words)
 from fitllm.kernels._pdl import let_next_launch, pdl_start, wait_for_previous
 from fitllm.kernels._utils import (PendingSum, device_index, interpreting, num_sms, patch_interpreter_for_numpy_2_4,
-                                   pdl_args, splitk_workspace)
+                                   pdl_args, scatter_columns, splitk_workspace)
 
 KIND_FLOAT, KIND_FP8, KIND_INT8, KIND_INT4 = 0, 1, 2, 3
 FP8_MAX = 448.0
@@ -168,15 +168,6 @@ def gather_ref(cache, scales, zeros, table, length, kind, group, values: bool = 
 
     codes = cache[blocks].permute(0, 3, 1, 2).flatten(0, 1)[:length] if transposed else rows(cache)
     return dequantize_ref(codes, rows(scales), rows(zeros), kind, group)
-
-
-def scatter_columns(out: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """out [T, Hq, D] with each token's row written in the order out_cols asks (module docstring):
-    column cols[c] of the result is column c of out."""
-    t = out.shape[0]
-    res = torch.empty_like(out)
-    res.view(t, -1)[:, cols.long()] = out.reshape(t, -1)
-    return res
 
 
 def _check_out_cols(cols: Optional[torch.Tensor], q: torch.Tensor) -> None:

@@ -476,7 +476,7 @@ class PagedKVCache:
                                model_dtype: torch.dtype, out_cols: Optional[torch.Tensor]) -> torch.Tensor:
         if not self.transformed:
             return self._attend_cache_space(layer, qc, meta, scale, model_dtype, out_cols)
-        from fitllm.kernels.paged_attention import scatter_columns
+        from fitllm.kernels._utils import scatter_columns
 
         out = self._output_to_model_space(layer, self._attend_cache_space(layer, qc, meta, scale, model_dtype))
         return out if out_cols is None else scatter_columns(out, out_cols)

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fitllm.kernels._utils import scatter_columns
 from fitllm.kernels.fused import apply_rope
-from fitllm.kernels.paged_attention import scatter_columns
 from fitllm.models.decoder import CausalLM
 from fitllm.models.kv_cache import (AttentionMetadata, ForwardContext, KVCalibration, PagedKVCache,
                                     calibrate_kv_scales)

@@ -61,7 +61,9 @@ def unpack_dim1(packed: torch.Tensor, bits: int, order=None) -> torch.Tensor:
 def _in_input_order(w: torch.Tensor, perm) -> torch.Tensor:
     """A dequantized [N, K] weight whose column j holds input column perm[j] (act-order rows sorted
     by group), with its columns put back in the input's order."""
-    return w if perm is None else torch.empty_like(w).index_copy_(1, perm.long(), w)
+    from fitllm.kernels._utils import scatter_columns
+
+    return w if perm is None else scatter_columns(w, perm)
 
 
 class KernelWeight:
