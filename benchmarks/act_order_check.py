@@ -1,6 +1,6 @@
 """Act-order GPTQ (g_idx) weights on the GPU: the standard layout's g_idx kernels against the rows
 sorted by group and x gathered (KernelWeight.grouped_by_permutation and fused.gather_columns: what
-fitllm.quant.layers runs; 4-bit rows tiled, 8-bit ones in the standard layout without g_idx).
+fitllm.quant.layers runs; the sorted rows tiled, 4 or 8 bits).
 Correctness against float64 at the Llama-3-8B shapes; two decoder layers over a paged cache whose norms,
 attention and gate_up write each GEMM's input order (model_check) against the same layers gathering;
 then µs per layer (four linears, CUDA-graph replay of two weight copies) per M, bf16 cuBLAS in the same run.
@@ -30,7 +30,7 @@ def act_order_weight(K, N, dev, bits=4):
     kw = KernelWeight(pack_dim0(q, bits), (torch.rand(K // GS, N, device=dev) * 0.01 + 0.002).bfloat16(),
                       torch.randint(0, 2 ** bits, (K // GS, N), device=dev).bfloat16(), bits, GS, g_idx)
     plain = kw.grouped_by_permutation()
-    return dict(kw=kw, plain=plain, qtile=tile_pack(plain.qweight) if bits == 4 else None, perm=plain.perm,
+    return dict(kw=kw, plain=plain, qtile=tile_pack(plain.qweight, bits), perm=plain.perm,
                 w16=torch.randn(N, K, device=dev).bfloat16() * 0.02)
 
 
@@ -41,11 +41,9 @@ def standard(x, w, out):
 
 def sorted_tiled(x, w, out, gather=gather_columns):
     """What fitllm.quant.layers runs: x gathered by the PDL kernel (gather=None: not gathered, timing);
-    4-bit rows tiled, 8-bit ones in the standard layout without g_idx."""
+    the rows sorted and tiled (4 or 8 bits)."""
     kw, x = w["kw"], gather(x, w["perm"]) if gather else x
-    if w["qtile"] is None:
-        return w4a16_gemm_triton(x, w["plain"].qweight, kw.scales, kw.zeros, GS, kw.bits, out=out)
-    return w4a16_tiled_triton(x, w["qtile"], kw.scales, kw.zeros, GS, x.shape[1], out=out)
+    return w4a16_tiled_triton(x, w["qtile"], kw.scales, kw.zeros, GS, x.shape[1], out=out, bits=kw.bits)
 
 
 @torch.no_grad()
@@ -151,7 +149,7 @@ def main():
         layer = QuantLinear("model.layers.0.mlp.down_proj", K, [N], False, reader=None, dtype=torch.bfloat16,
                             device=dev)
         layer.set_parts([kw])
-        assert isinstance(layer.parts[0], TiledWeight if a.bits == 4 else KernelWeight), type(layer.parts[0])
+        assert isinstance(layer.parts[0], TiledWeight) and layer.parts[0].bits == a.bits, type(layer.parts[0])
         assert layer.parts[0].perm is not None and layer.parts[0].g_idx is None
         for M in (1, 33, 300):
             x = torch.randn(M, K, device=dev).bfloat16()
@@ -182,7 +180,7 @@ def main():
                "tiled_no_gather": graph_time(layer_graph(lambda x, w, o: sorted_tiled(x, w, o, gather=None)))}
         rows.append(row)
         log(" ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    print(f"\n{a.bits}-bit weights\n| M | bf16 cuBLAS | standard layout with g_idx | sorted rows{', tiled' if a.bits == 4 else ''}, "
+    print(f"\n{a.bits}-bit weights\n| M | bf16 cuBLAS | standard layout with g_idx | sorted rows, tiled, "
           "x gathered (PDL kernel) | the same, "
           "torch index_select | the same without the gather |\n|---|---|---|---|---|---|")
     for r in rows:
