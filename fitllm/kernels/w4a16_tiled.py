@@ -52,7 +52,7 @@ try:
     import triton.language as tl
 
     from ._pdl import let_next_launch, wait_for_previous
-    from .w4a16 import _dot, _dot_pairs, _half, _one_row_dot, _rows_out, _store_tile, _unpack_q_minus_z
+    from .w4a16 import _MAGIC, _dot, _dot_pairs, _half, _one_row_dot, _rows_out, _store_tile, _unpack_q_minus_z
 except ImportError:  # CPU-only installs without triton still get the reference
     triton = None
 
@@ -199,6 +199,17 @@ if triton is not None:
         else:
             qw = tl.load(ptrs, mask=n < N, other=0)
         return tl.reshape(tl.permute(qw, (3, 1, 2, 0, 4)), (BN, 16))
+
+    @triton.jit
+    def _load_tile_sections(q_ptr, n0, N, stride_q, kt, BN: tl.constexpr, ROW_WARPS: tl.constexpr,
+                            EVEN_N: tl.constexpr, BITS: tl.constexpr):
+        """_load_tile_words of K tile kt's sections: (section 0, section 1) for 8-bit weights,
+        (the words, the same words) for 4-bit ones (see _tile_field)."""
+        qw = _load_tile_words(q_ptr, n0, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS)
+        qw1 = qw
+        if BITS == 8:
+            qw1 = _load_tile_words(q_ptr, n0, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS, 1)
+        return qw, qw1
 
     @triton.jit
     def _round_to(v, F16: tl.constexpr, BY_HAND: tl.constexpr = True):
@@ -393,10 +404,7 @@ if triton is not None:
         for it in range(0, k_iters):
             kt = pid_k * K_ITERS + it
             k0 = kt * 128
-            qw = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS)
-            qw1 = qw
-            if BITS == 8:
-                qw1 = _load_tile_words(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS, 1)
+            qw, qw1 = _load_tile_sections(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS)
             if CHUNK == 128:
                 s, nz, zf, s2, sf = _group_cols(s_next, z_next, MAGICF, F16)
                 s_next, z_next = _group_raw(s_ptr, z_ptr, k0 + 128, N, NUM_GROUPS, offs_n, n_load, GROUP_SIZE,
@@ -435,10 +443,7 @@ if triton is not None:
         kt = tl.program_id(0)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
-        qw = _load_tile_words(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4, False, BITS)
-        qw1 = qw
-        if BITS == 8:
-            qw1 = _load_tile_words(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4, False, BITS, 1)
+        qw, qw1 = _load_tile_sections(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4, False, BITS)
         for f in tl.static_range(4):
             k0 = kt * 128 + 32 * f
             s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0, N, NUM_GROUPS, offs_n, n_mask, MAGICF, GROUP_SIZE, F16)
@@ -521,7 +526,7 @@ if triton is not None:
                 x0, x1, x2, x3 = _x_pairs(x_ptr, 0, 1, stride_xw, kt, xoff, KP, EVEN_K)
             else:
                 x0, x1, x2, x3 = _x_pairs(x_ptr, m0 + m, M, stride_xw, kt, xoff, KP, EVEN_K)
-            t = _pair_dot(a0, a1, x0, a0 * 0.0, F16)
+            t = _pair_dot(a0, a1, x0, tl.zeros_like(a0), F16)
             t = _pair_dot(a2, a3, x1, t, F16)
             t = _pair_dot(b0, b1, x2, t, F16)
             t = _pair_dot(b2, b3, x3, t, F16) * s
@@ -767,15 +772,12 @@ def _check(x, qtile, scales, zeros, group_size, K, bits):
         raise ValueError(f"scales/zeros must be [{G}, N]: got {tuple(scales.shape)}, {tuple(zeros.shape)}")
 
 
-_MAGIC32 = 0x4B000000  # 2**23 as fp32: the 8-bit GEMV's code bits go under it
-
-
 def _magic2(dtype, bits: int = 4) -> int:
     """The bits the unpack ORs over a code: 1024 (fp16) / 128 (bf16) twice; 8-bit codes under bf16
     go through fp32, 2**23 (see _field_tile)."""
     if dtype == torch.float16:
         return 0x64006400
-    return 0x4B000000 if bits == 8 else 0x43004300
+    return _MAGIC if bits == 8 else 0x43004300
 
 
 def dequantize_tiled(qtile, scales, zeros, group_size, K, dtype, out=None, bits=4):
@@ -851,7 +853,7 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defe
     defer = defer and use_ws
     _tiled_gemv_kernel[(n_blocks, split, m_blocks)](
         x.view(torch.int32), qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
-        M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split, _MAGIC32,
+        M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split, _MAGIC,
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
         F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0, EVEN_N=N % BN == 0,
         DEFER=defer, BITS=bits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
