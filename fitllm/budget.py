@@ -167,11 +167,10 @@ def detect_scheme(config: ModelConfig) -> str:
     if method == "bitsandbytes":
         return "nf4"
     if method == "compressed-tensors":
-        for group in (q.get("config_groups") or {}).values():
-            w = group.get("weights") or {}
+        for w in _weight_args(q):
             if w.get("num_bits") == 8 and w.get("type") == "float":
                 return "fp8"
-            if w.get("num_bits") in (4, 8) and w.get("type", "int") == "int":
+            if _int_bits(w):
                 return "awq"  # int4 / int8 with group scales: the same bytes as AWQ (checkpoint_bits says which)
     return "bf16"
 
@@ -182,11 +181,17 @@ def checkpoint_bits(config: ModelConfig) -> int:
     q = config.quantization_config or {}
     if q.get("bits") is not None:
         return int(q["bits"])
-    for group in (q.get("config_groups") or {}).values():
-        w = group.get("weights") or {}
-        if w.get("type", "int") == "int" and w.get("num_bits") in (4, 8):
-            return int(w["num_bits"])
-    return 4
+    return next((bits for w in _weight_args(q) if (bits := _int_bits(w))), 4)
+
+
+def _weight_args(q: dict) -> list[dict]:
+    """The weight quantization args of each of a compressed-tensors config's groups."""
+    return [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
+
+
+def _int_bits(w: dict) -> Optional[int]:
+    """The bits of compressed-tensors weight args that are int4 or int8; None for any other."""
+    return int(w["num_bits"]) if w.get("type", "int") == "int" and w.get("num_bits") in (4, 8) else None
 
 
 def checkpoint_group_size(config: ModelConfig) -> Optional[int]:
@@ -195,8 +200,7 @@ def checkpoint_group_size(config: ModelConfig) -> Optional[int]:
     q = config.quantization_config or {}
     if q.get("group_size") is not None:
         return q["group_size"]
-    weights = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
-    sizes = [-1 if w.get("strategy") == "channel" else w.get("group_size") for w in weights]
+    sizes = [-1 if w.get("strategy") == "channel" else w.get("group_size") for w in _weight_args(q)]
     return min((s for s in sizes if s is not None), default=None)
 
 
