@@ -1,7 +1,8 @@
 """8-bit weights (GPTQ int8, g128) on the GPU: both launchers' own tables checked against float64 at M in
 {1, 2, 3, 4, 16, 33, 128, 300, 1000} for one Llama-3-8B layer's four linears (outputs poisoned first): the
 standard layout's W8A16_CONFIGS (fitllm.kernels.w4a16) and the tiled layout's TILED8_CONFIGS
-(fitllm.kernels.w4a16_tiled, what the GPU serves). Then µs per layer for bf16 cuBLAS and both tables, each
+(fitllm.kernels.w4a16_tiled, what the GPU serves; its rows reach the warp-specialised kernel from M = 65),
+the tiled one with bf16 and fp16 activations. Then µs per layer for bf16 cuBLAS and both tables, each
 linear alone in a CUDA graph over two copies of the layer (bench_gemm.graph_time).
 
   python3 benchmarks/w8_table_check.py
@@ -43,21 +44,29 @@ def layer_time(M, kind):
     return total
 
 
-worst = {"standard": 0.0, "tiled": 0.0}
+def as_dtype(w, dt):
+    """The layer's weights with scales and zeros in the activations' dtype (fp16 runs)."""
+    sz = dict(scales=w["std"]["scales"].to(dt), zeros=w["std"]["zeros"].to(dt))
+    return dict(w, std=dict(w["std"], **sz), tiled=dict(w["tiled"], **sz))
+
+
+worst = {"standard": 0.0, "tiled": 0.0, "tiled fp16": 0.0}
 for M in (1, 2, 3, 4, 16, 33, 128, 300, 1000):
     for n, (K, N) in SHAPES.items():
-        w = copies[1][n]
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        ref = x.double() @ dequantize_packed(w["std"]["qweight"], w["std"]["scales"], w["std"]["zeros"], 128, 8).double()
         for kind in worst:
-            y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-            run(kind, x, w, y)
+            dt = torch.float16 if kind.endswith("fp16") else torch.bfloat16
+            w = as_dtype(copies[1][n], dt)
+            x = torch.randn(M, K, device=dev, dtype=dt)
+            ref = x.double() @ dequantize_packed(w["std"]["qweight"], w["std"]["scales"], w["std"]["zeros"], 128,
+                                                 8).double()
+            y = torch.full((M, N), float("nan"), device=dev, dtype=dt)
+            run(kind.split()[0], x, w, y)
             worst[kind] = max(worst[kind], rel_err(y, ref))
 ok = all(v < 1e-2 for v in worst.values())
-print(f"{torch.cuda.get_device_name()}  8-bit tables vs float64, 4 linears: worst rel err standard "
-      f"{worst['standard']:.2e}, tiled {worst['tiled']:.2e}: {'PASS' if ok else 'FAIL'}")
+print(f"{torch.cuda.get_device_name()}  8-bit tables vs float64, 4 linears: worst rel err "
+      + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()) + f": {'PASS' if ok else 'FAIL'}")
 print("| M | bf16 cuBLAS | 8-bit standard (W8A16_CONFIGS) | 8-bit tiled (TILED8_CONFIGS) | tiled vs bf16 |")
 print("|---|---|---|---|---|")
-for M in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+for M in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
     a, b, c = layer_time(M, "bf16"), layer_time(M, "standard"), layer_time(M, "tiled")
     print(f"| {M} | {a:.1f} | {b:.1f} | {c:.1f} | {a / c:.2f}x |", flush=True)

@@ -282,8 +282,8 @@ def dequant_min_tokens(config: ModelConfig, group_size: Optional[int] = None, ar
     """The fewest tokens in a step at which one of the model's 4-bit (or `bits`) GEMMs dequantizes
     its weight whole to bf16 for cuBLAS, as fitllm's kernel tables pick on `arch` ('sm90', 'sm89',
     ...; None, a card not known: the 'default' rows, which do it soonest). On Hopper the
-    warp-specialised kernel takes 257..3072 tokens where the shapes allow (whole 128-row weight
-    blocks, groups of 128·j); 8-bit weights have no such kernel and dequantize from 257. AWQ and
+    warp-specialised kernel takes 257..3072 tokens (8-bit weights: ..2048) where the shapes allow
+    (whole 128-row weight blocks, groups of 128·j), else they dequantize from 257. AWQ and
     GPTQ, act-order included (its rows sorted by group at load), run the tiled layout."""
     from fitllm.kernels.w4a16_tiled import dequant_from_tokens
 

@@ -138,7 +138,7 @@ def test_detect_scheme_from_checkpoint_config():
 def test_gptq_int8_layers_by_hand():
     """GPTQ int8 (e.g. the published *-GPTQ-Int8 checkpoints): a byte per weight in the tiled layout (K
     padded to 128), bf16 scales and zeros per group of 128, the act-order int32 per input row; on Hopper
-    8-bit GEMMs have no warp-specialised kernel, so they dequantize from 257 tokens a step."""
+    8-bit GEMMs take the warp-specialised kernel up to 2048 tokens a step and dequantize from 2049."""
     def gptq8(k, n):
         return -(-k // 128) * 128 * n + 2 * (k // 128) * n * 2
 
@@ -148,12 +148,13 @@ def test_gptq_int8_layers_by_hand():
     assert w.linears == 32 * (layer + 4 * in_rows)
     # against int4: the same scales, zeros and g_idx; half a byte more per weight
     assert w.linears - bm.weight_bytes(LLAMA3, "gptq", 128).linears == 32 * LLAMA3_PARAMS_PER_LAYER // 2
-    assert bm.dequant_min_tokens(LLAMA3, 128, "sm90", bits=8) == 257
+    assert bm.dequant_min_tokens(LLAMA3, 128, "sm90", bits=8) == 2049
+    assert bm.dequant_min_tokens(LLAMA3, 64, "sm90", bits=8) == 257  # groups of 64: not the ws kernel's
     s = bm.Settings(scheme="gptq", bits=8, max_model_len=8192, max_num_seqs=128, group_size=128, gpu_arch="sm90")
     terms = bm.estimate(LLAMA3, s, 140 * bm.GiB).terms
     assert terms["weights"] == w.total
     ws = bm.attention_workspace_bytes(LLAMA3, 128, 8192, 2048, s.attention)
-    assert terms["activations"] == bm.activation_bytes(LLAMA3, 2048, 128, "gptq", ws, dequant_from=257)
+    assert terms["activations"] == bm.activation_bytes(LLAMA3, 2048, 128, "gptq", ws, dequant_from=2049)
 
 
 # ---------------------------------------------------------------- activations, whole budget

@@ -173,7 +173,9 @@ W8_CASES = [  # 8-bit weights: bf16 through fp32, fp16 through 16-bit pairs; eve
     (3, 256, 64, 256, torch.float16, _gemv(64, 1, 4, waves=0)),  # four-row block, per channel, fp16
     (6, 576, 64, 576, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # two row blocks, K padded
     (1, 256, 64, 64, torch.bfloat16, _gemv(64, 1, 4, waves=2)),  # groups of 64: the tc tile
-    (100, 256, 256, 128, torch.bfloat16, _ws(64, 4, _tiled(64, 64, 4, 2, waves=1))),  # no 8-bit ws: its fallback
+    # the warp-specialised rows (no interpreter for Gluon: off sm90 they run their fallback)
+    (100, 256, 256, 128, torch.bfloat16, _ws(64, 4, _tiled(64, 64, 4, 2, waves=1))),
+    (300, 256, 256, 128, torch.float16, _ws(128, 3)),
 ]
 KERNEL_CASES = [(4, *c) for c in TC_CASES] + [(8, *c) for c in W8_CASES]
 
@@ -195,8 +197,9 @@ def test_kernel_matches_float64(bits, M, K, N, gs, dtype, cfg):
 @pytest.mark.parametrize("M", [1, 17, 33, 65, 130, 257])
 def test_8bit_table_rows_as_an_sm90_card_picks_them(M, monkeypatch):
     """8-bit tiled weights take TILED8_CONFIGS: the GEMV at M = 1 (the tensor-core tile for the widest
-    weights), tensor-core tiles up to M = 256 (the M <= 128 row by width), dequantize + cuBLAS beyond,
-    picked by the launcher itself; N crosses a stored block."""
+    weights), tensor-core tiles up to M = 64, then warp-specialised rows whose fallbacks a card
+    without them (here: the interpreter) runs, tensor-core tiles to M = 256 and dequantize + cuBLAS
+    beyond; picked by the launcher itself; N crosses a stored block."""
     import fitllm.kernels.w4a16_tiled as tiled
 
     monkeypatch.setattr(tiled, "gpu_arch", lambda _: "sm90")
@@ -485,13 +488,13 @@ def test_pending_sum_consumers_zero_only_words_every_thread_has_read(kernel, typ
 
 def test_warp_specialised_kernel_compiles_to_pipelined_wgmma():
     """fitllm.kernels.w4a16_ws, which no interpreter can run, compiled for sm_90 as every ws row of the
-    sm90 table launches it (tests/ws_codegen.py): it fits the H100 / H200's 232448 bytes of shared
+    sm90 4- and 8-bit tables launches it (tests/ws_codegen.py): it fits the H100 / H200's 232448 bytes of shared
     memory, does not spill, has its wgmma (2 consumers x 2 copies of the tile step x 8), and ptxas
     does not serialise them. A zero-filled accumulator on a zero-trip path made ptxas wait for every
     wgmma (advisory C7515, one full wait per wgmma) until tile 0 was peeled off the loop."""
     pytest.importorskip("triton.experimental.gluon")
     rows = offline_script_rows("ws_codegen.py")
-    assert {(r["BM"], r["stages"]) for r in rows} >= {(128, 3), (256, 3)}, rows
+    assert {(r["bits"], r["BM"], r["stages"]) for r in rows} >= {(4, 128, 3), (4, 256, 3), (8, 64, 4), (8, 256, 2)}, rows
     for r in rows:
         assert r["shared"] <= 232448 and r["spills"] == 0, r
         assert r["hgmma"] == 32 and r["full_waits"] <= 4 and not r["advisories"], r

@@ -37,7 +37,8 @@ and scales as above (a tile is 32 words, section u at p = 16 u + 4 c + t). With 
 `(w >> 8f) & 0x00FF00FF | magic` is again a pair 1024 + q; bf16 cannot hold 128 + q exactly past
 q = 127, so its codes go through fp32 (2**23 + q, one subtraction, one packing convert a pair: ~2.5
 instructions a weight; the byte goes under the magic in one PRMT). The GEMV takes them in fp32 (q - z
-exact, one FFMA a weight), the tensor-core and dequant kernels as above; the ws kernel does not.
+exact, one FFMA a weight), the tensor-core and dequant kernels as above; the warp-specialised kernel
+(fitllm.kernels.w4a16_ws) reads a section per 64 columns and rounds (q - z) * s in one packed multiply.
 """
 
 from __future__ import annotations
@@ -246,6 +247,18 @@ if triton is not None:
             lo, hi = tl.inline_asm_elementwise(_SUB_MUL_BF16, "=h,=h,r,r,r", [v, nz, s2],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
         return lo, hi
+
+    # $0, $1 <- bf16 halves of ($3 : $2) * $4: two fp32 values exact in bf16 (8-bit q - z) packed by one
+    # cvt, then one packed multiply by the scale pair, rounded once as the reference rounds (q - z) * s
+    _PACK_MUL_BF16 = tl.constexpr("{\n.reg .b32 t, nzero;\ncvt.rn.bf16x2.f32 t, $3, $2;\nmov.b32 nzero, 0x80008000;\n"
+                                  "fma.rn.bf16x2 t, t, $4, nzero;\nmov.b32 {$0, $1}, t;\n}")
+
+    @triton.jit
+    def _pack_times_scale(lo, hi, s2):
+        """(lo * s, hi * s) in bf16 for fp32 lo, hi that bf16 holds exactly and s2 = s twice as a bf16 pair
+        (the warp-specialised kernel's 8-bit codes: 2 cvt-and-multiply instructions a pair fewer than fp32)."""
+        return tl.inline_asm_elementwise(_PACK_MUL_BF16, "=h,=h,f,f,r", [lo, hi, s2], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=1)
 
     @triton.jit
     def _tile_field(qw0, qw1, j: tl.constexpr, MAGIC2, nz, zf, s2, sf, F16: tl.constexpr, ASM: tl.constexpr,
@@ -691,12 +704,17 @@ TILED_CONFIGS = {
 
 
 # 8-bit weights in the tiled layout (GPTQ int8): the GEMV at M = 1 (but for the widest weights), the
-# tensor-core kernel up to M = 256 (no warp-specialised kernel for them), then dequant + cuBLAS. sm90: H100
-# sweeps (RESULTS.md, thirty-first session), µs per Llama-3-8B layer against the standard layout's W8A16
-# table / bf16 cuBLAS: M=1 93 (97) / 157 (GEMV qkv / o / down 13.3 / 8.3 / 26.1, tc 15.3 / 10.1 / 27.5;
-# gate_up tc 45.7, GEMV 48.3); M=2 99 (113) / 158 (the GEMV 4-15 % slower than tc on every linear); M=4 98
-# (143) / 159; M=16 110 (143) / 168; M=32 117 (198) / 169; M=64 148 (226) / 171; M=128 ~206 (393) / 180,
-# qkv on BN 64; M=256 350 (492) / 208; M=512 dequant 572 (604) / 328.
+# tensor-core kernel up to M = 64, the warp-specialised kernel up to M = 2048, then dequant + cuBLAS. sm90: H100
+# sweeps (RESULTS.md, thirty-first and thirty-second sessions), µs per Llama-3-8B layer against the standard
+# layout's W8A16 table / bf16 cuBLAS: M=1 93 (97) / 157 (GEMV qkv / o / down 13.3 / 8.3 / 26.1, tc 15.3 / 10.1 /
+# 27.5; gate_up tc 45.7, GEMV 48.3); M=2 99 (113) / 158 (the GEMV 4-15 % slower than tc on every linear); M=4 98
+# (143) / 159; M=16 110 (143) / 168; M=32 117 (198) / 169; M=64 148 (226) / 171. Thirty-second session, each
+# linear alone on the ws kernel (qkv / o / gate_up / down) against the tensor-core tile: M=128 ws BM64 22.9 /
+# 21.6 / BM128 65.6 / 69.2 vs 27.6 / 30.5 / 83.9 / 55.8 (o and down share N = 4096 and down has no split-K on
+# ws, so N = 4096 keeps the tile; layer 198 -> ~175, bf16 181); M=256 ws BM128 29.6 / BM64 22.4 / BM128 128.5 /
+# BM64 75.2 vs 46.5 / 42.3 / 191.9 / 111.8 (393 -> 256, bf16 206); M=384 ws BM128 (3 stages) 369 vs dequant 531
+# (bf16 263); M=512 BM128 for N = 4096, BM256 wider 405 vs 588 (bf16 314); M=768..2048 BM256 625 / 716 / 1412
+# vs dequant 744 / 904 / 1553 (bf16 473 / 621 / 1218); M=4096 dequant 2784 vs ws 3361 (bf16 2403).
 _W8_M128 = _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)
 TILED8_CONFIGS = {
     "sm90": [
@@ -704,8 +722,11 @@ TILED8_CONFIGS = {
         (16, _tiled(16, 64, 4, 3, waves=4)),
         (32, _tiled(32, 64, 4, 3, waves=4)),
         (64, by_width(_tiled(64, 64, 4, 3, waves=3), (16384, 1 << 62, _tiled(64, 64, 4, 3, waves=2)))),
-        (128, by_width(_W8_M128, (4096, 16384, _tiled(128, 64, 4, 3, waves=1, scale_in_w=True)))),
-        (256, _W8_M128),
+        (128, by_width(_W8_M128, (4096, 16384, _ws(64, 4, _W8_M128)), (16384, 1 << 62, _ws(128, 3, _W8_M128)))),
+        (256, by_width(_ws(64, 4, _W8_M128), (4096, 1 << 62, _ws(128, 4, _W8_M128)))),
+        (384, _ws(128, 3)),
+        (512, by_width(_ws(128, 3), (4096, 1 << 62, _ws(256, 2)))),
+        (2048, _ws(256, 2)),
         (1 << 62, _tiled(0, 0, 4, 1, backend="dequant")),
     ],
     "default": [
@@ -795,7 +816,7 @@ def dequantize_tiled(qtile, scales, zeros, group_size, K, dtype, out=None, bits=
 def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config=None, out=None, defer=False, bits=4):
     """The Triton path; `config` overrides the table, `out` receives y (benchmarks, tests). defer:
     a split-K launch returns a PendingSum instead of y (see _utils.PendingSum; not with `out`).
-    8-bit weights (bits=8) take the GEMV, tensor-core and dequant paths (a ws row runs its fallback)."""
+    8-bit weights (bits=8) take every path (GEMV, tensor-core, warp-specialised, dequant)."""
     _check(x, qtile, scales, zeros, group_size, K, bits)
     x = x.contiguous() if x.stride(-1) != 1 else x
     M, N = x.shape[0], qtile.shape[0]
@@ -812,9 +833,9 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     if cfg["backend"] == "ws":
         from .w4a16_ws import w4a16_ws_triton, ws_supported
 
-        cfg = _unless_ws_refuses(cfg, bits == 4 and ws_supported(x, N, group_size, K))
+        cfg = _unless_ws_refuses(cfg, ws_supported(x, N, group_size, K))
         if cfg["backend"] == "ws":
-            return w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias, y, cfg["BM"], cfg["num_stages"])
+            return w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias, y, cfg["BM"], cfg["num_stages"], bits)
     if cfg["backend"] == "dequant":  # large M: one dequant pass, then cuBLAS
         torch.mm(x, dequantize_tiled(qtile, scales, zeros, group_size, K, x.dtype, bits=bits).t(), out=y)
         return y if bias is None else y.add_(bias.to(y.dtype))

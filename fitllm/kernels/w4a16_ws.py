@@ -1,4 +1,4 @@
-"""W4A16 for large M on Hopper: a warp-specialised Gluon kernel over the tiled 4-bit layout.
+"""W4A16 (and W8A16) for large M on Hopper: a warp-specialised Gluon kernel over the tiled layout.
 
 The tiled layout (fitllm.kernels.w4a16_tiled) makes a thread's unpacked words exactly its wgmma A
 registers. The Triton tensor-core kernel built on it walks K with cp.async loads and a CTA-wide
@@ -8,7 +8,8 @@ way CUTLASS's mixed-input Hopper GEMMs split them:
 
   * one producer warp fills a ring of STAGES shared-memory stages by TMA: the x tile [BM, 128] (two
     [BM, 64] boxes, 128-byte swizzled, the wgmma B operand as is) and the words of 128 weight rows
-    ([128, 16] int32, one contiguous 8 KB run of the tile-major storage);
+    ([128, 16] int32, one contiguous 8 KB run of the tile-major storage; 8-bit weights: [128, 32],
+    16 KB, whose two 16-word sections are the K tile's two halves);
   * two consumer warpgroups take 64 weight rows each. Per K tile a consumer waits for the stage's
     mbarrier, loads its words, unpacks each 64-column half into the A registers as (q - z) * s in
     16 bits (one packed FMA a pair, the same rounding as the reference's dequantization) and issues
@@ -18,12 +19,17 @@ way CUTLASS's mixed-input Hopper GEMMs split them:
 
 y tile [128, BM] = W tile x^T, so tokens are the wgmma's N (BM = 64, 128 or 256). No split-K: the
 grid is one program per (BM tokens, 128 weight rows), so it is built for M large enough to fill the
-GPU (the sm90 tile table picks it for M = 65..3072; at M <= 64 it is slower than the Triton kernel, and
+GPU (the sm90 tile tables pick it for M = 65..3072 at 4 bits, 65..2048 at 8; at M <= 64 it is slower than the Triton kernel, and
 splitting K or rings of up to 16 stages did not change that: RESULTS.md, twenty-seventh session).
 Sm90 only (wgmma, setmaxnreg); weights N a multiple of 128, groups of 128·j or per-channel, x 16-bit
 with a 16-byte-aligned row pitch; anything else keeps the Triton kernels. Gluon has no interpreter:
 the CPU path and oracle is w4a16_tiled's reference; tests compile this kernel for sm_90 offline,
-benchmarks/bench_w4_tiled.py checks it on the GPU.
+benchmarks/bench_w4_tiled.py (4 bits) and w8_table_check.py (8 bits) check it on the GPU.
+
+8-bit weights: a K tile is two sections of 16 words, one per 64 columns, so each half of the tile is
+one section's fields 0 and 1 where 4 bits take fields 2 j, 2 j + 1 of the same words. Under fp16 a
+code is the same 1024-magic pair; under bf16 it goes through fp32 (2**23 + q by one PRMT, minus
+2**23 + z exactly), and one cvt packs the pair before the scale multiply: 6 instructions a pair.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import math
 import torch
 
 from ._utils import device_index, interpreting, pdl_args
-from .w4a16_tiled import _magic2
+from .w4a16_tiled import _magic2, words_per_tile
 
 try:
     from triton.experimental import gluon
@@ -43,7 +49,7 @@ try:
     from triton.runtime.jit import constexpr_function
 
     from ._pdl import let_next_launch, wait_for_previous
-    from .w4a16_tiled import _group_cols, _minus_magic_zero_times_scale
+    from .w4a16_tiled import _code, _group_cols, _minus_magic_zero_times_scale, _pack_times_scale
 except ImportError:  # CPU-only installs, or a triton without Gluon: callers keep the Triton kernels
     gluon = None
 
@@ -68,17 +74,25 @@ if gluon is not None:
     _ROWS = gl.constexpr(ROWS)
 
     @gluon.jit
-    def _fields(qw, f: gl.constexpr, nz, s2, MAGIC2, F16: gl.constexpr):
-        """Fields f and f + 4 of every word as (q - z) * s in 16 bits: [R, 16, 2] (last axis: h)."""
-        lo, hi = _minus_magic_zero_times_scale(((qw >> (4 * f)) & 0x000F000F) | MAGIC2, nz, s2, F16)
+    def _fields(qw, f: gl.constexpr, nz, zf, s2, MAGIC2, BITS: gl.constexpr, F16: gl.constexpr):
+        """Pair field f of every word (fields f and f + 16 / BITS: the neighbours k, k + 1) as
+        (q - z) * s in 16 bits: [R, 16, 2] (last axis: h). 8-bit codes under bf16 go through fp32
+        (bf16 holds 128 + q exactly only below q = 128): 2**23 + q, minus 2**23 + z, exact."""
+        if BITS == 8 and not F16:
+            lo, hi = _pack_times_scale(_code(qw, f, MAGIC2, True) - zf, _code(qw, f + 2, MAGIC2, True) - zf, s2)
+        else:
+            MASK: gl.constexpr = 0x000F000F if BITS == 4 else 0x00FF00FF
+            lo, hi = _minus_magic_zero_times_scale(((qw >> (BITS * f)) & MASK) | MAGIC2, nz, s2, F16)
         return gl.join(lo, hi)
 
     @gluon.jit
-    def _a_half(qw, j: gl.constexpr, nz, s2, MAGIC2, A_L: gl.constexpr, F16: gl.constexpr):
-        """Columns 64 j .. 64 j + 63 of the K tile (fields 2 j, 2 j + 1) as the A operand [R, 64]. The
-        join / reshape / permute only rename registers: convert_layout refuses any data movement."""
+    def _a_half(qw, f0: gl.constexpr, nz, zf, s2, MAGIC2, A_L: gl.constexpr, BITS: gl.constexpr,
+                F16: gl.constexpr):
+        """64 columns of the K tile as the A operand [R, 64]: pair fields f0 and f0 + 1 of the words qw
+        (4-bit: f0 = 2 j gives columns 64 j ..; 8-bit: f0 = 0 and qw section j). The join / reshape /
+        permute only rename registers: convert_layout refuses any data movement."""
         R: gl.constexpr = qw.shape[0]
-        t = gl.join(_fields(qw, 2 * j, nz, s2, MAGIC2, F16), _fields(qw, 2 * j + 1, nz, s2, MAGIC2, F16))
+        t = gl.join(_fields(qw, f0, nz, zf, s2, MAGIC2, BITS, F16), _fields(qw, f0 + 1, nz, zf, s2, MAGIC2, BITS, F16))
         t = gl.reshape(t, [R, 4, 4, 2, 2])  # [n, c, t, h, f % 2]  (word position p = 4 c + t)
         t = gl.permute(t, [0, 4, 2, 1, 3])  # column = 32 (f % 2) + 8 t + 2 c + h
         return gl.convert_layout(gl.reshape(t, [R, 64]), A_L, assert_trivial=True)
@@ -97,25 +111,30 @@ if gluon is not None:
     @gluon.jit
     def _consume_tile(i, acc, a1_prev, sc, zc, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N,
                       NUM_GROUPS, k_tiles, MAGIC2, A_L: gl.constexpr, WL: gl.constexpr, GROUP_SIZE: gl.constexpr,
-                      STAGES: gl.constexpr, F16: gl.constexpr):
+                      STAGES: gl.constexpr, BITS: gl.constexpr, F16: gl.constexpr):
         """K tile i of one consumer (its scale and zero rows sc, zc were loaded a tile ahead). Each
         wgmma wait retires the group whose A registers are written next; the first one also retires
         the last reader of stage i - 1, which then goes back to the producer."""
-        MAGICF: gl.constexpr = 1024.0 if F16 else 128.0
+        MAGICF: gl.constexpr = 1024.0 if F16 else (8388608.0 if BITS == 8 else 128.0)
         st = i % STAGES
         g = gl.minimum(((i + 1) * 128) // GROUP_SIZE, NUM_GROUPS - 1)
         s_next = gl.load(s_ptr + g * N + rows).to(gl.float32)
         z_next = gl.load(z_ptr + g * N + rows).to(gl.float32)
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-        qw = w_smem.index(st).slice(64 * half, 64).load(WL)
-        _, nz, _, s2, _ = _group_cols(sc, zc, MAGICF, F16)
+        words = w_smem.index(st).slice(64 * half, 64)  # [64, 16 * sections]
+        qw = words.slice(0, 16, dim=1).load(WL)
+        _, nz, zf, s2, _ = _group_cols(sc, zc, MAGICF, F16)
         nz = gl.broadcast(nz, qw)[0]
+        zf = gl.broadcast(zf, qw)[0]
         s2 = gl.broadcast(s2, qw)[0]
-        a0 = _a_half(qw, 0, nz, s2, MAGIC2, A_L, F16)
+        a0 = _a_half(qw, 0, nz, zf, s2, MAGIC2, A_L, BITS, F16)
         acc = warpgroup_mma(a0, x_smem.index(2 * st).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
         a1_prev = warpgroup_mma_wait(num_outstanding=1, deps=(a1_prev, ))
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-        a1 = _a_half(qw, 1, nz, s2, MAGIC2, A_L, F16)
+        if BITS == 8:  # the second 64 columns are section 1's fields 0, 1
+            a1 = _a_half(words.slice(16, 16, dim=1).load(WL), 0, nz, zf, s2, MAGIC2, A_L, BITS, F16)
+        else:  # ... the same words' fields 2, 3
+            a1 = _a_half(qw, 2, nz, zf, s2, MAGIC2, A_L, BITS, F16)
         acc = warpgroup_mma(a1, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
         a0 = warpgroup_mma_wait(num_outstanding=1, deps=(a0, ))
         return acc, a1, s_next, z_next
@@ -123,7 +142,8 @@ if gluon is not None:
     @gluon.jit
     def _consumer(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, half: gl.constexpr, n0, m0, M, N,
                   NUM_GROUPS, stride_ym, k_tiles, MAGIC2, GROUP_SIZE: gl.constexpr, BM: gl.constexpr,
-                  STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr, PDL: gl.constexpr):
+                  STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, BITS: gl.constexpr, F16: gl.constexpr,
+                  PDL: gl.constexpr):
         """Weight rows n0 + 64 half .. + 63 against BM tokens: y[m0:m0+BM, those rows]."""
         DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
         WL: gl.constexpr = word_layout(64, 4)
@@ -138,10 +158,11 @@ if gluon is not None:
         acc, a1, sc, zc = _consume_tile(0, warpgroup_mma_init(gl.zeros([64, BM], gl.float32, ACC_L)),
                                         gl.zeros([64, 64], DT, A_L), sc, zc, x_smem, w_smem, ready, empty, s_ptr,
                                         z_ptr, rows, half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L, WL, GROUP_SIZE,
-                                        STAGES, F16)
+                                        STAGES, BITS, F16)
         for i in range(1, k_tiles):
             acc, a1, sc, zc = _consume_tile(i, acc, a1, sc, zc, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows,
-                                            half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L, WL, GROUP_SIZE, STAGES, F16)
+                                            half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L, WL, GROUP_SIZE, STAGES,
+                                            BITS, F16)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         let_next_launch(PDL)  # only the epilogue is left: the next kernel's programs may come in
         if HAS_BIAS:
@@ -159,7 +180,8 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M"])  # else M % 16 == 0 compiles again, mid-serving
     def _w4a16_ws_kernel(x_desc, q_desc, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, NUM_GROUPS, stride_ym, K_TILES, MAGIC2,
                          GROUP_SIZE: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         F16: gl.constexpr, CONSUMER_REGS: gl.constexpr = 232, PDL: gl.constexpr = False):
+                         F16: gl.constexpr, BITS: gl.constexpr = 4, CONSUMER_REGS: gl.constexpr = 232,
+                         PDL: gl.constexpr = False):
         """Program (BM tokens, 128 weight rows), M fastest so the programs sharing a weight tile run
         together. The default partition (this kernel's 4 warps) is the low consumer; the high
         consumer (4 warps) and the producer (1 warp, 40 registers) are worker partitions."""
@@ -167,7 +189,7 @@ if gluon is not None:
         num_pid_m = gl.cdiv(M, BM)
         m0 = (pid % num_pid_m) * BM
         n0 = (pid // num_pid_m) * _ROWS
-        qrow0 = n0 * K_TILES  # row of [N * K_TILES, 16] words where this block's K tile 0 starts
+        qrow0 = n0 * K_TILES  # row of [N * K_TILES, 4 * BITS] words where this block's K tile 0 starts
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -180,17 +202,18 @@ if gluon is not None:
         wait_for_previous(PDL)
         gl.warp_specialize([  # (the argument lists are written out: constexprs do not survive a tuple)
             (_consumer, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, 0, n0, m0, M, N, NUM_GROUPS,
-                         stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)),
+                         stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, BITS, F16, PDL)),
             (_consumer, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, 1, n0, m0, M, N, NUM_GROUPS,
-                         stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, F16, PDL)),
+                         stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, BITS, F16, PDL)),
             (_producer, (x_desc, q_desc, x_smem, w_smem, ready, empty, m0, qrow0, K_TILES, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
 
 def descriptor_layouts(bm: int, dtype: torch.dtype):
     """The shared layouts of the kernel's two TMA descriptors: x's [bm, 64] boxes (128-byte swizzle,
-    read as the wgmma B operand) and the words' [128, 16] runs (no swizzle: a consumer's 16-byte loads
-    of 8 neighbouring rows are conflict-free as stored). The offline compiles in tests/ use them too."""
+    read as the wgmma B operand) and the words' [128, 4 bits] runs (no swizzle: a consumer's 16-byte loads
+    of 8 neighbouring rows are conflict-free as stored at 4 bits; at 8 bits a section's rows are 128
+    bytes apart, a 2-way conflict on a few loads a tile). The offline compiles in tests/ use them too."""
     x_dtype = gl.float16 if dtype == torch.float16 else gl.bfloat16
     return (gl.NVMMASharedLayout.get_default_for([bm, 64], x_dtype),
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
@@ -212,20 +235,23 @@ def ws_supported(x: torch.Tensor, N: int, group_size: int, K: int) -> bool:
     return x.stride(-1) == 1 and ws_shape_ok(N, group_size, K, x.dtype, x.stride(0) * x.element_size(), x.data_ptr())
 
 
-def w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias=None, out=None, BM=128, STAGES=3):
-    """y = x W^T (+ bias) on the warp-specialised kernel; the caller checked ws_supported(...). Columns
-    of x past K (the last K tile) are TMA's zero fill, as its rows past M are."""
+def w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias=None, out=None, BM=128, STAGES=3, bits=4):
+    """y = x W^T (+ bias) on the warp-specialised kernel, 4- or 8-bit weights in the tiled layout; the
+    caller checked ws_supported(...). Columns of x past K (the last K tile) are TMA's zero fill, as
+    its rows past M are."""
     M, N = x.shape[0], qtile.shape[0]
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     x_layout, q_layout = descriptor_layouts(BM, x.dtype)
     x_desc = TensorDescriptor.from_tensor(x, [BM, 64], x_layout)
-    # the tile-major storage seen as [N * K_TILES, 16]: K tile kt of row block b is rows (b K_TILES + kt) 128 ..
-    q_desc = TensorDescriptor.from_tensor(qtile.view(-1, 16), [ROWS, 16], q_layout)
+    # the tile-major storage seen as [N * K_TILES, W] (W = 4 bits words a row's K tile): K tile kt of
+    # row block b is rows (b K_TILES + kt) 128 ..
+    W = words_per_tile(bits)
+    q_desc = TensorDescriptor.from_tensor(qtile.view(-1, W), [ROWS, W], q_layout)
     grid = (-(-M // BM) * (N // ROWS),)
     _w4a16_ws_kernel[grid](x_desc, q_desc, scales, zeros, bias if bias is not None else scales, y, M, N,
-                           scales.shape[0], y.stride(0), qtile.shape[1] // 16, _magic2(x.dtype),
+                           scales.shape[0], y.stride(0), qtile.shape[1] // W, _magic2(x.dtype, bits),
                            GROUP_SIZE=min(group_size, K), BM=BM, STAGES=STAGES, HAS_BIAS=bias is not None,
-                           F16=x.dtype == torch.float16, num_warps=4, **pdl_args(x))
+                           F16=x.dtype == torch.float16, BITS=bits, num_warps=4, **pdl_args(x))
     return y
