@@ -256,7 +256,8 @@ if triton is not None:
     @triton.jit
     def _pack_times_scale(lo, hi, s2):
         """(lo * s, hi * s) in bf16 for fp32 lo, hi that bf16 holds exactly and s2 = s twice as a bf16 pair
-        (the warp-specialised kernel's 8-bit codes: 2 cvt-and-multiply instructions a pair fewer than fp32)."""
+        (the warp-specialised kernel's 8-bit codes: a cvt and a packed multiply a pair, one instruction
+        fewer than two fp32 multiplies and the cvt)."""
         return tl.inline_asm_elementwise(_PACK_MUL_BF16, "=h,=h,f,f,r", [lo, hi, s2], dtype=(tl.bfloat16, tl.bfloat16),
                                          is_pure=True, pack=1)
 
