@@ -515,11 +515,13 @@ def test_warp_specialised_kernel_takes_only_the_shapes_it_was_built_for():
     assert not ws_supported(torch.zeros(512, 4096, dtype=torch.bfloat16), 4096, 128, 4096)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("arch,N,K,gs", [("sm90", 256, 256, 128), ("sm90", 200, 256, 128), ("sm90", 256, 256, 64),
                                          ("sm89", 256, 256, 128), ("cpu", 256, 256, 128)])
-def test_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, N, K, gs, monkeypatch):
+def test_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, N, K, gs, bits, monkeypatch):
     """fitllm.budget reserves the bf16 copy from dequant_from_tokens(...) tokens on; the launcher must
-    take the dequant path exactly from there (checked by stopping each path at its first step)."""
+    take the dequant path exactly from there (checked by stopping each path at its first step), and
+    below it on Hopper the warp-specialised kernel where the shapes allow, for 4- and 8-bit weights."""
     from fitllm.kernels import w4a16_tiled as wt
     from fitllm.kernels import w4a16_ws
     from fitllm.kernels.w4a16_tiled import dequant_from_tokens
@@ -543,13 +545,16 @@ def test_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, N, K, gs, m
     monkeypatch.setattr(wt, "dequantize_tiled", stop("dequant"))
     monkeypatch.setattr(wt, "_launch_gemv", stop("gemv"))
     monkeypatch.setattr(wt, "_w4a16_tiled_kernel", Grid())
-    qt, s, z, _, _ = rand_weight(K, N, gs)
-    first = dequant_from_tokens(arch, N, K, gs)
+    qt, s, z, _, _ = rand_weight(K, N, gs, bits=bits)
+    first = dequant_from_tokens(arch, N, K, gs, bits)
 
     def path(M):
         with pytest.raises(Took) as took:
-            w4a16_tiled_triton(torch.zeros(M, K, dtype=torch.bfloat16), qt, s, z, gs, K)
+            w4a16_tiled_triton(torch.zeros(M, K, dtype=torch.bfloat16), qt, s, z, gs, K, bits=bits)
         return took.value.args[0]
 
     assert first < 1 << 20
     assert path(first) == "dequant" and path(first + 1) == "dequant" and path(first - 1) != "dequant"
+    ws_takes_it = arch == "sm90" and N % 128 == 0 and gs % 128 == 0
+    assert (path(300) == "ws") == ws_takes_it
+    assert first == ({4: 3073, 8: 2049}[bits] if ws_takes_it else 257 if arch == "sm90" else 65)
