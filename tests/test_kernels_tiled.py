@@ -498,6 +498,9 @@ def test_warp_specialised_kernel_compiles_to_pipelined_wgmma():
     for r in rows:
         assert r["shared"] <= 232448 and r["spills"] == 0, r
         assert r["hgmma"] == 32 and r["full_waits"] <= 4 and not r["advisories"], r
+        # 8-bit codes under bf16 take the fp32 route (the byte under 2**23 by a PRMT, 2 a pair and tile
+        # step), the others one LOP3 a pair
+        assert (r["prmt"] >= 256) == (r["bits"] == 8 and not r["f16"]), r
 
 
 def test_warp_specialised_kernel_takes_only_the_shapes_it_was_built_for():

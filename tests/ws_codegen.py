@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from sass_offline import compile_kernel, resource_usage, sass_of  # noqa: E402
+from sass_offline import compile_kernel, histogram, resource_usage, sass_of  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -48,6 +48,7 @@ def main() -> None:
             out.append(dict(bits=bits, BM=bm, stages=stages, f16=f16, shared=k.metadata.shared,
                             spills=resource_usage(k.asm["cubin"])["stack"],
                             hgmma=sass.count("HGMMA."), full_waits=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+                            prmt=histogram(sass.splitlines())["PRMT"],
                             advisories=[line for line in adv.splitlines() if "Performance" in line]))
     print(json.dumps(out))
 
