@@ -348,19 +348,21 @@ if triton is not None:
         return s, z
 
     @triton.jit
-    def _group_cols(s, z, MAGICF: tl.constexpr, F16: tl.constexpr):
+    def _group_cols(s, z, F16: tl.constexpr, BITS: tl.constexpr):
         """What the unpack needs of a group: s (fp32 [BN]), -(magic + zero) and s as 16-bit pairs,
-        magic + zero and s as fp32 columns [BN, 1]."""
+        magic + zero and s as fp32 columns [BN, 1]. The magic is _magic2's as a float: 1024 (fp16),
+        128 (bf16), 2**23 for 8-bit codes under bf16 (they go through fp32, see _field_tile)."""
         DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
+        MAGICF: tl.constexpr = 1024.0 if F16 else (8388608.0 if BITS == 8 else 128.0)
         zf = z + MAGICF
         return s, _pair16(-zf, DT), zf[:, None], _pair16(s, DT), s[:, None]
 
     @triton.jit
-    def _group_rows(s_ptr, z_ptr, k, N, NUM_GROUPS, offs_n, n_mask, MAGICF: tl.constexpr,
-                    GROUP_SIZE: tl.constexpr, F16: tl.constexpr):
+    def _group_rows(s_ptr, z_ptr, k, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE: tl.constexpr, F16: tl.constexpr,
+                    BITS: tl.constexpr):
         """_group_cols of the group holding column k."""
         s, z = _group_raw(s_ptr, z_ptr, k, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
-        return _group_cols(s, z, MAGICF, F16)
+        return _group_cols(s, z, F16, BITS)
 
     @triton.jit
     def _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0, K, w, acc, s, UPCAST: tl.constexpr,
@@ -397,7 +399,6 @@ if triton is not None:
         accumulates in place). EVEN_N (BN divides N) and EVEN_K (K a multiple of 128) drop the
         weight-row and x-column masks; the loop stops at the last K tile, so nothing else is
         masked but the rows of x."""
-        MAGICF: tl.constexpr = 1024.0 if F16 else (8388608.0 if BITS == 8 else 128.0)  # see _field_tile
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_pid_m = tl.cdiv(M, BM)
@@ -420,7 +421,7 @@ if triton is not None:
             k0 = kt * 128
             qw, qw1 = _load_tile_sections(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS)
             if CHUNK == 128:
-                s, nz, zf, s2, sf = _group_cols(s_next, z_next, MAGICF, F16)
+                s, nz, zf, s2, sf = _group_cols(s_next, z_next, F16, BITS)
                 s_next, z_next = _group_raw(s_ptr, z_ptr, k0 + 128, N, NUM_GROUPS, offs_n, n_load, GROUP_SIZE,
                                             it + 1 < k_iters)
                 w = _cat_k(_cat_k(_tile_field(qw, qw1, 0, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST),
@@ -431,7 +432,7 @@ if triton is not None:
             elif CHUNK == 64:
                 for j in tl.static_range(2):
                     s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0 + 64 * j, N, NUM_GROUPS, offs_n, n_load,
-                                                    MAGICF, GROUP_SIZE, F16)
+                                                    GROUP_SIZE, F16, BITS)
                     w = _cat_k(_tile_field(qw, qw1, 2 * j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST),
                                _tile_field(qw, qw1, 2 * j + 1, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS,
                                            UPCAST))
@@ -440,7 +441,7 @@ if triton is not None:
             else:
                 for j in tl.static_range(4):
                     s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0 + 32 * j, N, NUM_GROUPS, offs_n, n_load,
-                                                    MAGICF, GROUP_SIZE, F16)
+                                                    GROUP_SIZE, F16, BITS)
                     w = _tile_field(qw, qw1, j, MAGIC2, nz, zf, s2, sf, F16, ASM, SCALE_IN_W, BITS, UPCAST)
                     acc = _chunk_dot(x_ptr, offs_m, m_mask, stride_xm, k0 + 32 * j, K, w, acc, s, UPCAST,
                                      SCALE_IN_W, EVEN_K)
@@ -453,14 +454,13 @@ if triton is not None:
                               GROUP_SIZE: tl.constexpr, BN: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr,
                               BITS: tl.constexpr = 4, UPCAST: tl.constexpr = True):
         """qtile -> W [N, K] in the activation dtype, one 128-column tile per program (large M)."""
-        MAGICF: tl.constexpr = 1024.0 if F16 else (8388608.0 if BITS == 8 else 128.0)  # see _field_tile
         kt = tl.program_id(0)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         qw, qw1 = _load_tile_sections(q_ptr, tl.program_id(1) * BN, N, stride_q, kt, BN, 4, False, BITS)
         for f in tl.static_range(4):
             k0 = kt * 128 + 32 * f
-            s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0, N, NUM_GROUPS, offs_n, n_mask, MAGICF, GROUP_SIZE, F16)
+            s, nz, zf, s2, sf = _group_rows(s_ptr, z_ptr, k0, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, F16, BITS)
             w = _tile_field(qw, qw1, f, MAGIC2, nz, zf, s2, sf, F16, ASM, True, BITS, UPCAST)
             offs_k = k0 + tl.arange(0, 32)
             tl.store(w_ptr + offs_n[:, None] * K + offs_k[None, :], w, mask=n_mask[:, None] & (offs_k < K)[None, :])
@@ -488,15 +488,14 @@ if triton is not None:
         every row exists). The scale and zero loads keep n_mask even then: unmasked, ptxas issued
         some of a tile's loads after its math (offline SASS) and the GEMV was 2-5 % slower
         (RESULTS.md, twelfth session)."""
-        MAGICF: tl.constexpr = 1024.0 if F16 else 128.0
-        DT: tl.constexpr = tl.float16 if F16 else tl.bfloat16
         q_ptrs = q_ptr + _word_offsets(offs_n, kt, N, stride_q)[:, None] + p_ar
         if w_mask is None:
             qw = tl.load(q_ptrs)
         else:
             qw = tl.load(q_ptrs, mask=w_mask[:, None], other=0)
         s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
-        return qw, tl.broadcast_to(_pair16(-(z + MAGICF), DT), qw.shape), s[:, None]
+        _, nz, _, _, sf = _group_cols(s, z, F16, 4)
+        return qw, tl.broadcast_to(nz, qw.shape), sf
 
     @triton.jit
     def _load_words(q_ptr, offs, w_mask):

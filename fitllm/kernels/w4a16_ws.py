@@ -116,7 +116,6 @@ if gluon is not None:
         """K tile i of one consumer (its scale and zero rows sc, zc were loaded a tile ahead). Each
         wgmma wait retires the group whose A registers are written next; the first one also retires
         the last reader of stage i - 1, which then goes back to the producer."""
-        MAGICF: gl.constexpr = 1024.0 if F16 else (8388608.0 if BITS == 8 else 128.0)
         st = i % STAGES
         g = gl.minimum(((i + 1) * 128) // GROUP_SIZE, NUM_GROUPS - 1)
         s_next = gl.load(s_ptr + g * N + rows).to(gl.float32)
@@ -124,7 +123,7 @@ if gluon is not None:
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         words = w_smem.index(st).slice(64 * half, 64)  # [64, 16 * sections]
         qw = words.slice(0, 16, dim=1).load(WL)
-        _, nz, zf, s2, _ = _group_cols(sc, zc, MAGICF, F16)
+        _, nz, zf, s2, _ = _group_cols(sc, zc, F16, BITS)
         nz = gl.broadcast(nz, qw)[0]
         zf = gl.broadcast(zf, qw)[0]
         s2 = gl.broadcast(s2, qw)[0]
