@@ -21,6 +21,7 @@ from fitllm.kernels.w4a16_tiled import (
     w4a16_tiled_gemm,
     w4a16_tiled_ref,
     w4a16_tiled_triton,
+    words_per_tile,
 )
 from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
 
@@ -197,7 +198,8 @@ def test_kernel_matches_float64(bits, M, K, N, gs, dtype, cfg):
 @pytest.mark.parametrize("M", [1, 17, 33, 65, 130, 257])
 def test_8bit_table_rows_as_an_sm90_card_picks_them(M, monkeypatch):
     """8-bit tiled weights take TILED8_CONFIGS: the GEMV at M = 1 (the tensor-core tile for the widest
-    weights), tensor-core tiles up to M = 64, then warp-specialised rows whose fallbacks a card
+    weights), tensor-core tiles up to M = 64 (for the widest weights from M = 33 a warp-specialised
+    row), then warp-specialised rows whose fallbacks a card
     without them (here: the interpreter) runs, tensor-core tiles to M = 256 and dequantize + cuBLAS
     beyond; picked by the launcher itself; N crosses a stored block."""
     import fitllm.kernels.w4a16_tiled as tiled
@@ -518,16 +520,11 @@ def test_warp_specialised_kernel_takes_only_the_shapes_it_was_built_for():
     assert not ws_supported(torch.zeros(512, 4096, dtype=torch.bfloat16), 4096, 128, 4096)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("arch,N,K,gs", [("sm90", 256, 256, 128), ("sm90", 200, 256, 128), ("sm90", 256, 256, 64),
-                                         ("sm89", 256, 256, 128), ("cpu", 256, 256, 128)])
-def test_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, N, K, gs, bits, monkeypatch):
-    """fitllm.budget reserves the bf16 copy from dequant_from_tokens(...) tokens on; the launcher must
-    take the dequant path exactly from there (checked by stopping each path at its first step), and
-    below it on Hopper the warp-specialised kernel where the shapes allow, for 4- and 8-bit weights."""
+def first_step_taker(monkeypatch, arch):
+    """The tiled launcher as an `arch` card runs it, stopped at its first step: taken(M, K, weight, gs,
+    bits) says which path a GEMM of M tokens takes (gemv, tiled, ws or dequant) without running it."""
     from fitllm.kernels import w4a16_tiled as wt
     from fitllm.kernels import w4a16_ws
-    from fitllm.kernels.w4a16_tiled import dequant_from_tokens
 
     class Took(Exception):
         pass
@@ -548,16 +545,48 @@ def test_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, N, K, gs, b
     monkeypatch.setattr(wt, "dequantize_tiled", stop("dequant"))
     monkeypatch.setattr(wt, "_launch_gemv", stop("gemv"))
     monkeypatch.setattr(wt, "_w4a16_tiled_kernel", Grid())
-    qt, s, z, _, _ = rand_weight(K, N, gs, bits=bits)
+
+    def taken(M, K, weight, gs, bits):
+        with pytest.raises(Took) as took:
+            w4a16_tiled_triton(torch.zeros(M, K, dtype=torch.bfloat16), *weight[:3], gs, K, bits=bits)
+        return took.value.args[0]
+    return taken
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("arch,N,K,gs", [("sm90", 256, 256, 128), ("sm90", 200, 256, 128), ("sm90", 256, 256, 64),
+                                         ("sm89", 256, 256, 128), ("cpu", 256, 256, 128)])
+def test_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, N, K, gs, bits, monkeypatch):
+    """fitllm.budget reserves the bf16 copy from dequant_from_tokens(...) tokens on; the launcher must
+    take the dequant path exactly from there (checked by stopping each path at its first step), and
+    below it on Hopper the warp-specialised kernel where the shapes allow, for 4- and 8-bit weights."""
+    from fitllm.kernels.w4a16_tiled import dequant_from_tokens
+
+    taken = first_step_taker(monkeypatch, arch)
+    weight = rand_weight(K, N, gs, bits=bits)
     first = dequant_from_tokens(arch, N, K, gs, bits)
 
     def path(M):
-        with pytest.raises(Took) as took:
-            w4a16_tiled_triton(torch.zeros(M, K, dtype=torch.bfloat16), qt, s, z, gs, K, bits=bits)
-        return took.value.args[0]
+        return taken(M, K, weight, gs, bits)
 
     assert first < 1 << 20
     assert path(first) == "dequant" and path(first + 1) == "dequant" and path(first - 1) != "dequant"
     ws_takes_it = arch == "sm90" and N % 128 == 0 and gs % 128 == 0
     assert (path(300) == "ws") == ws_takes_it
     assert first == ({4: 3073, 8: 2049}[bits] if ws_takes_it else 257 if arch == "sm90" else 65)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_widest_8bit_weights_take_the_ws_kernel_from_33_tokens(bits, monkeypatch):
+    """On Hopper an 8-bit weight wider than 16384 (Llama's gate|up) runs the warp-specialised kernel from
+    M = 33 (the tensor-core tile is 19 µs slower there, RESULTS.md thirty-third session), a narrower one
+    the tile up to M = 128; 4-bit weights keep the tile up to M = 64 at every width."""
+    taken = first_step_taker(monkeypatch, "sm90")
+    K = 128
+    for N, expect in ((16512, {32: "tiled", 33: "ws", 64: "ws", 65: "ws"}),
+                      (4096, {32: "tiled", 33: "tiled", 64: "tiled", 129: "ws"})):
+        qtile = torch.zeros(N, K // 128 * words_per_tile(bits), dtype=torch.int32)  # what is in it never runs
+        weight = (qtile, torch.ones(1, N, dtype=torch.bfloat16), torch.zeros(1, N, dtype=torch.bfloat16))
+        if bits == 4:
+            expect = {M: "tiled" if M <= 64 else path for M, path in expect.items()}
+        assert {M: taken(M, K, weight, 128, bits) for M in expect} == expect, N

@@ -678,6 +678,8 @@ def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None, wide=None):
 # µs per linear (qkv / o / gate_up / down), tiled table vs best: M=128 42.3 / 25.6 / 62.6 / 45.9 vs ws BM64
 # 18.7 / - / ws BM128 52.6 / - (o and down share N = 4096, and down has no split-K on ws: the tiled tile keeps
 # both); M=256 40.3 / 33.8 / 123.3 / 73.8 vs ws BM128 24.4 / BM64 18.7 / BM128 104.4 / BM64 68.4 (271 -> 216).
+# Thirty-third session (as the twenty-seventh): o_proj alone on ws BM64 at M = 65..128, down_proj on the tile, is
+# 2-11 µs a layer faster (H200 M=128 136.5 vs 143.8) but 1 % slower in the engine at batch 128: not kept.
 _M256 = _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)  # the tiled kernel's M <= 256 tile (fallbacks below)
 _M256_WIDE = _tiled(128, 256, 8, 3, waves=1, scale_in_w=True)  # ... and its wide-weight (gate_up) tile
 TILED_CONFIGS = {
@@ -704,24 +706,28 @@ TILED_CONFIGS = {
 
 
 # 8-bit weights in the tiled layout (GPTQ int8): the GEMV at M = 1 (but for the widest weights), the
-# tensor-core kernel up to M = 64, the warp-specialised kernel up to M = 2048, then dequant + cuBLAS. sm90: H100
-# sweeps (RESULTS.md, thirty-first and thirty-second sessions), µs per Llama-3-8B layer against the standard
-# layout's W8A16 table / bf16 cuBLAS: M=1 93 (97) / 157 (GEMV qkv / o / down 13.3 / 8.3 / 26.1, tc 15.3 / 10.1 /
-# 27.5; gate_up tc 45.7, GEMV 48.3); M=2 99 (113) / 158 (the GEMV 4-15 % slower than tc on every linear); M=4 98
-# (143) / 159; M=16 110 (143) / 168; M=32 117 (198) / 169; M=64 148 (226) / 171. Thirty-second session, each
-# linear alone on the ws kernel (qkv / o / gate_up / down) against the tensor-core tile: M=128 ws BM64 22.9 /
-# 21.6 / BM128 65.6 / 69.2 vs 27.6 / 30.5 / 83.9 / 55.8 (o and down share N = 4096 and down has no split-K on
-# ws, so N = 4096 keeps the tile; layer 198 -> ~175, bf16 181); M=256 ws BM128 29.6 / BM64 22.4 / BM128 128.5 /
-# BM64 75.2 vs 46.5 / 42.3 / 191.9 / 111.8 (393 -> 256, bf16 206); M=384 ws BM128 (3 stages) 369 vs dequant 531
-# (bf16 263); M=512 BM128 for N = 4096, BM256 wider 405 vs 588 (bf16 314); M=768..2048 BM256 625 / 716 / 1412
-# vs dequant 744 / 904 / 1553 (bf16 473 / 621 / 1218); M=4096 dequant 2784 vs ws 3361 (bf16 2403).
+# tensor-core kernel up to M = 64 (the widest weights from M = 33 on the warp-specialised kernel), the
+# warp-specialised kernel up to M = 2048, then dequant + cuBLAS. sm90: H100 sweeps (RESULTS.md, thirty-first
+# and thirty-second sessions), µs per Llama-3-8B layer against the standard layout's W8A16 table / bf16 cuBLAS:
+# M=1 93 (97) / 157 (GEMV qkv / o / down 13.3 / 8.3 / 26.1, tc 15.3 / 10.1 / 27.5; gate_up tc 45.7, GEMV 48.3);
+# M=2 99 (113) / 158 (the GEMV 4-15 % slower than tc on every linear); M=4 98 (143) / 159; M=16 110 (143) / 168;
+# M=32 117 (198) / 169; M=64 148 (226) / 171. Thirty-second session, each linear alone on the ws kernel (qkv /
+# o / gate_up / down) against the tensor-core tile: M=128 ws BM64 22.9 / 21.6 / BM128 65.6 / 69.2 vs 27.6 /
+# 30.5 / 83.9 / 55.8 (down, K = 14336, has no split-K on ws and keeps the tile, and so does o, of the same width:
+# o alone on ws is 5-9 µs faster, but not in the engine at batch 128, thirty-third session; layer 198 -> ~175,
+# bf16 181); M=256 ws BM128 29.6 / BM64 22.4 / BM128 128.5 / BM64 75.2 vs 46.5 / 42.3 / 191.9 / 111.8 (393 ->
+# 256, bf16 206); M=384 ws BM128 (3 stages) 369 vs dequant 531 (bf16 263); M=512 BM128 for N = 4096, BM256 wider
+# 405 vs 588 (bf16 314); M=768..2048 BM256 625 / 716 / 1412 vs dequant 744 / 904 / 1553 (bf16 473 / 621 / 1218);
+# M=4096 dequant 2784 vs ws 3361 (bf16 2403). Thirty-third session, H200: gate_up at M=40..64 on ws BM64
+# 48.0-48.3 vs the tile's 67.1-67.7 (at M <= 32 the tile wins, 41-45 vs 45-63; qkv / o / down lose on ws at every
+# M <= 64); whole table M=64 143 -> 124 (bf16 126); the engine's offline steps of 64 sequences +7 % (H100).
 _W8_M128 = _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)
 TILED8_CONFIGS = {
     "sm90": [
         (1, by_width(_gemv(128, 1, 8, waves=4), (16384, 1 << 62, _tiled(16, 64, 4, 3, waves=4)))),
         (16, _tiled(16, 64, 4, 3, waves=4)),
         (32, _tiled(32, 64, 4, 3, waves=4)),
-        (64, by_width(_tiled(64, 64, 4, 3, waves=3), (16384, 1 << 62, _tiled(64, 64, 4, 3, waves=2)))),
+        (64, by_width(_tiled(64, 64, 4, 3, waves=3), (16384, 1 << 62, _ws(64, 4, _tiled(64, 64, 4, 3, waves=2))))),
         (128, by_width(_W8_M128, (4096, 16384, _ws(64, 4, _W8_M128)), (16384, 1 << 62, _ws(128, 3, _W8_M128)))),
         (256, by_width(_ws(64, 4, _W8_M128), (4096, 1 << 62, _ws(128, 4, _W8_M128)))),
         (384, _ws(128, 3)),
