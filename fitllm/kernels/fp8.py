@@ -81,7 +81,7 @@ def fp8_gemm_ref(x, weight_fp8, weight_scale, input_scale=None, bias=None, mode=
 
 if triton is not None:
     from ._pdl import let_next_launch, pdl_start, prefetch_to_l2, wait_for_previous
-    from .w4a16 import _store_tile
+    from .w4a16 import _store_tile, _tile_program
 
     @triton.jit
     def _round_to_e4m3_grid(v):
@@ -160,15 +160,7 @@ if triton is not None:
         """y = x W^T on the tensor cores (SWAP: as (W x^T)^T, for small M); program (mn, k) owns a
         BM x BN tile and K_ITERS K tiles of BK. PREFETCH: asks L2 for its first PREFETCH weight tiles
         before the PDL wait (weights: _pdl.py's rule), so the pipeline's first loads hit L2."""
-        pid_mn = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_pid_m = tl.cdiv(M, BM)
-        pid_m = pid_mn % num_pid_m
-        pid_n = pid_mn // num_pid_m
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
+        pid_mn, pid_k, _, offs_m, offs_n, m_mask, n_mask = _tile_program(M, N, BM, BN)
         if SWAP:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
         else:

@@ -99,6 +99,17 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         return tl.dot(a, b, acc)
 
+    @triton.jit
+    def _tile_program(M, N, BM: tl.constexpr, BN: tl.constexpr):
+        """Tile grid (mn, k), M fastest so the programs reading one weight tile run together: this
+        program's flat tile index, K split, first column n0, and the tile's offsets and masks."""
+        pid_mn = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BM)
+        n0 = (pid_mn // num_pid_m) * BN
+        offs_m = (pid_mn % num_pid_m) * BM + tl.arange(0, BM)
+        offs_n = n0 + tl.arange(0, BN)
+        return pid_mn, tl.program_id(1), n0, offs_m, offs_n, offs_m < M, offs_n < N
+
     @triton.jit(do_not_specialize=["M"])  # else M % 16 == 0 compiles again, mid-serving
     def _w4a16_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, gidx_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -112,15 +123,7 @@ if triton is not None:
         QMASK: tl.constexpr = (1 << BITS) - 1
         BKP: tl.constexpr = BK // PACK
         DT = x_ptr.dtype.element_ty
-        pid_mn = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_pid_m = tl.cdiv(M, BM)
-        pid_m = pid_mn % num_pid_m  # M fastest: programs reading the same weight tile run together
-        pid_n = pid_mn // num_pid_m
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
+        pid_mn, pid_k, _, offs_m, offs_n, m_mask, n_mask = _tile_program(M, N, BM, BN)
         KP = K // PACK
 
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -594,15 +597,7 @@ if triton is not None:
         PACK: tl.constexpr = 32 // BITS
         BKP: tl.constexpr = BK // PACK
         DT: tl.constexpr = x_ptr.dtype.element_ty
-        pid_mn = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_pid_m = tl.cdiv(M, BM)
-        pid_m = pid_mn % num_pid_m
-        pid_n = pid_mn // num_pid_m
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
+        pid_mn, pid_k, _, offs_m, offs_n, m_mask, n_mask = _tile_program(M, N, BM, BN)
         offs_r0 = tl.arange(0, BKP)
         offs_k0 = tl.arange(0, BK)
         HALF: tl.constexpr = PACK // 2

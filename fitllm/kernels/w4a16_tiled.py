@@ -53,7 +53,8 @@ try:
     import triton.language as tl
 
     from ._pdl import let_next_launch, wait_for_previous
-    from .w4a16 import _MAGIC, _dot, _dot_pairs, _half, _one_row_dot, _rows_out, _store_tile, _unpack_q_minus_z
+    from .w4a16 import (_MAGIC, _dot, _dot_pairs, _half, _one_row_dot, _rows_out, _store_tile, _tile_program,
+                        _unpack_q_minus_z)
 except ImportError:  # CPU-only installs without triton still get the reference
     triton = None
 
@@ -399,16 +400,8 @@ if triton is not None:
         accumulates in place). EVEN_N (BN divides N) and EVEN_K (K a multiple of 128) drop the
         weight-row and x-column masks; the loop stops at the last K tile, so nothing else is
         masked but the rows of x."""
-        pid_mn = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_pid_m = tl.cdiv(M, BM)
-        pid_m = pid_mn % num_pid_m  # M fastest: programs sharing a weight tile run together
-        pid_n = pid_mn // num_pid_m
+        pid_mn, pid_k, n0, offs_m, offs_n, m_mask, n_mask = _tile_program(M, N, BM, BN)
         wait_for_previous(PDL)
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
         n_load = None if EVEN_N else n_mask
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         k_iters = tl.minimum(K_ITERS, stride_q // (4 * BITS) - pid_k * K_ITERS)  # the last split may be shorter
@@ -419,7 +412,7 @@ if triton is not None:
         for it in range(0, k_iters):
             kt = pid_k * K_ITERS + it
             k0 = kt * 128
-            qw, qw1 = _load_tile_sections(q_ptr, pid_n * BN, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS)
+            qw, qw1 = _load_tile_sections(q_ptr, n0, N, stride_q, kt, BN, ROW_WARPS, EVEN_N, BITS)
             if CHUNK == 128:
                 s, nz, zf, s2, sf = _group_cols(s_next, z_next, F16, BITS)
                 s_next, z_next = _group_raw(s_ptr, z_ptr, k0 + 128, N, NUM_GROUPS, offs_n, n_load, GROUP_SIZE,
