@@ -19,9 +19,10 @@ way CUTLASS's mixed-input Hopper GEMMs split them:
 
 y tile [128, BM] = W tile x^T, so tokens are the wgmma's N (BM = 64, 128 or 256). No split-K: the
 grid is one program per (BM tokens, 128 weight rows), so it is built for M large enough to fill the
-GPU (the sm90 tile tables pick it for M = 65..3072 at 4 bits, 65..2048 at 8; at M <= 64 it is slower
-than the Triton kernel, and splitting K or rings of up to 16 stages did not change that: RESULTS.md,
-twenty-seventh session).
+GPU (the sm90 tile tables pick it for M = 65..3072 at 4 bits, 65..2048 at 8, and for 8-bit gate|up,
+N > 16384, from M = 33, where the tensor-core tile's heavier 8-bit unpack loses: RESULTS.md,
+thirty-third session). Otherwise at M <= 64 it is slower than the Triton kernel, and splitting K or
+rings of up to 16 stages did not change that (twenty-seventh session).
 Sm90 only (wgmma, setmaxnreg); weights N a multiple of 128, groups of 128·j or per-channel, x 16-bit
 with a 16-byte-aligned row pitch; anything else keeps the Triton kernels. Gluon has no interpreter:
 the CPU path and oracle is w4a16_tiled's reference; tests compile this kernel for sm_90 offline,
