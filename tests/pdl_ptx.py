@@ -128,7 +128,8 @@ def main() -> None:
                      "release": first(ptx, r"griddepcontrol\.launch_dependents"),
                      "load": first(ptx, load), "load_after_wait": first(ptx, load, wait),
                      "store": first(ptx, r"\b(st|atom|red)\.global"),
-                     "prefetch": first(ptx, r"prefetch\.global\.L2")}
+                     "prefetch": first(ptx, r"prefetch\.global\.L2"),
+                     "fenced_atomics": len(re.findall(r"\batom\.global(\.gpu)?\.acq_rel\b", ptx))}
     print(json.dumps(out))
 
 

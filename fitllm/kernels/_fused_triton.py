@@ -303,7 +303,7 @@ def greedy_tokens_kernel(x_ptr, out_ptr, pm_ptr, pi_ptr, cnt_ptr, N, sx, CHUNK: 
         top = tl.max(pm, 0)
         token = tl.min(tl.where(ok & (pm == top), pi, N), 0)
         tl.store(out_ptr + row, tl.where(tl.min(pi, 0) < 0, -1, token).to(tl.int64))
-        tl.atomic_xchg(cnt_ptr + row, 0)
+        tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed")
 
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}  # the ACT argument

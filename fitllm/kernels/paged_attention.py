@@ -595,7 +595,7 @@ def _decode_kernel(Q, KC, VC, KS, VS, KZ, VZ, BT, SEQ, OUT, OCOLS, PO, PML, CNT,
                 qmask = (offs_q < G)[:, None]
                 tl.store(OUT + b * s_ot + _out_columns(OCOLS, kvh * G + offs_q, offs_d, s_oh, qmask, D, COLS),
                          out.to(OUT.dtype.element_ty), mask=qmask)
-                tl.atomic_xchg(CNT + b * H + kvh, 0)
+                tl.atomic_xchg(CNT + b * H + kvh, 0, sem="relaxed")  # for the next launch: no fence
 
 
 @triton.jit

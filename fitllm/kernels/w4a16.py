@@ -201,7 +201,7 @@ if triton is not None:
                 p2 = tl.load(ws_ptrs + (s + 2) * slot, mask=mask & (s + 2 < split), other=0.0, cache_modifier=".cg")
                 p3 = tl.load(ws_ptrs + (s + 3) * slot, mask=mask & (s + 3 < split), other=0.0, cache_modifier=".cg")
                 total = (((total + p0) + p1) + p2) + p3  # missing slices add an exact 0
-            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, _to_out(total, y_ptrs.dtype.element_ty), mask=mask)
@@ -285,10 +285,16 @@ if triton is not None:
             tl.debug_barrier()  # all threads' adds are issued before the release below
             arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
             if arrived == split - 1:
+                # Read at L2 by atomics in the register layout of the adds and of the zeroing stores
+                # below, so each address is added, read and zeroed by one thread, in that order
+                # (plain loads took another layout and read wrong sums on the H200, 4-34 % off).
+                # Relaxed: the default acq_rel put a fence and a round trip before each 16 bytes,
+                # one after another at the end of the kernel (W4A16 layer at M = 64 106 -> 88 µs on
+                # an H100; RESULTS.md, thirty-fourth session).
                 zero = tl.zeros(acc.shape, dtype=tl.float32)
-                total = tl.atomic_add(ws_ptrs, zero, mask=mask)  # read at L2, never a stale L1 line
+                total = tl.atomic_add(ws_ptrs, zero, mask=mask, sem="relaxed")
                 tl.store(ws_ptrs, zero, mask=mask)
-                tl.atomic_xchg(cnt_ptr + tile_id, 0)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed")  # for the next launch: no fence
                 if HAS_BIAS:
                     total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
                 tl.store(y_ptrs, _to_out(total, y_ptr.dtype.element_ty), mask=mask)
