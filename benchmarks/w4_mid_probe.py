@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.bench_gemm import SHAPES, graph_time, log, rel_err  # noqa: E402
 from benchmarks.bench_w4_tiled import probe_start  # noqa: E402
 from fitllm.kernels._utils import pick_config  # noqa: E402
-from fitllm.kernels.w4a16_tiled import TILED_CONFIGS, _tiled, w4a16_tiled_triton  # noqa: E402
+from fitllm.kernels.w4a16_tiled import TILED_CONFIGS, _tiled, _ws, w4a16_tiled_triton  # noqa: E402
 
 
 def candidates(M):
@@ -31,13 +31,17 @@ def candidates(M):
     t = _tiled
     if M <= 32:
         bm = max(16, M)
-        return [t(bm, 128, 8, 3, 2), t(bm, 128, 4, 3, 2), t(bm, 64, 4, 3, 2)]
+        return [t(bm, 128, 8, 3, 2), t(bm, 128, 4, 3, 2), t(bm, 64, 4, 3, 2)] + \
+            [t(bm, 64, 4, 3, w) for w in (3, 6, 8)]  # split counts, since the cheaper ticket (34th session)
     if M <= 64:
-        return [t(64, 128, 4, 3, 2), t(64, 128, 4, 3, 2, True), t(64, 128, 8, 3, 1, True), t(64, 128, 8, 3, 2)]
+        return [t(64, 128, 4, 3, 2), t(64, 128, 4, 3, 2, True), t(64, 128, 8, 3, 1, True), t(64, 128, 8, 3, 2)] + \
+            [t(64, 64, 4, 3, w, siw) for w in (2, 4, 6) for siw in (False, True)] + [_ws(64, 4, t(64, 64, 4, 3, 3))]
     return [t(128, 256, 8, 3, 1, True), t(128, 128, 8, 3, 2), t(128, 256, 8, 3, 2, True), t(128, 128, 8, 3, 1)]
 
 
 def name(c):
+    if c["backend"] == "ws":
+        return f"ws BM{c['BM']} s{c['num_stages']}"
     return f"BM{c['BM']} BN{c['BN']} w{c['num_warps']} s{c['num_stages']} wv{c['waves']} siw{int(c.get('SCALE_IN_W', False))}"
 
 
