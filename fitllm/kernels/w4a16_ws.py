@@ -11,9 +11,10 @@ way CUTLASS's mixed-input Hopper GEMMs split them:
     ([128, 16] int32, one contiguous 8 KB run of the tile-major storage; 8-bit weights: [128, 32],
     16 KB, whose two 16-word sections are the K tile's two halves);
   * two consumer warpgroups take 64 weight rows each. Per K tile a consumer waits for the stage's
-    mbarrier, loads its words, unpacks each 64-column half into the A registers as (q - z) * s in
-    16 bits (one packed FMA a pair, the same rounding as the reference's dequantization) and issues
-    an async wgmma (64 x BM x 64) against x in shared memory. One wgmma group stays in flight while
+    mbarrier (its scale and zero rows it loaded itself, two tiles before), loads its words, unpacks
+    each 64-column half into the A registers as (q - z) * s in 16 bits (one packed FMA a pair, the
+    same rounding as the reference's dequantization) and issues an async wgmma (64 x BM x 64)
+    against x in shared memory. One wgmma group stays in flight while
     the other half unpacks; the stage goes back to the producer by an mbarrier arrive once the last
     wgmma reading it has retired. Nothing waits on the whole CTA in the main loop.
 
