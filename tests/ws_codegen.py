@@ -1,7 +1,6 @@
 """Run as a script (no TRITON_INTERPRET): compile the warp-specialised W4A16 kernel (fitllm.kernels.w4a16_ws)
 for sm_90 as the sm90 tile tables launch it (every ws config of every row of the 4- and 8-bit tables, bf16 and
-fp16), run ptxas on
-its PTX for the advisories, and print one JSON line per compile. tests/test_kernels_tiled.py reads it."""
+fp16), run ptxas on its PTX for the advisories, and print one JSON line per compile. tests/test_kernels_tiled.py reads it."""
 from __future__ import annotations
 
 import json

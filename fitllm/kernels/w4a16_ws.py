@@ -119,33 +119,33 @@ if gluon is not None:
         return gl.load(s_ptr + g * N + rows), gl.load(z_ptr + g * N + rows)
 
     @gluon.jit
-    def _consume_tile(i, acc, a1_prev, sc, zc, s1, z1, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N,
-                      NUM_GROUPS, k_tiles, MAGIC2, A_L: gl.constexpr, WL: gl.constexpr, GROUP_SIZE: gl.constexpr,
-                      STAGES: gl.constexpr, BITS: gl.constexpr, F16: gl.constexpr):
-        """K tile i of one consumer: its scale and zero rows sc, zc (and tile i + 1's s1, z1) were loaded
-        two tiles ahead (_group_ahead). Each wgmma wait retires the group whose A registers are written
+    def _consume_tile(i, acc, a1_prev, sc, zc, s_next, z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows,
+                      half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L: gl.constexpr, WL: gl.constexpr,
+                      GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr, F16: gl.constexpr):
+        """K tile i of one consumer: its scale and zero rows sc, zc (and tile i + 1's s_next, z_next) were
+        loaded two tiles ahead (_group_ahead). Each wgmma wait retires the group whose A registers are written
         next; the first one also retires the last reader of stage i - 1, which then goes back to the
         producer."""
         st = i % STAGES
-        s2, z2 = _group_ahead(s_ptr, z_ptr, i + 2, rows, N, NUM_GROUPS, GROUP_SIZE)
+        s_after, z_after = _group_ahead(s_ptr, z_ptr, i + 2, rows, N, NUM_GROUPS, GROUP_SIZE)
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         words = w_smem.index(st).slice(64 * half, 64)  # [64, 16 * sections]
         qw = words.slice(0, 16, dim=1).load(WL)
-        _, nz, zf, s2w, _ = _group_cols(sc.to(gl.float32), zc.to(gl.float32), F16, BITS)
+        _, nz, zf, s2, _ = _group_cols(sc.to(gl.float32), zc.to(gl.float32), F16, BITS)
         nz = gl.broadcast(nz, qw)[0]
         zf = gl.broadcast(zf, qw)[0]
-        s2w = gl.broadcast(s2w, qw)[0]
-        a0 = _a_half(qw, 0, nz, zf, s2w, MAGIC2, A_L, BITS, F16)
+        s2 = gl.broadcast(s2, qw)[0]
+        a0 = _a_half(qw, 0, nz, zf, s2, MAGIC2, A_L, BITS, F16)
         acc = warpgroup_mma(a0, x_smem.index(2 * st).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
         a1_prev = warpgroup_mma_wait(num_outstanding=1, deps=(a1_prev, ))
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
         if BITS == 8:  # the second 64 columns are section 1's fields 0, 1
-            a1 = _a_half(words.slice(16, 16, dim=1).load(WL), 0, nz, zf, s2w, MAGIC2, A_L, BITS, F16)
+            a1 = _a_half(words.slice(16, 16, dim=1).load(WL), 0, nz, zf, s2, MAGIC2, A_L, BITS, F16)
         else:  # ... the same words' fields 2, 3
-            a1 = _a_half(qw, 2, nz, zf, s2w, MAGIC2, A_L, BITS, F16)
+            a1 = _a_half(qw, 2, nz, zf, s2, MAGIC2, A_L, BITS, F16)
         acc = warpgroup_mma(a1, x_smem.index(2 * st + 1).permute((1, 0)), acc, is_async=True)
         a0 = warpgroup_mma_wait(num_outstanding=1, deps=(a0, ))
-        return acc, a1, s1, z1, s2, z2
+        return acc, a1, s_next, z_next, s_after, z_after
 
     @gluon.jit
     def _consumer(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, half: gl.constexpr, n0, m0, M, N,
@@ -160,17 +160,17 @@ if gluon is not None:
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_L, k_width=2)
         rows = n0 + 64 * half + gl.arange(0, 64, layout=gl.SliceLayout(1, WL))
         sc, zc = _group_ahead(s_ptr, z_ptr, 0, rows, N, NUM_GROUPS, GROUP_SIZE)
-        s1, z1 = _group_ahead(s_ptr, z_ptr, 1, rows, N, NUM_GROUPS, GROUP_SIZE)
+        s_next, z_next = _group_ahead(s_ptr, z_ptr, 1, rows, N, NUM_GROUPS, GROUP_SIZE)
         # Tile 0 is peeled off the loop: with a zero-trip path that zero-fills the accumulator, ptxas
         # serialises every wgmma (advisory C7515). Tile 0's first MMA starts the sum (use_acc=False).
-        acc, a1, sc, zc, s1, z1 = _consume_tile(0, warpgroup_mma_init(gl.zeros([64, BM], gl.float32, ACC_L)),
-                                                gl.zeros([64, 64], DT, A_L), sc, zc, s1, z1, x_smem, w_smem, ready,
-                                                empty, s_ptr, z_ptr, rows, half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L,
-                                                WL, GROUP_SIZE, STAGES, BITS, F16)
+        acc, a1, sc, zc, s_next, z_next = _consume_tile(
+            0, warpgroup_mma_init(gl.zeros([64, BM], gl.float32, ACC_L)), gl.zeros([64, 64], DT, A_L), sc, zc, s_next,
+            z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L, WL,
+            GROUP_SIZE, STAGES, BITS, F16)
         for i in range(1, k_tiles):
-            acc, a1, sc, zc, s1, z1 = _consume_tile(i, acc, a1, sc, zc, s1, z1, x_smem, w_smem, ready, empty, s_ptr,
-                                                    z_ptr, rows, half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L, WL,
-                                                    GROUP_SIZE, STAGES, BITS, F16)
+            acc, a1, sc, zc, s_next, z_next = _consume_tile(
+                i, acc, a1, sc, zc, s_next, z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N,
+                NUM_GROUPS, k_tiles, MAGIC2, A_L, WL, GROUP_SIZE, STAGES, BITS, F16)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         let_next_launch(PDL)  # only the epilogue is left: the next kernel's programs may come in
         if HAS_BIAS:
