@@ -313,6 +313,27 @@ def test_fp8_tma_rows_launch_the_tma_kernel_where_it_pays(monkeypatch):
     assert not fp8_module._tma_pays(4096, gpu)
 
 
+def test_fp8_deep_config_splits_only_the_deep_weights(monkeypatch):
+    """A config's `deep` (min_k, waves) splits K for weights at least min_k deep (down_proj at M = 64 on
+    sm90) and leaves shallower ones of the same width on `waves` (o_proj); both compute the product."""
+    spy = KernelSpy(fp8_module._fp8_kernel)
+    monkeypatch.setattr(fp8_module, "_fp8_kernel", spy)
+    monkeypatch.setattr(fp8_module, "num_sms", lambda dev: 2)
+    cfg = f8cfg(16, 32, 32, 4, 2, waves=1, deep=(128, 2))
+    for K, split in ((96, 1), (160, 2)):
+        x = torch.randn(5, K, generator=GEN).to(torch.bfloat16)
+        w, ws = fp8_weight(64, K)
+        xq = _quantize_triton(x, None)
+        y = torch.full((5, 64), float("nan"), dtype=torch.bfloat16)
+        fp8_gemm_triton(x, w, ws, config=cfg, x_quant=xq, out=y)
+        assert spy.launches[-1][0][1] == split
+        assert rel_err(y, (xq[0].double() * xq[1].double()) @ (w.double() * ws.double()[:, None]).t()) < 1e-2
+    from fitllm.kernels._utils import config_for, pick_config
+
+    narrow = config_for(pick_config(fp8_module.FP8_CONFIGS, "sm90", 64), 4096)  # down_proj splits, o_proj not
+    assert fp8_module._waves(narrow, 14336) > fp8_module._waves(narrow, 4096) == narrow["waves"]
+
+
 def test_engine_warm_up_compiles_every_fp8_kernel_an_eager_step_launches(monkeypatch):
     """For every eager step size up to the step budget, the sm90 table's configs (one per weight width)
     and the kernel each runs on are those of some warm-up length, so no step compiles mid-serving."""

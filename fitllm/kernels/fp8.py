@@ -345,8 +345,17 @@ def _quantize_triton(x, static_scale):
 
 # --------------------------------------------------------------------------- configs and dispatch
 
-def _cfg(bm, bn, bk, warps, stages, waves=0.0, swap=False, backend="triton"):
-    return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, waves=waves, SWAP=swap, backend=backend)
+def _cfg(bm, bn, bk, warps, stages, waves=0.0, swap=False, backend="triton", deep=None):
+    """A config of the pointer tensor-core kernel (or, backend="gemv", the GEMV); deep=(min_k, waves):
+    the split-K waves for K >= min_k (down_proj shares o_proj's width but has 3.5x its K)."""
+    cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, waves=waves, SWAP=swap, backend=backend)
+    return dict(cfg, deep=deep) if deep else cfg
+
+
+def _waves(cfg: dict, K: int) -> float:
+    """The split-K waves `cfg` asks for at depth K."""
+    deep = cfg.get("deep")
+    return deep[1] if deep and K >= deep[0] else cfg.get("waves", 0.0)
 
 
 def _tma_cfg(bm, bn, bk, warps, stages, waves=0.0, swap=False, persistent=True, group_m=8, flatten=True,
@@ -409,6 +418,10 @@ def _prefetching(row: dict, tiles: int = 2) -> dict:
 # 25.9 / 23.0 / 77.8 / 74.3 (201.0, _scaled_mm 170.0) -> BM64 BN256 4 warps for N <= 4096 14.1 / 43.4
 # (161.2); M = 512 26.5 / 23.9 / 106.5 / 81.7 (238.7, _scaled_mm 193.9) -> qkv BM128 BN256 24.2, the others
 # BM64 BN256 14.7 / 101.8 / 46.0 (186.7). From M = 768 the old row holds (its tiles fill the SMs).
+# Thirty-fifth session, after the split-K ticket's read-back stopped fencing every 16 bytes: down_proj at M
+# = 64 splits in two (`deep`; H200 20.7 vs 22.8 µs, H100 25.1-25.6 vs 26.0); o_proj, as wide but 3.5x
+# shallower, loses with it (H200 9.1 vs 7.9), and so does down_proj at M = 256 (H100 44.9 vs 31.7; at M =
+# 1024 a split BM64 TMA tile 94.3 vs 80.3).
 _TMA_WIDE = _tma_cfg(128, 256, 128, 8, 4)
 _TMA_NARROW = _tma_cfg(64, 256, 128, 4, 4)
 _INF = 1 << 62
@@ -420,7 +433,8 @@ FP8_CONFIGS = {
                                   (0, 16384, _cfg(1, 16, 512, 8, 1, waves=4, backend="gemv"))))),
         (16, _prefetching(by_width(_cfg(16, 64, 256, 4, 6, waves=1, swap=True),
                                    (16384, _INF, _cfg(16, 128, 128, 4, 4, waves=2, swap=True))))),
-        (64, _prefetching(by_width(_cfg(64, 32, 256, 4, 4, waves=1), (4096, 16384, _cfg(64, 64, 256, 4, 5, waves=1)),
+        (64, _prefetching(by_width(_cfg(64, 32, 256, 4, 4, waves=1, deep=(8192, 2)),
+                                   (4096, 16384, _cfg(64, 64, 256, 4, 5, waves=1)),
                                    (16384, _INF, _cfg(64, 128, 128, 4, 4, waves=1))))),
         (256, by_width(_cfg(64, 128, 256, 4, 4), (4096, 16384, _cfg(128, 128, 128, 8, 5)), (16384, _INF, _TMA_WIDE))),
         (384, by_width(_TMA_WIDE, (0, 4096, _TMA_NARROW))),
@@ -480,7 +494,7 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     k_tiles = triton.cdiv(K, BK)
-    split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
+    split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), _waves(cfg, K))
     ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if split > 1 else (y, y, {})
     defer = defer and split > 1
     pdl = pdl_args(x)
