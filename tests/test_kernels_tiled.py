@@ -491,15 +491,16 @@ def test_pending_sum_consumers_zero_only_words_every_thread_has_read(kernel, typ
 def test_warp_specialised_kernel_compiles_to_pipelined_wgmma():
     """fitllm.kernels.w4a16_ws, which no interpreter can run, compiled for sm_90 as every ws row of the
     sm90 4- and 8-bit tables launches it (tests/ws_codegen.py): it fits the H100 / H200's 232448 bytes of shared
-    memory, does not spill, has its wgmma (2 consumers x 2 copies of the tile step x 8), and ptxas
-    does not serialise them. A zero-filled accumulator on a zero-trip path made ptxas wait for every
-    wgmma (advisory C7515, one full wait per wgmma) until tile 0 was peeled off the loop."""
+    memory, does not spill, has its wgmma (2 consumers x 2 copies of the tile step x 8, twice over for 256-row
+    programs), and ptxas does not serialise them. A zero-filled accumulator on a zero-trip path made ptxas wait
+    for every wgmma (advisory C7515, one full wait per wgmma) until tile 0 was peeled off the loop."""
     pytest.importorskip("triton.experimental.gluon")
     rows = offline_script_rows("ws_codegen.py")
-    assert {(r["bits"], r["BM"], r["stages"]) for r in rows} >= {(4, 128, 3), (4, 256, 3), (8, 64, 4), (8, 256, 2)}, rows
+    assert {(r["bits"], r["BM"], r["stages"], r["rows"]) for r in rows} >= {
+        (4, 128, 3, 128), (4, 256, 3, 128), (8, 64, 4, 128), (8, 256, 2, 128), (4, 16, 4, 256), (4, 64, 4, 256)}, rows
     for r in rows:
         assert r["shared"] <= 232448 and r["spills"] == 0, r
-        assert r["hgmma"] == 32 and r["full_waits"] <= 4 and not r["advisories"], r
+        assert r["hgmma"] == 32 * r["rows"] // 128 and r["full_waits"] <= 4 and not r["advisories"], r
         # 8-bit codes under bf16 take the fp32 route (the byte under 2**23 by a PRMT, 2 a pair and tile
         # step), the others one LOP3 a pair
         assert (r["prmt"] >= 256) == (r["bits"] == 8 and not r["f16"]), r
@@ -539,8 +540,8 @@ def first_step_taker(monkeypatch, arch):
             return stop("tiled")
 
     monkeypatch.setattr(wt, "gpu_arch", lambda dev: arch)
-    monkeypatch.setattr(w4a16_ws, "ws_supported", lambda x, N, gs, K: arch == "sm90" and w4a16_ws.ws_shape_ok(
-        N, gs, K, x.dtype, x.stride(0) * x.element_size(), 0))
+    monkeypatch.setattr(w4a16_ws, "ws_supported", lambda x, N, gs, K, rows=128: arch == "sm90" and w4a16_ws.ws_shape_ok(
+        N, gs, K, x.dtype, x.stride(0) * x.element_size(), 0, rows))
     monkeypatch.setattr(w4a16_ws, "w4a16_ws_triton", stop("ws"))
     monkeypatch.setattr(wt, "dequantize_tiled", stop("dequant"))
     monkeypatch.setattr(wt, "_launch_gemv", stop("gemv"))
@@ -577,16 +578,28 @@ def test_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, N, K, gs, b
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_the_widest_8bit_weights_take_the_ws_kernel_from_33_tokens(bits, monkeypatch):
-    """On Hopper an 8-bit weight wider than 16384 (Llama's gate|up) runs the warp-specialised kernel from
-    M = 33 (the tensor-core tile is 19 µs slower there, RESULTS.md thirty-third session), a narrower one
-    the tile up to M = 128; 4-bit weights keep the tile up to M = 64 at every width."""
+def test_the_widest_weights_take_the_ws_kernel_where_the_table_says(bits, monkeypatch):
+    """On Hopper a weight wider than 16384 (Llama's gate|up) runs the warp-specialised kernel from M = 2 in
+    256-row programs where N is a multiple of 256 (thirty-fifth session); else 8-bit weights take 128-row
+    programs from M = 33 (the tensor-core tile is 19 µs slower there, thirty-third session) and 4-bit ones the
+    tile. Narrower weights keep the tile up to M = 64 (8-bit: 128)."""
     taken = first_step_taker(monkeypatch, "sm90")
     K = 128
-    for N, expect in ((16512, {32: "tiled", 33: "ws", 64: "ws", 65: "ws"}),
-                      (4096, {32: "tiled", 33: "tiled", 64: "tiled", 129: "ws"})):
+    cases = {8: ((16640, {1: "tiled", 2: "ws", 16: "ws", 32: "ws", 33: "ws", 64: "ws", 65: "ws"}),
+                 (16512, {2: "tiled", 32: "tiled", 33: "ws", 64: "ws", 65: "ws"}),  # 128-row programs from 33
+                 (4096, {32: "tiled", 33: "tiled", 64: "tiled", 129: "ws"})),
+             4: ((16640, {1: "gemv", 2: "ws", 8: "ws", 16: "ws", 32: "ws", 64: "ws", 65: "ws"}),
+                 (16512, {2: "tiled", 33: "tiled", 64: "tiled", 65: "ws"}),
+                 (4096, {2: "tiled", 64: "tiled", 65: "tiled", 129: "ws"}))}
+    for N, expect in cases[bits]:
         qtile = torch.zeros(N, K // 128 * words_per_tile(bits), dtype=torch.int32)  # what is in it never runs
         weight = (qtile, torch.ones(1, N, dtype=torch.bfloat16), torch.zeros(1, N, dtype=torch.bfloat16))
-        if bits == 4:
-            expect = {M: "tiled" if M <= 64 else path for M, path in expect.items()}
         assert {M: taken(M, K, weight, 128, bits) for M in expect} == expect, N
+    # a refused ws config falls through its chain: 256-row programs, then 128-row ones, then the tile
+    from fitllm.kernels.w4a16_tiled import _tiled, _unless_ws_refuses, _ws
+
+    tile = _tiled(64, 64, 4, 3, waves=2)
+    chain = _ws(64, 3, _ws(64, 4, tile), rows=256)
+    assert _unless_ws_refuses(chain, lambda rows: True) is chain
+    assert _unless_ws_refuses(chain, lambda rows: rows == 128) is chain["fallback"]
+    assert _unless_ws_refuses(chain, lambda rows: False) is tile

@@ -29,14 +29,15 @@ def ws_types(bm: int, f16: bool, bits: int = 4) -> dict:
 
 
 def main() -> None:
-    cfgs = {(bits, c["BM"], c["num_stages"]) for bits in (4, 8) for _, row in tile_table(bits)["sm90"]
+    cfgs = {(bits, c["BM"], c["num_stages"], c["BN"]) for bits in (4, 8) for _, row in tile_table(bits)["sm90"]
             for n in (4096, 6144, 28672) for c in [config_for(row, n)] if c["backend"] == "ws"}
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     out = []
-    for bits, bm, stages in sorted(cfgs):
+    for bits, bm, stages, rows in sorted(cfgs):
         for f16 in (False, True):
             k = compile_kernel(_w4a16_ws_kernel, ws_types(bm, f16, bits), dict(GROUP_SIZE=128, BM=bm, STAGES=stages,
-                                                                                HAS_BIAS=True, F16=f16, BITS=bits),
+                                                                                HAS_BIAS=True, F16=f16, BITS=bits,
+                                                                                ROWS=rows),
                                warps=4, stages=1)
             with tempfile.TemporaryDirectory() as d:
                 path = os.path.join(d, "k.ptx")
@@ -44,7 +45,7 @@ def main() -> None:
                 adv = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
                                      capture_output=True, text=True).stderr
             sass = sass_of(k.asm["cubin"])
-            out.append(dict(bits=bits, BM=bm, stages=stages, f16=f16, shared=k.metadata.shared,
+            out.append(dict(bits=bits, BM=bm, stages=stages, rows=rows, f16=f16, shared=k.metadata.shared,
                             spills=resource_usage(k.asm["cubin"])["stack"],
                             hgmma=sass.count("HGMMA."), full_waits=sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0"),
                             prmt=histogram(sass.splitlines())["PRMT"],

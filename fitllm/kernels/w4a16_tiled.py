@@ -631,10 +631,10 @@ def _tiled(bm, bn, warps, stages, waves=0.0, scale_in_w=False, backend="tiled"):
                 backend=backend)
 
 
-def _ws(bm, stages, fallback=None):
-    """The warp-specialised Hopper kernel (fitllm.kernels.w4a16_ws): BM tokens x 128 weight rows a
-    program. GEMMs it cannot take (w4a16_ws.ws_supported) run `fallback` (default: dequant + cuBLAS)."""
-    return dict(BM=bm, BN=128, num_warps=4, num_stages=stages, waves=0.0, backend="ws",
+def _ws(bm, stages, fallback=None, rows=128):
+    """The warp-specialised Hopper kernel (fitllm.kernels.w4a16_ws): BM tokens x `rows` (128 or 256) weight
+    rows a program. GEMMs it cannot take (w4a16_ws.ws_supported) run `fallback` (default: dequant + cuBLAS)."""
+    return dict(BM=bm, BN=rows, num_warps=4, num_stages=stages, waves=0.0, backend="ws",
                 fallback=fallback or _tiled(0, 0, 4, 1, backend="dequant"))
 
 
@@ -673,15 +673,26 @@ def _gemv(bn, unroll, warps, waves=4.0, stages=1, maxnreg=None, wide=None):
 # both); M=256 40.3 / 33.8 / 123.3 / 73.8 vs ws BM128 24.4 / BM64 18.7 / BM128 104.4 / BM64 68.4 (271 -> 216).
 # Thirty-third session (as the twenty-seventh): o_proj alone on ws BM64 at M = 65..128, down_proj on the tile, is
 # 2-11 µs a layer faster (H200 M=128 136.5 vs 143.8) but 1 % slower in the engine at batch 128: not kept.
+def _wide_on_ws(row: dict, bm: int, fallback: dict | None = None, stages: int = 4) -> dict:
+    """A small-M row whose widest weights (gate|up, N > 16384) take the warp-specialised kernel with
+    256-row programs (fallback: the Triton tile, `row` by default). Thirty-fifth session, gate_up alone,
+    H100, µs, the row's tile -> ws: M = 8 35.3 -> 27.1 (BM 16), 16 31.9 -> 27.8, 17..32 33.8-34.2 -> 28.2-28.4
+    (BM 32), 40..64 39.0-40.8 -> 31.8-34.2 (BM 64); the tile's 224-448 programs of 64-128 rows ran 2-3 an SM
+    on their CTA barriers, the ws kernel's 112 one an SM, two 128-row consumers each (RESULTS.md). 8-bit
+    (3 stages), the row's config -> ws: M = 8 46.0 -> 43.3, 16 46.7 -> 43.8, 32 49.6 -> 44.5, 48 / 64 (ws
+    with 128-row programs) 51.7 / 52.4 -> 45.7 / 46.9. M = 1..4 at 4 bits: a tie with the GEMV (26.4 vs 26.7)."""
+    return by_width(row, (16384, 1 << 62, _ws(bm, stages, fallback or row, rows=256)))
+
+
 _M256 = _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)  # the tiled kernel's M <= 256 tile (fallbacks below)
 _M256_WIDE = _tiled(128, 256, 8, 3, waves=1, scale_in_w=True)  # ... and its wide-weight (gate_up) tile
 TILED_CONFIGS = {
     "sm90": [
         (1, _gemv(128, 1, 8, waves=4, wide=(16384, 6))),
-        (8, _tiled(16, 64, 4, 3, waves=6)),
-        (16, _tiled(16, 64, 4, 3, waves=4)),
-        (32, _tiled(32, 64, 4, 3, waves=4)),
-        (64, by_width(_tiled(64, 64, 4, 3, waves=3), (16384, 1 << 62, _tiled(64, 128, 4, 3, waves=2)))),
+        (8, _wide_on_ws(_tiled(16, 64, 4, 3, waves=6), 16)),
+        (16, _wide_on_ws(_tiled(16, 64, 4, 3, waves=4), 16)),
+        (32, _wide_on_ws(_tiled(32, 64, 4, 3, waves=4), 32)),
+        (64, _wide_on_ws(_tiled(64, 64, 4, 3, waves=3), 64, _tiled(64, 128, 4, 3, waves=2))),
         (128, by_width(_M256, (4096, 16384, _ws(64, 4, _M256)), (16384, 1 << 62, _ws(128, 4, _M256_WIDE)))),
         (256, by_width(_ws(64, 4, _M256), (4096, 1 << 62, _ws(128, 4, _M256_WIDE)))),
         (384, _ws(128, 4)),
@@ -699,7 +710,7 @@ TILED_CONFIGS = {
 
 
 # 8-bit weights in the tiled layout (GPTQ int8): the GEMV at M = 1 (but for the widest weights), the
-# tensor-core kernel up to M = 64 (the widest weights from M = 33 on the warp-specialised kernel), the
+# tensor-core kernel up to M = 64 (the widest weights from M = 2 on the warp-specialised kernel), the
 # warp-specialised kernel up to M = 2048, then dequant + cuBLAS. sm90: H100 sweeps (RESULTS.md, thirty-first
 # and thirty-second sessions), µs per Llama-3-8B layer against the standard layout's W8A16 table / bf16 cuBLAS:
 # M=1 93 (97) / 157 (GEMV qkv / o / down 13.3 / 8.3 / 26.1, tc 15.3 / 10.1 / 27.5; gate_up tc 45.7, GEMV 48.3);
@@ -718,9 +729,9 @@ _W8_M128 = _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)
 TILED8_CONFIGS = {
     "sm90": [
         (1, by_width(_gemv(128, 1, 8, waves=4), (16384, 1 << 62, _tiled(16, 64, 4, 3, waves=4)))),
-        (16, _tiled(16, 64, 4, 3, waves=4)),
-        (32, _tiled(32, 64, 4, 3, waves=4)),
-        (64, by_width(_tiled(64, 64, 4, 3, waves=3), (16384, 1 << 62, _ws(64, 4, _tiled(64, 64, 4, 3, waves=2))))),
+        (16, _wide_on_ws(_tiled(16, 64, 4, 3, waves=4), 16, stages=3)),
+        (32, _wide_on_ws(_tiled(32, 64, 4, 3, waves=4), 32, stages=3)),
+        (64, _wide_on_ws(_tiled(64, 64, 4, 3, waves=3), 64, _ws(64, 4, _tiled(64, 64, 4, 3, waves=2)), stages=3)),
         (128, by_width(_W8_M128, (4096, 16384, _ws(64, 4, _W8_M128)), (16384, 1 << 62, _ws(128, 3, _W8_M128)))),
         (256, by_width(_ws(64, 4, _W8_M128), (4096, 1 << 62, _ws(128, 4, _W8_M128)))),
         (384, _ws(128, 3)),
@@ -747,8 +758,10 @@ def dequant_from_tokens(arch: str, N: int, K: int, group_size: int, bits: int = 
     sm90 only, 16-bit x of K contiguous elements)."""
     from .w4a16_ws import ws_shape_ok
 
-    ws_ok = arch == "sm90" and ws_shape_ok(N, group_size, K, torch.bfloat16, 2 * K, 0)
     table = tile_table(bits)
+
+    def ws_ok(rows: int) -> bool:
+        return arch == "sm90" and ws_shape_ok(N, group_size, K, torch.bfloat16, 2 * K, 0, rows)
 
     def backend(m: int) -> str:
         return _unless_ws_refuses(config_for(pick_config(table, arch, m), N), ws_ok)["backend"]
@@ -757,10 +770,13 @@ def dequant_from_tokens(arch: str, N: int, K: int, group_size: int, bits: int = 
     return next((m for m in starts if backend(m) == "dequant"), 1 << 62)
 
 
-def _unless_ws_refuses(cfg: dict, ws_ok: bool) -> dict:
-    """The config that runs: a ws row falls back to its Triton config where the ws kernel refuses the
-    GEMM (w4a16_ws.ws_supported; the budget's dequant_from_tokens asks the same)."""
-    return cfg if cfg["backend"] != "ws" or ws_ok else cfg["fallback"]
+def _unless_ws_refuses(cfg: dict, ws_ok) -> dict:
+    """The config that runs: a ws row falls back (maybe to a ws config with 128-row programs, then to a
+    Triton one) while the ws kernel refuses the GEMM with the config's programs: ws_ok(rows) is
+    w4a16_ws.ws_supported's answer (the budget's dequant_from_tokens asks the same)."""
+    while cfg["backend"] == "ws" and not ws_ok(cfg["BN"]):
+        cfg = cfg["fallback"]
+    return cfg
 
 
 def _packed_math_ok(dev, dtype) -> bool:
@@ -832,9 +848,10 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
     if cfg["backend"] == "ws":
         from .w4a16_ws import w4a16_ws_triton, ws_supported
 
-        cfg = _unless_ws_refuses(cfg, ws_supported(x, N, group_size, K))
+        cfg = _unless_ws_refuses(cfg, lambda rows: ws_supported(x, N, group_size, K, rows))
         if cfg["backend"] == "ws":
-            return w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias, y, cfg["BM"], cfg["num_stages"], bits)
+            return w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias, y, cfg["BM"], cfg["num_stages"], bits,
+                                   cfg["BN"])
     if cfg["backend"] == "dequant":  # large M: one dequant pass, then cuBLAS
         torch.mm(x, dequantize_tiled(qtile, scales, zeros, group_size, K, x.dtype, bits=bits).t(), out=y)
         return y if bias is None else y.add_(bias.to(y.dtype))

@@ -7,10 +7,11 @@ dequantize-then-cuBLAS at ~0.75x of bf16 cuBLAS (benchmarks/RESULTS.md). Here th
 way CUTLASS's mixed-input Hopper GEMMs split them:
 
   * one producer warp fills a ring of STAGES shared-memory stages by TMA: the x tile [BM, 128] (two
-    [BM, 64] boxes, 128-byte swizzled, the wgmma B operand as is) and the words of 128 weight rows
-    ([128, 16] int32, one contiguous 8 KB run of the tile-major storage; 8-bit weights: [128, 32],
-    16 KB, whose two 16-word sections are the K tile's two halves);
-  * two consumer warpgroups take 64 weight rows each. Per K tile a consumer waits for the stage's
+    [BM, 64] boxes, 128-byte swizzled, the wgmma B operand as is) and the words of ROWS weight rows
+    (per stored block of 128 rows one contiguous 8 KB run of the tile-major storage, [128, 16] int32;
+    8-bit weights: [128, 32], 16 KB, whose two 16-word sections are the K tile's two halves);
+  * two consumer warpgroups take ROWS / 2 weight rows each (64, or 128 as two wgmma row blocks in
+    each async group). Per K tile a consumer waits for the stage's
     mbarrier (its scale and zero rows it loaded itself, two tiles before), loads its words, unpacks
     each 64-column half into the A registers as (q - z) * s in 16 bits (one packed FMA a pair, the
     same rounding as the reference's dequantization) and issues an async wgmma (64 x BM x 64)
@@ -18,13 +19,16 @@ way CUTLASS's mixed-input Hopper GEMMs split them:
     the other half unpacks; the stage goes back to the producer by an mbarrier arrive once the last
     wgmma reading it has retired. Nothing waits on the whole CTA in the main loop.
 
-y tile [128, BM] = W tile x^T, so tokens are the wgmma's N (BM = 64, 128 or 256). No split-K: the
-grid is one program per (BM tokens, 128 weight rows), so it is built for M large enough to fill the
-GPU (the sm90 tile tables pick it for M = 65..3072 at 4 bits, 65..2048 at 8, and for 8-bit gate|up,
-N > 16384, from M = 33, where the tensor-core tile's heavier 8-bit unpack loses: RESULTS.md,
-thirty-third session). Otherwise at M <= 64 it is slower than the Triton kernel, and splitting K or
-rings of up to 16 stages did not change that (twenty-seventh session).
-Sm90 only (wgmma, setmaxnreg); weights N a multiple of 128, groups of 128·j or per-channel, x 16-bit
+y tile [ROWS, BM] = W tile x^T, so tokens are the wgmma's N (BM = 16 .. 256). No split-K: the grid is
+one program per (BM tokens, ROWS weight rows), so it is built for M large enough to fill the GPU (the
+sm90 tile tables pick it for M = 65..3072 at 4 bits, 65..2048 at 8, and for 8-bit gate|up, N > 16384,
+from M = 33, where the tensor-core tile's heavier 8-bit unpack loses: RESULTS.md, thirty-third
+session), or for weights so wide that 256-row programs alone nearly fill it: 4-bit gate|up at M =
+2..64, 112 programs for Llama-3-8B's 28672 rows, each consumer with two row blocks' wgmma in flight
+(gate_up 15-25 % faster than the Triton tile, thirty-fifth session). With 128-row programs it is slower
+than the Triton kernel at M <= 64, and splitting K or rings of up to 16 stages did not change that
+(twenty-seventh session).
+Sm90 only (wgmma, setmaxnreg); weights N a multiple of ROWS, groups of 128·j or per-channel, x 16-bit
 with a 16-byte-aligned row pitch; anything else keeps the Triton kernels. Gluon has no interpreter:
 the CPU path and oracle is w4a16_tiled's reference; tests compile this kernel for sm_90 offline,
 benchmarks/bench_w4_tiled.py (4 bits) and w8_table_check.py (8 bits) check it on the GPU.
@@ -41,7 +45,7 @@ import math
 import torch
 
 from ._utils import device_index, interpreting, pdl_args
-from .w4a16_tiled import _magic2, words_per_tile
+from .w4a16_tiled import TILE_N, _magic2, words_per_tile
 
 try:
     from triton.experimental import gluon
@@ -56,7 +60,7 @@ try:
 except ImportError:  # CPU-only installs, or a triton without Gluon: callers keep the Triton kernels
     gluon = None
 
-ROWS = 128  # weight rows per program: two consumer warpgroups of 64 (= the tiled layout's TILE_N)
+ROWS = 128  # weight rows per program by default: two consumer warpgroups of 64 (256 runs too)
 
 
 def _word_layout(rows: int, warps: int):
@@ -74,7 +78,7 @@ def _word_layout(rows: int, warps: int):
 
 if gluon is not None:
     word_layout = constexpr_function(_word_layout)
-    _ROWS = gl.constexpr(ROWS)
+    _BLOCK = gl.constexpr(TILE_N)  # rows of a stored block of words: one TMA box
 
     @gluon.jit
     def _fields(qw, f: gl.constexpr, nz, zf, s2, MAGIC2, BITS: gl.constexpr, F16: gl.constexpr):
@@ -101,15 +105,19 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(t, [R, 64]), A_L, assert_trivial=True)
 
     @gluon.jit
-    def _producer(x_desc, q_desc, x_smem, w_smem, ready, empty, m0, qrow0, k_tiles, STAGES: gl.constexpr):
-        """One warp: K tile i's x halves and words into stage i % STAGES once both consumers freed it."""
+    def _producer(x_desc, q_desc, x_smem, w_smem, ready, empty, m0, qrow0, k_tiles, STAGES: gl.constexpr,
+                  BLOCKS: gl.constexpr):
+        """One warp: K tile i's x halves and words (BLOCKS stored blocks of 128 rows) into stage i % STAGES
+        once both consumers freed it."""
         for i in range(k_tiles):
             st = i % STAGES
             mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            mbarrier.expect(ready.index(st), 2 * x_desc.block_type.nbytes + q_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(st), 2 * x_desc.block_type.nbytes + BLOCKS * q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [m0, i * 128], ready.index(st), x_smem.index(2 * st))
             tma.async_copy_global_to_shared(x_desc, [m0, i * 128 + 64], ready.index(st), x_smem.index(2 * st + 1))
-            tma.async_copy_global_to_shared(q_desc, [qrow0 + i * _ROWS, 0], ready.index(st), w_smem.index(st))
+            for b in gl.static_range(BLOCKS):  # block b's K tile i: row (its first block + b) K_TILES + i, x 128
+                tma.async_copy_global_to_shared(q_desc, [qrow0 + (b * k_tiles + i) * _BLOCK, 0], ready.index(st),
+                                                w_smem.index(BLOCKS * st + b))
 
     @gluon.jit
     def _group_ahead(s_ptr, z_ptr, i, rows, N, NUM_GROUPS, GROUP_SIZE: gl.constexpr):
@@ -121,7 +129,8 @@ if gluon is not None:
     @gluon.jit
     def _consume_tile(i, acc, a1_prev, sc, zc, s_next, z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows,
                       half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L: gl.constexpr, WL: gl.constexpr,
-                      GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr, F16: gl.constexpr):
+                      GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr, F16: gl.constexpr,
+                      CROWS: gl.constexpr):
         """K tile i of one consumer: its scale and zero rows sc, zc (and tile i + 1's s_next, z_next) were
         loaded two tiles ahead (_group_ahead). Each wgmma wait retires the group whose A registers are written
         next; the first one also retires the last reader of stage i - 1, which then goes back to the
@@ -129,7 +138,10 @@ if gluon is not None:
         st = i % STAGES
         s_after, z_after = _group_ahead(s_ptr, z_ptr, i + 2, rows, N, NUM_GROUPS, GROUP_SIZE)
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-        words = w_smem.index(st).slice(64 * half, 64)  # [64, 16 * sections]
+        if CROWS == 64:  # [64, 16 * sections]: this consumer's half of the stage's block
+            words = w_smem.index(st).slice(64 * half, 64)
+        else:  # [128, 16 * sections]: its own block
+            words = w_smem.index(2 * st + half)
         qw = words.slice(0, 16, dim=1).load(WL)
         _, nz, zf, s2, _ = _group_cols(sc.to(gl.float32), zc.to(gl.float32), F16, BITS)
         nz = gl.broadcast(nz, qw)[0]
@@ -151,37 +163,38 @@ if gluon is not None:
     def _consumer(x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, half: gl.constexpr, n0, m0, M, N,
                   NUM_GROUPS, stride_ym, k_tiles, MAGIC2, GROUP_SIZE: gl.constexpr, BM: gl.constexpr,
                   STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, BITS: gl.constexpr, F16: gl.constexpr,
-                  PDL: gl.constexpr):
-        """Weight rows n0 + 64 half .. + 63 against BM tokens: y[m0:m0+BM, those rows]."""
+                  PDL: gl.constexpr, CROWS: gl.constexpr):
+        """Weight rows n0 + CROWS half .. + CROWS - 1 (CROWS = 64 or 128: one or two wgmma row blocks)
+        against BM tokens: y[m0:m0+BM, those rows]."""
         DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16
-        WL: gl.constexpr = word_layout(64, 4)
+        WL: gl.constexpr = word_layout(CROWS, 4)
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BM, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_L, k_width=2)
-        rows = n0 + 64 * half + gl.arange(0, 64, layout=gl.SliceLayout(1, WL))
+        rows = n0 + CROWS * half + gl.arange(0, CROWS, layout=gl.SliceLayout(1, WL))
         sc, zc = _group_ahead(s_ptr, z_ptr, 0, rows, N, NUM_GROUPS, GROUP_SIZE)
         s_next, z_next = _group_ahead(s_ptr, z_ptr, 1, rows, N, NUM_GROUPS, GROUP_SIZE)
         # Tile 0 is peeled off the loop: with a zero-trip path that zero-fills the accumulator, ptxas
         # serialises every wgmma (advisory C7515). Tile 0's first MMA starts the sum (use_acc=False).
         acc, a1, sc, zc, s_next, z_next = _consume_tile(
-            0, warpgroup_mma_init(gl.zeros([64, BM], gl.float32, ACC_L)), gl.zeros([64, 64], DT, A_L), sc, zc, s_next,
-            z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L, WL,
-            GROUP_SIZE, STAGES, BITS, F16)
+            0, warpgroup_mma_init(gl.zeros([CROWS, BM], gl.float32, ACC_L)), gl.zeros([CROWS, 64], DT, A_L), sc, zc,
+            s_next, z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L,
+            WL, GROUP_SIZE, STAGES, BITS, F16, CROWS)
         for i in range(1, k_tiles):
             acc, a1, sc, zc, s_next, z_next = _consume_tile(
                 i, acc, a1, sc, zc, s_next, z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N,
-                NUM_GROUPS, k_tiles, MAGIC2, A_L, WL, GROUP_SIZE, STAGES, BITS, F16)
+                NUM_GROUPS, k_tiles, MAGIC2, A_L, WL, GROUP_SIZE, STAGES, BITS, F16, CROWS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         let_next_launch(PDL)  # only the epilogue is left: the next kernel's programs may come in
         if HAS_BIAS:
-            acc += gl.load(bias_ptr + n0 + 64 * half + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L))
+            acc += gl.load(bias_ptr + n0 + CROWS * half + gl.arange(0, CROWS, layout=gl.SliceLayout(1, ACC_L))
                            ).to(gl.float32)[:, None]
         # out through a layout with 8 neighbouring weight rows a thread: 16-byte stores along y's rows
         # (converted in 16 bits: half the shared-memory scratch, which sits beside the stages)
         OUT_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
                                                warps_per_cta=[1, 4], order=[0, 1])
         out = gl.convert_layout(acc.to(DT), OUT_L)
-        on = n0 + 64 * half + gl.arange(0, 64, layout=gl.SliceLayout(1, OUT_L))
+        on = n0 + CROWS * half + gl.arange(0, CROWS, layout=gl.SliceLayout(1, OUT_L))
         om = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, OUT_L))
         gl.store(y_ptr + om[None, :] * stride_ym + on[:, None], out, mask=(om < M)[None, :])
 
@@ -189,17 +202,19 @@ if gluon is not None:
     def _w4a16_ws_kernel(x_desc, q_desc, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, NUM_GROUPS, stride_ym, K_TILES, MAGIC2,
                          GROUP_SIZE: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
                          F16: gl.constexpr, BITS: gl.constexpr = 4, CONSUMER_REGS: gl.constexpr = 232,
-                         PDL: gl.constexpr = False):
-        """Program (BM tokens, 128 weight rows), M fastest so the programs sharing a weight tile run
-        together. The default partition (this kernel's 4 warps) is the low consumer; the high
-        consumer (4 warps) and the producer (1 warp, 40 registers) are worker partitions."""
+                         PDL: gl.constexpr = False, ROWS: gl.constexpr = 128):
+        """Program (BM tokens, ROWS = 128 or 256 weight rows: one or two stored blocks), M fastest so the
+        programs sharing a weight tile run together. The default partition (this kernel's 4 warps) is
+        the low consumer; the high consumer (4 warps) and the producer (1 warp, 40 registers) are
+        worker partitions."""
+        BLOCKS: gl.constexpr = ROWS // _BLOCK
         pid = gl.program_id(0)
         num_pid_m = gl.cdiv(M, BM)
         m0 = (pid % num_pid_m) * BM
-        n0 = (pid // num_pid_m) * _ROWS
+        n0 = (pid // num_pid_m) * ROWS
         qrow0 = n0 * K_TILES  # row of [N * K_TILES, 4 * BITS] words where this block's K tile 0 starts
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES] + x_desc.block_type.shape, x_desc.layout)
-        w_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        w_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCKS * STAGES] + q_desc.block_type.shape, q_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -210,10 +225,10 @@ if gluon is not None:
         wait_for_previous(PDL)
         gl.warp_specialize([  # (the argument lists are written out: constexprs do not survive a tuple)
             (_consumer, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, 0, n0, m0, M, N, NUM_GROUPS,
-                         stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, BITS, F16, PDL)),
+                         stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, BITS, F16, PDL, ROWS // 2)),
             (_consumer, (x_smem, w_smem, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, 1, n0, m0, M, N, NUM_GROUPS,
-                         stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, BITS, F16, PDL)),
-            (_producer, (x_desc, q_desc, x_smem, w_smem, ready, empty, m0, qrow0, K_TILES, STAGES)),
+                         stride_ym, K_TILES, MAGIC2, GROUP_SIZE, BM, STAGES, HAS_BIAS, BITS, F16, PDL, ROWS // 2)),
+            (_producer, (x_desc, q_desc, x_smem, w_smem, ready, empty, m0, qrow0, K_TILES, STAGES, BLOCKS)),
         ], [4, 1], [CONSUMER_REGS, 40])
 
 
@@ -227,26 +242,28 @@ def descriptor_layouts(bm: int, dtype: torch.dtype):
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
-def ws_shape_ok(N: int, group_size: int, K: int, dtype: torch.dtype, row_pitch_bytes: int, address: int) -> bool:
-    """The shapes the kernel takes: whole 128-row weight blocks, one group per K tile (groups of 128·j
-    or per-channel), 16-bit x whose rows TMA can address (pitch and base 16-byte aligned)."""
-    return (N % ROWS == 0 and (group_size >= K or group_size % 128 == 0) and dtype in (torch.bfloat16, torch.float16)
+def ws_shape_ok(N: int, group_size: int, K: int, dtype: torch.dtype, row_pitch_bytes: int, address: int,
+                rows: int = ROWS) -> bool:
+    """The shapes the kernel takes: whole programs of `rows` weight rows, one group per K tile (groups of
+    128·j or per-channel), 16-bit x whose rows TMA can address (pitch and base 16-byte aligned)."""
+    return (N % rows == 0 and (group_size >= K or group_size % 128 == 0) and dtype in (torch.bfloat16, torch.float16)
             and row_pitch_bytes % 16 == 0 and address % 16 == 0)
 
 
-def ws_supported(x: torch.Tensor, N: int, group_size: int, K: int) -> bool:
+def ws_supported(x: torch.Tensor, N: int, group_size: int, K: int, rows: int = ROWS) -> bool:
     """Whether w4a16_ws_triton can take this GEMM on x's device (else the caller keeps its Triton
     kernels): an sm90 GPU (wgmma and setmaxnreg; not under the interpreter) and ws_shape_ok."""
     dev = device_index(x)
     if gluon is None or interpreting() or dev is None or torch.cuda.get_device_capability(dev)[0] != 9:
         return False
-    return x.stride(-1) == 1 and ws_shape_ok(N, group_size, K, x.dtype, x.stride(0) * x.element_size(), x.data_ptr())
+    return x.stride(-1) == 1 and ws_shape_ok(N, group_size, K, x.dtype, x.stride(0) * x.element_size(), x.data_ptr(),
+                                             rows)
 
 
-def w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias=None, out=None, BM=128, STAGES=3, bits=4):
+def w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias=None, out=None, BM=128, STAGES=3, bits=4, rows=ROWS):
     """y = x W^T (+ bias) on the warp-specialised kernel, 4- or 8-bit weights in the tiled layout; the
-    caller checked ws_supported(...). Columns of x past K (the last K tile) are TMA's zero fill, as
-    its rows past M are."""
+    caller checked ws_supported(..., rows). rows: weight rows a program (128 or 256). Columns of x past
+    K (the last K tile) are TMA's zero fill, as its rows past M are."""
     M, N = x.shape[0], qtile.shape[0]
     y = out if out is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
@@ -256,10 +273,10 @@ def w4a16_ws_triton(x, qtile, scales, zeros, group_size, K, bias=None, out=None,
     # the tile-major storage seen as [N * K_TILES, W] (W = 4 bits words a row's K tile): K tile kt of
     # row block b is rows (b K_TILES + kt) 128 ..
     W = words_per_tile(bits)
-    q_desc = TensorDescriptor.from_tensor(qtile.view(-1, W), [ROWS, W], q_layout)
-    grid = (-(-M // BM) * (N // ROWS),)
+    q_desc = TensorDescriptor.from_tensor(qtile.view(-1, W), [TILE_N, W], q_layout)
+    grid = (-(-M // BM) * (N // rows),)
     _w4a16_ws_kernel[grid](x_desc, q_desc, scales, zeros, bias if bias is not None else scales, y, M, N,
                            scales.shape[0], y.stride(0), qtile.shape[1] // W, _magic2(x.dtype, bits),
                            GROUP_SIZE=min(group_size, K), BM=BM, STAGES=STAGES, HAS_BIAS=bias is not None,
-                           F16=x.dtype == torch.float16, BITS=bits, num_warps=4, **pdl_args(x))
+                           F16=x.dtype == torch.float16, BITS=bits, ROWS=rows, num_warps=4, **pdl_args(x))
     return y
