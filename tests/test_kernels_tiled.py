@@ -507,14 +507,16 @@ def test_warp_specialised_kernel_compiles_to_pipelined_wgmma():
 
 
 def test_warp_specialised_kernel_takes_only_the_shapes_it_was_built_for():
-    """Whole 128-row weight blocks, one group per K tile, 16-bit x with 16-byte-aligned rows (TMA);
-    everything else stays on the Triton kernels. Off sm90 (here: CPU) nothing is taken."""
+    """Whole programs of weight rows (128, or 256), one group per K tile, 16-bit x with 16-byte-aligned rows
+    (TMA); everything else stays on the Triton kernels. Off sm90 (here: CPU) nothing is taken."""
     from fitllm.kernels.w4a16_ws import ws_shape_ok, ws_supported
 
     ok = dict(N=4096, group_size=128, K=4096, dtype=torch.bfloat16, row_pitch_bytes=8192, address=0)
     assert ws_shape_ok(**ok)
     assert ws_shape_ok(**dict(ok, group_size=4096)) and ws_shape_ok(**dict(ok, group_size=256, dtype=torch.float16))
     assert ws_shape_ok(**dict(ok, K=576, group_size=576, row_pitch_bytes=1152))  # per-channel, K padded to 640
+    assert ws_shape_ok(**dict(ok, rows=256)) and ws_shape_ok(**dict(ok, N=4224))  # 256-row programs: N % 256
+    assert not ws_shape_ok(**dict(ok, N=4224, rows=256))
     for bad in (dict(N=1000), dict(group_size=64), dict(dtype=torch.float32), dict(row_pitch_bytes=8200),
                 dict(address=8)):
         assert not ws_shape_ok(**dict(ok, **bad)), bad

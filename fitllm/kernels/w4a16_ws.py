@@ -23,9 +23,9 @@ y tile [ROWS, BM] = W tile x^T, so tokens are the wgmma's N (BM = 16 .. 256). No
 one program per (BM tokens, ROWS weight rows), so it is built for M large enough to fill the GPU (the
 sm90 tile tables pick it for M = 65..3072 at 4 bits, 65..2048 at 8, and for 8-bit gate|up, N > 16384,
 from M = 33, where the tensor-core tile's heavier 8-bit unpack loses: RESULTS.md, thirty-third
-session), or for weights so wide that 256-row programs alone nearly fill it: 4-bit gate|up at M =
-2..64, 112 programs for Llama-3-8B's 28672 rows, each consumer with two row blocks' wgmma in flight
-(gate_up 15-25 % faster than the Triton tile, thirty-fifth session). With 128-row programs it is slower
+session), or for weights so wide that 256-row programs alone nearly fill it: gate|up at M = 2..64,
+112 programs for Llama-3-8B's 28672 rows, each consumer with two row blocks' wgmma in flight (4 bits:
+gate_up 15-25 % faster than the Triton tile; 8 bits 6-12 %; thirty-fifth session). With 128-row programs it is slower
 than the Triton kernel at M <= 64, and splitting K or rings of up to 16 stages did not change that
 (twenty-seventh session).
 Sm90 only (wgmma, setmaxnreg); weights N a multiple of ROWS, groups of 128·j or per-channel, x 16-bit
