@@ -328,10 +328,10 @@ def test_fp8_deep_config_splits_only_the_deep_weights(monkeypatch):
         fp8_gemm_triton(x, w, ws, config=cfg, x_quant=xq, out=y)
         assert spy.launches[-1][0][1] == split
         assert rel_err(y, (xq[0].double() * xq[1].double()) @ (w.double() * ws.double()[:, None]).t()) < 1e-2
-    from fitllm.kernels._utils import config_for, pick_config
+    from fitllm.kernels._utils import config_for, pick_config, split_waves
 
     narrow = config_for(pick_config(fp8_module.FP8_CONFIGS, "sm90", 64), 4096)  # down_proj splits, o_proj not
-    assert fp8_module._waves(narrow, 14336) > fp8_module._waves(narrow, 4096) == narrow["waves"]
+    assert split_waves(narrow, 4096, 14336) > split_waves(narrow, 4096, 4096) == narrow["waves"]
 
 
 def test_engine_warm_up_compiles_every_fp8_kernel_an_eager_step_launches(monkeypatch):

@@ -198,7 +198,7 @@ def test_kernel_matches_float64(bits, M, K, N, gs, dtype, cfg):
 @pytest.mark.parametrize("M", [1, 17, 33, 65, 130, 257])
 def test_8bit_table_rows_as_an_sm90_card_picks_them(M, monkeypatch):
     """8-bit tiled weights take TILED8_CONFIGS: the GEMV at M = 1 (the tensor-core tile for the widest
-    weights), tensor-core tiles up to M = 64 (the widest weights: a ws row from M = 33), then
+    weights), tensor-core tiles up to M = 64 (the widest weights: a ws row from M = 2), then
     warp-specialised rows whose fallbacks a card without them (here: the interpreter) runs, tensor-core
     tiles to M = 256 and dequantize + cuBLAS beyond; picked by the launcher itself; N crosses a stored
     block."""

@@ -255,6 +255,16 @@ def row_bounds(table: dict, arch: str) -> list[int]:
     return [max_m for max_m, _ in table.get(arch, table["default"]) if max_m < 1 << 62]
 
 
+def split_waves(cfg: dict, N: int, K: int) -> float:
+    """The split-K waves a config asks for (split_k_for) for a weight N wide and K deep: a `wide` rule
+    (min_n, waves) from min_n on (the batch-1 GEMV's gate|up), a `deep` rule (min_k, waves) from min_k on
+    (fp8 down_proj, as wide as o_proj), else its own `waves`."""
+    for rule, size in ((cfg.get("wide"), N), (cfg.get("deep"), K)):
+        if rule and size >= rule[0]:
+            return rule[1]
+    return cfg.get("waves", 0.0)
+
+
 def split_k_for(tiles_mn: int, k_tiles: int, sms: int, waves: float) -> tuple[int, int]:
     """(splits, K tiles per split): enough programs to fill the GPU `waves` times over, never more
     splits than K tiles, and no empty split (the count is recomputed from the tiles per split)."""

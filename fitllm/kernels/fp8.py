@@ -19,7 +19,7 @@ import torch
 
 from ._utils import (Fp8Activations, backend_for, by_width, config_for, defer_splitk, device_index, gpu_arch,
                      interpreting, max_shared_memory, num_sms, pdl_args, pending_or_y, pick_config, split_k_for,
-                     splitk_buffers)
+                     split_waves, splitk_buffers)
 
 try:
     import triton
@@ -347,15 +347,10 @@ def _quantize_triton(x, static_scale):
 
 def _cfg(bm, bn, bk, warps, stages, waves=0.0, swap=False, backend="triton", deep=None):
     """A config of the pointer tensor-core kernel (or, backend="gemv", the GEMV); deep=(min_k, waves):
-    the split-K waves for K >= min_k (down_proj shares o_proj's width but has 3.5x its K)."""
+    the split-K waves for K >= min_k (_utils.split_waves; down_proj shares o_proj's width but has 3.5x
+    its K)."""
     cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, waves=waves, SWAP=swap, backend=backend)
     return dict(cfg, deep=deep) if deep else cfg
-
-
-def _waves(cfg: dict, K: int) -> float:
-    """The split-K waves `cfg` asks for at depth K."""
-    deep = cfg.get("deep")
-    return deep[1] if deep and K >= deep[0] else cfg.get("waves", 0.0)
 
 
 def _tma_cfg(bm, bn, bk, warps, stages, waves=0.0, swap=False, persistent=True, group_m=8, flatten=True,
@@ -494,7 +489,7 @@ def fp8_gemm_triton(x, weight_fp8, weight_scale, input_scale=None, bias=None, mo
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     k_tiles = triton.cdiv(K, BK)
-    split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), _waves(cfg, K))
+    split, k_iters = split_k_for(tiles_mn, k_tiles, num_sms(dev), split_waves(cfg, N, K))
     ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if split > 1 else (y, y, {})
     defer = defer and split > 1
     pdl = pdl_args(x)
@@ -552,7 +547,7 @@ def _fp8_gemv(cfg, xq, xs, weight_fp8, wsc, bias, y, mode, dev, defer=False):
     N, K = weight_fp8.shape
     BN, BK = cfg["BN"], cfg["BK"]
     n_blocks, k_tiles = triton.cdiv(N, BN), triton.cdiv(K, BK)
-    split, k_iters = split_k_for(n_blocks, k_tiles, num_sms(dev), cfg.get("waves", 0.0))
+    split, k_iters = split_k_for(n_blocks, k_tiles, num_sms(dev), split_waves(cfg, N, K))
     ws, cnt, order = splitk_buffers(y.device, N, n_blocks, split) if split > 1 else (y, y, {})
     defer = defer and split > 1
     pdl = pdl_args(y)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from ._utils import (backend_for, by_width, config_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms,
-                     pdl_args, pending_or_y, pick_config, row_bounds, split_k_for, splitk_buffers)
+                     pdl_args, pending_or_y, pick_config, row_bounds, split_k_for, split_waves, splitk_buffers)
 
 try:
     import triton
@@ -857,7 +857,7 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
         return y if bias is None else y.add_(bias.to(y.dtype))
     BM, BN, warps = cfg["BM"], cfg["BN"], cfg["num_warps"]
     tiles_mn = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    split, k_iters = split_k_for(tiles_mn, qtile.shape[1] // words_per_tile(bits), num_sms(dev), cfg.get("waves", 0.0))
+    split, k_iters = split_k_for(tiles_mn, qtile.shape[1] // words_per_tile(bits), num_sms(dev), split_waves(cfg, N, K))
     use_ws = split > 1
     ws, cnt, order = splitk_buffers(x.device, M * N, tiles_mn, split) if use_ws else (y, y, {})
     defer = defer and use_ws
@@ -882,9 +882,8 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defe
         x = x.clone(memory_format=torch.contiguous_format)
     BM, BN = min(triton.next_power_of_2(M), 4), cfg["BN"]
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
-    wide = cfg.get("wide")
-    waves = wide[1] if wide and N >= wide[0] else cfg.get("waves", 0.0)
-    split, k_iters = split_k_for(m_blocks * n_blocks, qtile.shape[1] // words_per_tile(bits), num_sms(dev), waves)
+    split, k_iters = split_k_for(m_blocks * n_blocks, qtile.shape[1] // words_per_tile(bits), num_sms(dev),
+                                 split_waves(cfg, N, K))
     use_ws = split > 1
     ws, cnt, order = splitk_buffers(x.device, M * N, m_blocks * n_blocks, split) if use_ws else (y, y, {})
     defer = defer and use_ws
