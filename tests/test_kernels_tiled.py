@@ -464,6 +464,30 @@ def test_batch1_gemv_keeps_four_programs_of_256_threads_per_sm_and_its_loads_up_
     assert last_load < ops.index("HFMA2"), ops
 
 
+
+def test_gemv_read_floor_reads_every_word_once():
+    """benchmarks/gemv_tiled_explore.read_floor is what the batch-1 GEMV is measured against (README: the
+    GEMVs at 85 % of it on an H100). Its programs each XOR the words they read, 4 loads a thread a step;
+    together they must cover every word, scale and zero exactly once, tails included, or the floor
+    times less (or more) than the linear's bytes."""
+    from benchmarks.gemv_tiled_explore import read_floor
+
+    g = torch.Generator().manual_seed(3)
+    w = dict(qtile=torch.randint(-2**31, 2**31 - 1, (640, 40), dtype=torch.int32, generator=g),  # 3+ steps
+             scales=torch.randn(5, 320, generator=g).to(torch.bfloat16),
+             zeros=torch.randn(5, 322, generator=g).to(torch.bfloat16))  # an odd count: a partial last step
+    out = torch.zeros(2, dtype=torch.int32)  # two programs of 4 x 1024 words a step
+    read_floor(w, out)
+    every = torch.cat([w["qtile"].view(-1), w["scales"].view(torch.int32).view(-1),
+                       w["zeros"].view(torch.int32).view(-1)])
+    want = 0
+    for v in every.tolist():
+        want ^= v
+    got = 0
+    for v in out.tolist():
+        got ^= v
+    assert got == want
+
 @pytest.mark.parametrize("kernel,types,consts,warps", [
     ("_fused_triton:rms_norm_kernel", "x_ptr=*fp32,r_ptr=*bf16,w_ptr=*bf16,out_ptr=*bf16,h_ptr=*bf16,s_ptr=*fp32,eps=fp32",
      "HAS_RES=True,X_SUM=True,RNE=False,RNE_OUT=False,BLOCK_N=4096,PDL=True", 8),
