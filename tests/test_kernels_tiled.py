@@ -197,8 +197,8 @@ def test_kernel_matches_float64(bits, M, K, N, gs, dtype, cfg):
 
 @pytest.mark.parametrize("M", [1, 17, 33, 65, 130, 257])
 def test_8bit_table_rows_as_an_sm90_card_picks_them(M, monkeypatch):
-    """8-bit tiled weights take TILED8_CONFIGS: the GEMV at M = 1 (the tensor-core tile for the widest
-    weights), tensor-core tiles up to M = 64 (the widest weights: a ws row from M = 2), then
+    """8-bit tiled weights take TILED8_CONFIGS: the GEMV at M = 1, tensor-core tiles up to M = 64 (the
+    widest weights: a ws row from M = 1, its fallback the tile), then
     warp-specialised rows whose fallbacks a card without them (here: the interpreter) runs, tensor-core
     tiles to M = 256 and dequantize + cuBLAS beyond; picked by the launcher itself; N crosses a stored
     block."""
@@ -606,13 +606,14 @@ def test_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, N, K, gs, b
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_widest_weights_take_the_ws_kernel_where_the_table_says(bits, monkeypatch):
     """On Hopper a weight wider than 16384 (Llama's gate|up) runs the warp-specialised kernel from M = 2 in
-    256-row programs where N is a multiple of 256 (thirty-fifth session); else 8-bit weights take 128-row
+    256-row programs where N is a multiple of 256 (thirty-fifth session; 8-bit from M = 1, thirty-sixth, where
+    4-bit keeps the GEMV); else 8-bit weights take 128-row
     programs from M = 33 (the tensor-core tile is 19 µs slower there, thirty-third session) and 4-bit ones the
     tile. Narrower weights keep the tile up to M = 64 (8-bit: 128)."""
     taken = first_step_taker(monkeypatch, "sm90")
     K = 128
-    cases = {8: ((16640, {1: "tiled", 2: "ws", 16: "ws", 32: "ws", 33: "ws", 64: "ws", 65: "ws"}),
-                 (16512, {2: "tiled", 32: "tiled", 33: "ws", 64: "ws", 65: "ws"}),  # 128-row programs from 33
+    cases = {8: ((16640, {1: "ws", 2: "ws", 16: "ws", 32: "ws", 33: "ws", 64: "ws", 65: "ws"}),
+                 (16512, {1: "tiled", 2: "tiled", 32: "tiled", 33: "ws", 64: "ws", 65: "ws"}),  # 128-row from 33
                  (4096, {32: "tiled", 33: "tiled", 64: "tiled", 129: "ws"})),
              4: ((16640, {1: "gemv", 2: "ws", 8: "ws", 16: "ws", 32: "ws", 64: "ws", 65: "ws"}),
                  (16512, {2: "tiled", 33: "tiled", 64: "tiled", 65: "ws"}),

@@ -680,7 +680,8 @@ def _wide_on_ws(row: dict, bm: int, fallback: dict | None = None, stages: int = 
     (BM 32), 40..64 39.0-40.8 -> 31.8-34.2 (BM 64); the tile's 224-448 programs of 64-128 rows ran 2-3 an SM
     on their CTA barriers, the ws kernel's 112 one an SM, two 128-row consumers each (RESULTS.md). 8-bit
     (3 stages), the row's config -> ws: M = 8 46.0 -> 43.3, 16 46.7 -> 43.8, 32 49.6 -> 44.5, 48 / 64 (ws
-    with 128-row programs) 51.7 / 52.4 -> 45.7 / 46.9. M = 1..4 at 4 bits: a tie with the GEMV (26.4 vs 26.7)."""
+    with 128-row programs) 51.7 / 52.4 -> 45.7 / 46.9; M = 1 45.5 (the tile; the GEMV 47.7) -> 43.0 (thirty-sixth
+    session). M = 1..4 at 4 bits: a tie with the GEMV (26.4 vs 26.7), which keeps M = 1."""
     return by_width(row, (16384, 1 << 62, _ws(bm, stages, fallback or row, rows=256)))
 
 
@@ -710,7 +711,7 @@ TILED_CONFIGS = {
 
 
 # 8-bit weights in the tiled layout (GPTQ int8): the GEMV at M = 1 (but for the widest weights), the
-# tensor-core kernel up to M = 64 (the widest weights from M = 2 on the warp-specialised kernel), the
+# tensor-core kernel up to M = 64 (the widest weights from M = 1 on the warp-specialised kernel), the
 # warp-specialised kernel up to M = 2048, then dequant + cuBLAS. sm90: H100 sweeps (RESULTS.md, thirty-first
 # and thirty-second sessions), µs per Llama-3-8B layer against the standard layout's W8A16 table / bf16 cuBLAS:
 # M=1 93 (97) / 157 (GEMV qkv / o / down 13.3 / 8.3 / 26.1, tc 15.3 / 10.1 / 27.5; gate_up tc 45.7, GEMV 48.3);
@@ -728,7 +729,7 @@ TILED_CONFIGS = {
 _W8_M128 = _tiled(128, 128, 8, 3, waves=1, scale_in_w=True)
 TILED8_CONFIGS = {
     "sm90": [
-        (1, by_width(_gemv(128, 1, 8, waves=4), (16384, 1 << 62, _tiled(16, 64, 4, 3, waves=4)))),
+        (1, _wide_on_ws(_gemv(128, 1, 8, waves=4), 16, _tiled(16, 64, 4, 3, waves=4), stages=3)),
         (16, _wide_on_ws(_tiled(16, 64, 4, 3, waves=4), 16, stages=3)),
         (32, _wide_on_ws(_tiled(32, 64, 4, 3, waves=4), 32, stages=3)),
         (64, _wide_on_ws(_tiled(64, 64, 4, 3, waves=3), 64, _ws(64, 4, _tiled(64, 64, 4, 3, waves=2)), stages=3)),
