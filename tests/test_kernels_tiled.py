@@ -470,6 +470,9 @@ def test_gemv_read_floor_reads_every_word_once():
     GEMVs at 85 % of it on an H100). Its programs each XOR the words they read, 4 loads a thread a step;
     together they must cover every word, scale and zero exactly once, tails included, or the floor
     times less (or more) than the linear's bytes."""
+    from functools import reduce
+    from operator import xor
+
     from benchmarks.gemv_tiled_explore import read_floor
 
     g = torch.Generator().manual_seed(3)
@@ -480,13 +483,8 @@ def test_gemv_read_floor_reads_every_word_once():
     read_floor(w, out)
     every = torch.cat([w["qtile"].view(-1), w["scales"].view(torch.int32).view(-1),
                        w["zeros"].view(torch.int32).view(-1)])
-    want = 0
-    for v in every.tolist():
-        want ^= v
-    got = 0
-    for v in out.tolist():
-        got ^= v
-    assert got == want
+    assert reduce(xor, out.tolist()) == reduce(xor, every.tolist())
+
 
 @pytest.mark.parametrize("kernel,types,consts,warps", [
     ("_fused_triton:rms_norm_kernel", "x_ptr=*fp32,r_ptr=*bf16,w_ptr=*bf16,out_ptr=*bf16,h_ptr=*bf16,s_ptr=*fp32,eps=fp32",
