@@ -21,13 +21,14 @@ way CUTLASS's mixed-input Hopper GEMMs split them:
 
 y tile [ROWS, BM] = W tile x^T, so tokens are the wgmma's N (BM = 16 .. 256). No split-K: the grid is
 one program per (BM tokens, ROWS weight rows), so it is built for M large enough to fill the GPU (the
-sm90 tile tables pick it for M = 65..3072 at 4 bits, 65..2048 at 8, and for 8-bit gate|up, N > 16384,
-from M = 33, where the tensor-core tile's heavier 8-bit unpack loses: RESULTS.md, thirty-third
-session), or for weights so wide that 256-row programs alone nearly fill it: gate|up at M = 2..64,
-112 programs for Llama-3-8B's 28672 rows, each consumer with two row blocks' wgmma in flight (4 bits:
-gate_up 15-25 % faster than the Triton tile; 8 bits 6-12 %; thirty-fifth session). With 128-row programs it is slower
+sm90 tile tables pick it for M = 65..3072 at 4 bits, 65..2048 at 8), or for weights so wide that 256-row
+programs alone nearly fill it: gate|up (N > 16384) at M = 2..64 (8 bits: M = 1..64), 112 programs for
+Llama-3-8B's 28672 rows, each consumer with two row blocks' wgmma in flight (4 bits: gate_up 15-25 %
+faster than the Triton tile; 8 bits 6-12 %, at M = 1 5 %; thirty-fifth and thirty-sixth sessions; 8-bit
+weights too narrow for 256-row programs take 128-row ones from M = 33, where the tile's heavier 8-bit
+unpack loses, thirty-third session). With 128-row programs it is slower
 than the Triton kernel at M <= 64, and splitting K or rings of up to 16 stages did not change that
-(twenty-seventh session).
+(twenty-seventh session; 256-row programs split over K for qkv / o / down lost too, thirty-sixth).
 Sm90 only (wgmma, setmaxnreg); weights N a multiple of ROWS, groups of 128·j or per-channel, x 16-bit
 with a 16-byte-aligned row pitch; anything else keeps the Triton kernels. Gluon has no interpreter:
 the CPU path and oracle is w4a16_tiled's reference; tests compile this kernel for sm_90 offline,
@@ -128,7 +129,7 @@ if gluon is not None:
 
     @gluon.jit
     def _consume_tile(i, acc, a1_prev, sc, zc, s_next, z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows,
-                      half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L: gl.constexpr, WL: gl.constexpr,
+                      half, N, NUM_GROUPS, MAGIC2, A_L: gl.constexpr, WL: gl.constexpr,
                       GROUP_SIZE: gl.constexpr, STAGES: gl.constexpr, BITS: gl.constexpr, F16: gl.constexpr,
                       CROWS: gl.constexpr):
         """K tile i of one consumer: its scale and zero rows sc, zc (and tile i + 1's s_next, z_next) were
@@ -178,12 +179,12 @@ if gluon is not None:
         # serialises every wgmma (advisory C7515). Tile 0's first MMA starts the sum (use_acc=False).
         acc, a1, sc, zc, s_next, z_next = _consume_tile(
             0, warpgroup_mma_init(gl.zeros([CROWS, BM], gl.float32, ACC_L)), gl.zeros([CROWS, 64], DT, A_L), sc, zc,
-            s_next, z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N, NUM_GROUPS, k_tiles, MAGIC2, A_L,
-            WL, GROUP_SIZE, STAGES, BITS, F16, CROWS)
+            s_next, z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N, NUM_GROUPS, MAGIC2, A_L, WL,
+            GROUP_SIZE, STAGES, BITS, F16, CROWS)
         for i in range(1, k_tiles):
             acc, a1, sc, zc, s_next, z_next = _consume_tile(
                 i, acc, a1, sc, zc, s_next, z_next, x_smem, w_smem, ready, empty, s_ptr, z_ptr, rows, half, N,
-                NUM_GROUPS, k_tiles, MAGIC2, A_L, WL, GROUP_SIZE, STAGES, BITS, F16, CROWS)
+                NUM_GROUPS, MAGIC2, A_L, WL, GROUP_SIZE, STAGES, BITS, F16, CROWS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         let_next_launch(PDL)  # only the epilogue is left: the next kernel's programs may come in
         if HAS_BIAS:
