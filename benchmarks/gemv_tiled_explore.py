@@ -9,6 +9,7 @@ w4a16_tiled_triton) and a sweep of GEMV configs (BN, UNROLL, warps, split-K wave
 checked against a float64 oracle before it is timed. Writes $OUT/gemv_tiled_explore.json.
 
   python3 benchmarks/gemv_tiled_explore.py --out $OUT [--baseline MODULE] [--budget-s 240]
+  python3 benchmarks/gemv_tiled_explore.py --out $OUT --layer-floor   # a layer's bytes: 1 launch vs 4
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.bench_gemm import GS, SHAPES, make_w4, rel_err  # noqa: E402
 from benchmarks.gemv_explore import graph_us, log  # noqa: E402
+from fitllm.kernels._pdl import let_next_launch, wait_for_previous  # noqa: E402
+from fitllm.kernels._utils import pdl_args, splitk_workspace  # noqa: E402
 from fitllm.kernels.w4a16_tiled import _gemv, dequantize_tiled_ref, tile_pack, tile_unpack, w4a16_tiled_triton  # noqa: E402
 from fitllm.quant.formats.packing import pack_dim0  # noqa: E402
 
@@ -52,12 +55,16 @@ def _read_one(ptr, n, acc, BLOCK: tl.constexpr, U: tl.constexpr):
 
 
 @triton.jit
-def _read_kernel(a_ptr, n_a, b_ptr, n_b, c_ptr, n_c, out_ptr, BLOCK: tl.constexpr, U: tl.constexpr):
-    """Reads three int32 buffers once (grid-stride, 16-byte loads), writes one word per program."""
+def _read_kernel(a_ptr, n_a, b_ptr, n_b, c_ptr, n_c, out_ptr, BLOCK: tl.constexpr, U: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    """Reads three int32 buffers once (grid-stride, 16-byte loads), writes one word per program. PDL: as the
+    product's big kernels (wait, main loop, release)."""
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    wait_for_previous(PDL)
     acc = _read_one(a_ptr, n_a, acc, BLOCK, U)
     acc = _read_one(b_ptr, n_b, acc, BLOCK, U)
     acc = _read_one(c_ptr, n_c, acc, BLOCK, U)
+    let_next_launch(PDL)
     tl.store(out_ptr + tl.program_id(0), tl.reduce(acc, 0, _xor))
 
 
@@ -67,6 +74,54 @@ def read_floor(w, out):
     words = (w["qtile"].view(-1), w["scales"].view(torch.int32).view(-1), w["zeros"].view(torch.int32).view(-1))
     _read_kernel[(out.numel(),)](words[0], words[0].numel(), words[1], words[1].numel(), words[2], words[2].numel(),
                                  out, BLOCK=1024, U=4, num_warps=8)
+
+
+def read_words(words, out, pdl=False):
+    """One launch reading the int32 buffer `words` once: one program a word of `out`, as read_floor."""
+    _read_kernel[(out.numel(),)](words, words.numel(), words, 0, words, 0, out, BLOCK=1024, U=4, num_warps=8,
+                                 **(pdl_args(words) if pdl else {}))
+
+
+def layer_floor(dev):
+    """A layer's bytes (the four linears' words, scales and zeros; random, 4 copies: every read from HBM)
+    read by one launch, by four (one a linear) without and with PDL, against the table's four GEMVs at M = 1
+    with their split-K sums ended and left pending (as the decoder runs them: the kernel after each linear
+    takes the sum; here nothing does, so it is timing only and the workspace is zeroed after). µs a layer."""
+    sizes = [(K * N // 2 + 2 * (K // GS) * N * 2) // 4 for K, N in SHAPES.values()]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    out = torch.empty(4 * sms, device=dev, dtype=torch.int32)
+    copies = [torch.randint(-2**31, 2**31 - 1, (sum(sizes),), device=dev, dtype=torch.int32) for _ in range(4)]
+
+    def four(buf, pdl):
+        for part in buf.split(sizes):
+            read_words(part, out, pdl)
+    res = {"MB": sum(sizes) * 4 / 1e6,
+           "one launch": graph_us([lambda b=b: read_words(b, out) for b in copies]),
+           "four launches": graph_us([lambda b=b: four(b, False) for b in copies]),
+           "four launches, PDL": graph_us([lambda b=b: four(b, True) for b in copies])}
+    del copies
+    torch.cuda.empty_cache()
+    lin = []
+    for K, N in SHAPES.values():
+        _, qts = hbm_copies(K, N, dev)
+        lin.append((torch.randn(1, K, device=dev, dtype=torch.bfloat16), torch.empty(1, N, device=dev,
+                                                                                      dtype=torch.bfloat16), qts))
+    n = min(len(q) for _, _, q in lin)
+
+    def chain(i, defer):
+        for x, y, qts in lin:
+            if defer:
+                w4a16_tiled_triton(x, **qts[i], defer=True)
+            else:
+                w4a16_tiled_triton(x, **qts[i], out=y)
+    res["GEMVs, sums ended"] = graph_us([lambda i=i: chain(i, False) for i in range(n)])
+    res["GEMVs, sums pending"] = graph_us([lambda i=i: chain(i, True) for i in range(n)])
+    splitk_workspace(torch.device(dev), 1, 1)[0].zero_()
+    print(f"\n| a layer's bytes ({res['MB']:.1f} MB), M = 1 | µs | TB/s |\n|---|---|---|")
+    for k, v in res.items():
+        if k != "MB":
+            print(f"| {k} | {v:.1f} | {res['MB'] / v:.2f} |")
+    return res
 
 
 def configs(fine_waves: bool = False, regs: bool = False):
@@ -91,7 +146,13 @@ def main():
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--fine-waves", action="store_true", help="sweep split-K finely for the table's configs")
     ap.add_argument("--regs", action="store_true", help="sweep register caps (maxnreg) x split-K")
+    ap.add_argument("--layer-floor", action="store_true", help="only the layer in one launch vs four (layer_floor)")
     a = ap.parse_args()
+    if a.layer_floor:
+        res = layer_floor("cuda")
+        json.dump(dict(res, device=torch.cuda.get_device_name()), open(os.path.join(a.out, "layer_floor.json"), "w"),
+                  indent=1)
+        return
     deadline = time.time() + a.budget_s
     dev = "cuda"
     torch.manual_seed(0)

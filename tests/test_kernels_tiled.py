@@ -469,11 +469,11 @@ def test_gemv_read_floor_reads_every_word_once():
     """benchmarks/gemv_tiled_explore.read_floor is what the batch-1 GEMV is measured against (README: the
     GEMVs at 85 % of it on an H100). Its programs each XOR the words they read, 4 loads a thread a step;
     together they must cover every word, scale and zero exactly once, tails included, or the floor
-    times less (or more) than the linear's bytes."""
+    times less (or more) than the linear's bytes. The same for read_words (one buffer, layer_floor)."""
     from functools import reduce
     from operator import xor
 
-    from benchmarks.gemv_tiled_explore import read_floor
+    from benchmarks.gemv_tiled_explore import read_floor, read_words
 
     g = torch.Generator().manual_seed(3)
     w = dict(qtile=torch.randint(-2**31, 2**31 - 1, (640, 40), dtype=torch.int32, generator=g),  # 3+ steps
@@ -484,6 +484,9 @@ def test_gemv_read_floor_reads_every_word_once():
     every = torch.cat([w["qtile"].view(-1), w["scales"].view(torch.int32).view(-1),
                        w["zeros"].view(torch.int32).view(-1)])
     assert reduce(xor, out.tolist()) == reduce(xor, every.tolist())
+    one = torch.zeros(3, dtype=torch.int32)  # the layer floor's one-buffer launch (layer_floor), 3 programs
+    read_words(every, one)
+    assert reduce(xor, one.tolist()) == reduce(xor, every.tolist())
 
 
 @pytest.mark.parametrize("kernel,types,consts,warps", [
