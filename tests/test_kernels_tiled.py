@@ -464,7 +464,6 @@ def test_batch1_gemv_keeps_four_programs_of_256_threads_per_sm_and_its_loads_up_
     assert last_load < ops.index("HFMA2"), ops
 
 
-
 def test_gemv_read_floor_reads_every_word_once():
     """benchmarks/gemv_tiled_explore.read_floor is what the batch-1 GEMV is measured against (README: the
     GEMVs at 85 % of it on an H100). Its programs each XOR the words they read, 4 loads a thread a step;
@@ -608,9 +607,9 @@ def test_dequant_from_tokens_is_where_the_launcher_dequantizes(arch, N, K, gs, b
 def test_the_widest_weights_take_the_ws_kernel_where_the_table_says(bits, monkeypatch):
     """On Hopper a weight wider than 16384 (Llama's gate|up) runs the warp-specialised kernel from M = 2 in
     256-row programs where N is a multiple of 256 (thirty-fifth session; 8-bit from M = 1, thirty-sixth, where
-    4-bit keeps the GEMV); else 8-bit weights take 128-row
-    programs from M = 33 (the tensor-core tile is 19 µs slower there, thirty-third session) and 4-bit ones the
-    tile. Narrower weights keep the tile up to M = 64 (8-bit: 128)."""
+    4-bit keeps the GEMV); else 8-bit weights take 128-row programs from M = 33 (the tensor-core tile is 19 µs
+    slower there, thirty-third session) and 4-bit ones the tile. Narrower weights keep the tile up to M = 64
+    (8-bit: 128)."""
     taken = first_step_taker(monkeypatch, "sm90")
     K = 128
     cases = {8: ((16640, {1: "ws", 2: "ws", 16: "ws", 32: "ws", 33: "ws", 64: "ws", 65: "ws"}),
