@@ -215,7 +215,10 @@ def splitk_buffers(device: torch.device, n_out: int, n_tiles: int, split: int):
 
 
 def splitk_workspace(device: torch.device, n_floats: int, n_counters: int, ordered: bool = False):
-    key = (device.type, device.index, ordered)
+    # torch.device("cuda") (index None) names the current GPU, whose workspace the kernels use (their
+    # tensors say cuda:N): one key for both, or a caller zeroing or checking "cuda" sees a fresh buffer.
+    index = torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
+    key = (device.type, index, ordered)
     ws, cnt = _WORKSPACES.get(key, (None, None))
     if ws is None or ws.numel() < n_floats or cnt.numel() < n_counters:
         old = _WORKSPACES.get(key)
