@@ -354,6 +354,14 @@ class Settings:
     def __post_init__(self):
         if self.block_size is None:
             object.__setattr__(self, "block_size", default_block_size(self.kv_dtype))
+        # named as the options of `quant serve` / `quant memory` that set them
+        for option, value in (("--block-size", self.block_size), ("--max-model-len", self.max_model_len),
+                              ("--max-num-seqs", self.max_num_seqs),
+                              ("--max-num-batched-tokens", self.max_batched_tokens)):
+            if value < 1:
+                raise FitLLMError(f"{option} {value}: must be at least 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise FitLLMError(f"--gpu-memory-utilization {self.gpu_memory_utilization:g}: must be in (0, 1]")
 
 
 TERM_HELP = {

@@ -280,6 +280,26 @@ def test_serve_binds_localhost_by_default():
     assert inspect.signature(serve).parameters["host"].default.default == "127.0.0.1"
 
 
+@pytest.mark.parametrize("args,why", [
+    (["--block-size", "0"], "block_size must be at least 1, got 0"),
+    (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be at least 1, got 0"),
+    (["--max-model-len", "-5"], "max_model_len must be at least 1, got -5"),
+    (["--num-kv-blocks", "0"], "num_kv_blocks must be at least 1, got 0"),
+])
+def test_serve_refuses_bad_sizes_before_loading(args, why, monkeypatch):
+    """These were tracebacks, or (--max-model-len -5) a server whose every request failed."""
+    from typer.testing import CliRunner
+
+    from fitllm.cli import serve as serve_cli
+    from fitllm.cli.main import app
+
+    monkeypatch.setattr(serve_cli, "_check_port_free", lambda host, port: None)
+    monkeypatch.setattr("fitllm.serve.engine.LLMEngine", lambda config: pytest.fail("the model was loaded"))
+    result = CliRunner().invoke(app, ["serve", *args])
+    assert result.exit_code == 1 and why in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
+
+
 def test_body_size_limit(tokenizer):
     with make_client(tokenizer, max_body_bytes=2048) as c:
         big = {**OK_COMPLETION, "prompt": "x" * 4096}

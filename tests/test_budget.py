@@ -406,6 +406,32 @@ def test_cli_errors_are_one_line():
     assert result.exit_code == 1 and "not both" in result.output
 
 
+@pytest.mark.parametrize("args,why", [
+    (["--gpu", "rtx4090", "--max-model-len", "-5"], "--max-model-len -5: must be at least 1"),
+    (["--gpu", "rtx4090", "--max-model-len", "0"], "--max-model-len 0: must be at least 1"),
+    (["--gpu", "rtx4090", "--block-size", "0"], "--block-size 0: must be at least 1"),
+    (["--gpu", "rtx4090", "--max-num-seqs", "0"], "--max-num-seqs 0: must be at least 1"),
+    (["--gpu", "rtx4090", "--max-num-seqs", "-3"], "--max-num-seqs -3: must be at least 1"),
+    (["--gpu", "rtx4090", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens 0: must be at least 1"),
+    (["--gpu", "rtx4090", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+    (["--gpu-mem", "0"], "give the card's memory in GiB"),
+])
+def test_cli_refuses_numbers_that_make_no_plan(args, why):
+    """Each was a ZeroDivisionError traceback or a plan (and a serve command) built on the bad number."""
+    result = runner.invoke(app, ["memory", "llama-3-8b", *args])
+    assert result.exit_code == 1 and why in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
+
+
+def test_cli_commands_for_a_known_name_say_where_the_checkpoint_goes():
+    """llama-3-8b is a shape the planner knows, not a folder `quant convert` / `quant serve` can open."""
+    result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "rtx4090", "--quant", "awq"])
+    text = " ".join(result.output.split())
+    assert "quant convert MODEL_DIR --method awq" in text and "quant serve CONVERTED_DIR" in text
+    assert "quant convert llama-3-8b" not in text and "MODEL_DIR" in text and "hub id" in text
+    assert _json(["llama-3-8b", "--gpu", "h200"])["command"].startswith("quant serve MODEL_DIR ")
+
+
 def test_block_size_defaults_follow_the_kv_dtype():
     """fp8 and int8 KV get 64-token blocks (their transposed values load in whole cache lines), others
     16; an explicit size always wins, and the engine and the calculator agree."""

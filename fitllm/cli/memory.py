@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -77,12 +78,14 @@ def memory(
                                   "plan its original model instead")
             config = bm.with_quantized_lm_head(config, lm_head_bits)
         settings = bm.Settings(scheme=scheme, kv_dtype=bm.normalize_kv_dtype(kv_dtype),
-                               max_model_len=max_model_len or config.max_position_embeddings,
+                               max_model_len=config.max_position_embeddings if max_model_len is None else max_model_len,
                                max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                                block_size=block_size, gpu_memory_utilization=utilization,
                                cuda_graphs=not no_cuda_graphs, group_size=group, bits=bits)
         if gpu is not None and gpu_mem is not None:
             raise FitLLMError("give --gpu or --gpu-mem, not both")
+        if gpu_mem is not None and not gpu_mem > 0:
+            raise FitLLMError(f"--gpu-mem {gpu_mem:g}: give the card's memory in GiB (more than 0)")
         card, mem, arch = (bm.find_gpu(gpu), 0, None) if gpu else (None, int(gpu_mem * bm.GiB), None) if gpu_mem \
             else _local_gpu()
         mem = mem or (card.memory_bytes if card else 0)
@@ -91,7 +94,7 @@ def memory(
         fail(str(exc))
     if not mem:
         return _catalog(config, label, settings, json_out)
-    p = bm.plan(config, settings, mem, card, model, checkpoint_scheme)
+    p = bm.plan(config, settings, mem, card, _command_model(model), checkpoint_scheme)
     needs_convert = scheme != checkpoint_scheme
     if json_out:
         doc = {"model": label, "gpu": asdict(card) if card else {"memory_gib": mem / bm.GiB},
@@ -101,7 +104,18 @@ def memory(
             doc["cards_that_fit"] = [g.key for g in bm.cards_that_fit(config, _smallest(settings))]
         print(json.dumps(doc, indent=2))
         return
-    _print_plan(p, config, label, mem, needs_convert, model, lm_head)
+    _print_plan(p, config, label, mem, needs_convert, _command_model(model), lm_head)
+    if _command_model(model) != model:
+        out.print(f"({model} is a shape the planner knows, not a checkpoint: put its folder or hub id where the "
+                  "commands say MODEL_DIR.)")
+
+
+def _command_model(model: Optional[str]) -> Optional[str]:
+    """MODEL as the suggested commands should name it: a known short name (llama-3-8b) is no path that
+    `quant convert` or `quant serve` can open, so they get the placeholder MODEL_DIR instead."""
+    if model is None or "/" in model or Path(model).expanduser().exists() or bm.known_model(model) is None:
+        return model
+    return "MODEL_DIR"
 
 
 def _weight_bits(bits: Optional[int], scheme: str, checkpoint_scheme: str, config) -> int:

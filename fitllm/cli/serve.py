@@ -97,15 +97,16 @@ def _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, m
     from fitllm.models.errors import FitLLMError
     from fitllm.serve.engine import EngineConfig, LLMEngine
 
-    config = EngineConfig(model=model, device=device, dtype=dtype, kv_dtype=kv_dtype, max_model_len=max_model_len,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-                          enable_prefix_caching=prefix_caching, cuda_graphs=cuda_graphs,
-                          speculative=(speculative if speculative in (None, "ngram", "self-int4")
-                                       else f"draft-model:{speculative}"),
-                          num_speculative_tokens=num_speculative_tokens, block_size=block_size)
-    console.print(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ...", highlight=False)
-    try:
+    try:  # the config checks its numbers (e.g. --block-size 0) before any loading
+        config = EngineConfig(model=model, device=device, dtype=dtype, kv_dtype=kv_dtype,
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
+                              gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=prefix_caching,
+                              cuda_graphs=cuda_graphs,
+                              speculative=(speculative if speculative in (None, "ngram", "self-int4")
+                                           else f"draft-model:{speculative}"),
+                              num_speculative_tokens=num_speculative_tokens, block_size=block_size)
+        console.print(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ...", highlight=False)
         return LLMEngine(config)
     except (FitLLMError, ValueError, OSError) as exc:
         fail(str(exc))

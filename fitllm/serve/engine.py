@@ -83,8 +83,9 @@ class EngineConfig:
         check_speculative(self.speculative)
         if self.block_size is None:
             self.block_size = default_block_size(self.kv_dtype)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens"):
-            if getattr(self, name) < 1:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
+                     "max_model_len", "num_kv_blocks"):  # the last two: None means sized by the engine
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
