@@ -1,6 +1,7 @@
 """Quantizing a tiny random Llama end to end: each method, each format, loading back,
 transformers parity for compressed-tensors, and bad input."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,72 @@ def test_interrupted_run_leaves_nothing(tiny, monkeypatch):
         convert(tiny, "interrupted", "rtn")
     assert not (root / "interrupted").exists()
     assert not [p for p in root.iterdir() if p.name.startswith(".interrupted")]
+
+
+def test_data_free_methods_ask_for_eight_calibration_rows(tiny, monkeypatch):
+    """RTN and dynamic FP8 only measure the per-layer error: they ask for 8 rows (the built-in text
+    generates what is asked, minutes on a CPU), AWQ for the default 32."""
+    import fitllm.quant.calibration as calibration
+
+    asked = []
+    real = calibration.load_calibration
+
+    def spy(folder, tok, samples, length, calib=None, model_loader=None, progress=False):
+        asked.append(samples)
+        return real(folder, tok, samples, length, calib, model_loader, progress)
+
+    monkeypatch.setattr(calibration, "load_calibration", spy)
+    for name, method in (("cal-rtn", "rtn"), ("cal-fp8", "fp8"), ("cal-awq", "awq")):
+        convert(tiny, name, method, calib_samples=32)
+    assert asked == [8, 8, 32]
+
+
+def test_sigterm_mid_run_leaves_nothing(tiny, monkeypatch):
+    """kill / timeout / docker stop: SIGTERM during the layer loop removes the temp folder as Ctrl-C does."""
+    import os
+    import signal
+
+    import fitllm.quant.pipeline as pipeline
+
+    root = tiny[0]
+    calls = []
+
+    def terminated(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return pipeline.step_rtn(*a, **k)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setitem(pipeline.STEPS, "rtn", terminated)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny, "terminated", "rtn")
+    assert not (root / "terminated").exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".terminated")]
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the caller's again
+
+
+def test_a_killed_runs_leftovers_are_removed_by_the_next_run(tiny):
+    """SIGKILL runs no cleanup: the next convert to the same output removes the dead run's temp folder
+    (its pid is gone) and leaves a live process's alone."""
+    import subprocess
+    import sys
+
+    root = tiny[0]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = root / f".again.tmp-{dead}"
+    (stale / "part-00000.safetensors").parent.mkdir()
+    (stale / "part-00000.safetensors").write_bytes(b"half a shard")
+    live = root / f".again.tmp-{os.getppid()}"  # the test runner's parent: alive
+    live.mkdir()
+    convert(tiny, "again", "rtn")
+    assert (root / "again" / "config.json").exists()
+    assert not stale.exists() and live.exists()
+    live.rmdir()
+    mask = os.umask(0)
+    os.umask(mask)  # safetensors writes 0600; the checkpoint gets the modes the umask gives other files
+    assert (root / "again" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_cli_errors_are_one_line(tiny):

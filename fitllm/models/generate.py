@@ -6,7 +6,7 @@ sequence gets a contiguous run of blocks; the engine replaces this with the bloc
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -45,8 +45,9 @@ def prompt_logits(model: CausalLM, token_ids: list[int], cache: Optional[PagedKV
 @torch.inference_mode()
 def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              eos_token_ids: Optional[list[int]] = None, seed: Optional[int] = None,
-             cache: Optional[PagedKVCache] = None) -> list[list[int]]:
-    """Batched generation: greedy at temperature 0, else sampling. Returns new tokens per prompt."""
+             cache: Optional[PagedKVCache] = None, on_step: Optional[Callable[[], None]] = None) -> list[list[int]]:
+    """Batched generation: greedy at temperature 0, else sampling. Returns new tokens per prompt.
+    on_step: called after each step (one new token for every sequence still running)."""
     longest = max(len(p) for p in prompts) + max_new_tokens
     cache = cache or make_cache(model, longest, num_seqs=len(prompts))
     per_seq = cache.num_blocks // len(prompts)
@@ -74,4 +75,6 @@ def generate(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, tem
             if tok not in eos and len(outputs[i]) < max_new_tokens:
                 still.append(i)
         active = still
+        if on_step is not None:
+            on_step()
     return outputs

@@ -94,6 +94,14 @@ def _file_hash(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def as_umask_allows(path: Path) -> None:
+    """safetensors writes its files 0600; give them (or a mkdtemp folder, 0700) the modes `open` and
+    `mkdir` would, so another user (a server account) can read the checkpoint where the umask allows."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def gguf_to_hf_folder(gguf_path: Path) -> Path:
     """Dequantize a llama-architecture GGUF into a cached HF folder (once per file content)."""
     target = cache_root() / f"gguf-{gguf_path.stem}-{_file_hash(gguf_path)}"
@@ -103,6 +111,8 @@ def gguf_to_hf_folder(gguf_path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
         _write_hf_folder_from_gguf(gguf_path, tmp)
+        for path in (tmp, *tmp.iterdir()):
+            as_umask_allows(path)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race: use its copy

@@ -4,6 +4,7 @@ default, which needs neither: text the model writes itself from a fixed, diverse
 (sampled with a fixed seed and cached), so no corpus is shipped or downloaded."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -61,12 +62,13 @@ PROMPTS = [
 
 
 def load_calibration(folder: Path, tokenizer, samples: int, length: int, calib: Optional[str] = None,
-                     model_loader=None) -> torch.Tensor:
-    """[samples, length] token ids (fewer rows if the source is short; at least one)."""
+                     model_loader=None, progress: bool = False) -> torch.Tensor:
+    """[samples, length] token ids (fewer rows if the source is short; at least one). progress: a bar
+    while the built-in text is generated (minutes on a CPU, the first time for a model and size)."""
     if samples < 1 or length < 16:
         raise QuantError(f"--calib-samples/--calib-len: need at least 1 sample of 16 tokens (got {samples} x {length})")
     if calib is None:
-        return builtin_calibration(folder, tokenizer, samples, length, model_loader)
+        return builtin_calibration(folder, tokenizer, samples, length, model_loader, progress)
     if calib.startswith("hf:"):
         text = _hf_text(calib[3:])
     else:
@@ -114,7 +116,8 @@ def _hf_text(spec: str) -> str:
     return "\n\n".join(t for t in ds["text"][:20000] if t and t.strip())
 
 
-def builtin_calibration(folder: Path, tokenizer, samples: int, length: int, model_loader=None) -> torch.Tensor:
+def builtin_calibration(folder: Path, tokenizer, samples: int, length: int, model_loader=None,
+                        progress: bool = False) -> torch.Tensor:
     """The model's own answers to PROMPTS (temperature 0.8, seed 0), cached by model and size."""
     key = hashlib.sha256()
     for name in ("config.json", "model.safetensors", "model.safetensors.index.json"):
@@ -143,10 +146,28 @@ def builtin_calibration(folder: Path, tokenizer, samples: int, length: int, mode
         prompts.append(list(ids)[: length // 2])
     new = max(length - min(len(p) for p in prompts), 1)
     # eos ignored on purpose: every row runs to full length (the model starts a new turn)
-    outs = generate(model, prompts, max_new_tokens=new, temperature=0.8, seed=0, eos_token_ids=None)
+    with _generation_bar(progress, samples, new) as step:
+        outs = generate(model, prompts, max_new_tokens=new, temperature=0.8, seed=0, eos_token_ids=None,
+                        on_step=step)
     rows = torch.tensor([(p + o)[:length] for p, o in zip(prompts, outs)], dtype=torch.long)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(rows, tmp)
     tmp.replace(path)
     return rows
+
+
+@contextlib.contextmanager
+def _generation_bar(show: bool, samples: int, steps: int):
+    """A rich bar over the built-in text's decode steps (or nothing): the first convert of a model
+    spends most of its time here, and said nothing before."""
+    if not show:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    with Progress(TextColumn(f"calibration text: the model writes {samples} samples (cached afterwards)"),
+                  BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                  transient=True) as bar:
+        task = bar.add_task("generate", total=steps)
+        yield lambda: bar.advance(task)

@@ -1,6 +1,8 @@
 """Writing a checkpoint atomically: everything goes into a hidden temp folder next to the
 output, which is renamed into place only after the last byte is written. Any exception
-(Ctrl-C included) removes the temp folder, so an interrupted run leaves nothing behind."""
+(Ctrl-C included, and SIGTERM, which becomes a KeyboardInterrupt while the folder is open)
+removes the temp folder, so an interrupted run leaves nothing behind; what a killed run (SIGKILL,
+power loss) left is removed by the next run for the same output."""
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from fitllm.models.hub import as_umask_allows
 from fitllm.quant.scheme import QuantError
 
 SKIP_FILES = {"config.json", "model.safetensors.index.json"}
@@ -23,11 +26,13 @@ def atomic_output(out: Path, force: bool):
     if out.exists() and not force:
         raise QuantError(f"{out}: already exists (pass --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_runs(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        yield tmp
+        with _sigterm_interrupts():
+            yield tmp
         if out.exists():  # --force: swap, then drop the old one
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)
@@ -38,6 +43,44 @@ def atomic_output(out: Path, force: bool):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _remove_dead_runs(out: Path) -> None:
+    """Temp folders of earlier runs for `out` whose process is gone (killed: no cleanup ran)."""
+    for stale in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = stale.name[len(out.name) + 2:].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM (kill, timeout, docker stop) raises KeyboardInterrupt, as Ctrl-C does, so the temp
+    folder is removed; only where signals can be set (the main thread)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class ShardWriter:
@@ -60,6 +103,7 @@ class ShardWriter:
             return
         name = f"part-{len(self.files):05d}.safetensors"
         save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
+        as_umask_allows(self.folder / name)
         self.files.append((name, list(self.pending)))
         self.pending, self.size = {}, 0
 
