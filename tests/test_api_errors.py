@@ -285,6 +285,7 @@ def test_serve_binds_localhost_by_default():
     (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be at least 1, got 0"),
     (["--max-model-len", "-5"], "max_model_len must be at least 1, got -5"),
     (["--num-kv-blocks", "0"], "num_kv_blocks must be at least 1, got 0"),
+    (["--kv-dtype", "fp9"], "unknown kv_dtype 'fp9'"),
 ])
 def test_serve_refuses_bad_sizes_before_loading(args, why, monkeypatch):
     """These were tracebacks, or (--max-model-len -5) a server whose every request failed."""

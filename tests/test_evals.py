@@ -44,17 +44,25 @@ def test_windows_score_every_token_once():
             assert all(f - b >= min(ctx - stride, f - 1) for b, _, f in wins)
 
 
-def test_spec_parsing():
+def test_spec_parsing(tmp_path):
     base = parse_spec(None)
     assert base.path is None and base.kv_dtype == "auto"
     v = parse_spec("@kv=fp8", base)
     assert v.path is None and v.kv_dtype == "fp8" and v.name == "embedded@kv=fp8"
     assert parse_spec("base@kv=int4", base).kv_dtype == "int4"
-    assert parse_spec("/models/awq", base, default_kv="int8").kv_dtype == "int8"
+    (tmp_path / "awq").mkdir()
+    (tmp_path / "awq" / "config.json").write_text("{}")
+    assert parse_spec(str(tmp_path / "awq"), base, default_kv="int8").kv_dtype == "int8"
+    assert parse_spec("org/some-model", base).path == "org/some-model"  # a hub id, fetched when loaded
     with pytest.raises(EvalError):
         parse_spec("@kv=fp4", base)
     with pytest.raises(EvalError):
         parse_spec("@kv=fp8")  # no base to refer to
+    # bad paths fail while parsing, before the base is evaluated
+    with pytest.raises(EvalError, match="no such file or folder"):
+        parse_spec("/nonexistent/awq", base)
+    with pytest.raises(EvalError, match="not a Hugging Face model folder"):
+        parse_spec(str(tmp_path), base)
 
 
 def test_paired_bootstrap_ci():

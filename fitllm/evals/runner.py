@@ -56,10 +56,23 @@ def parse_spec(text: Optional[str], base: Optional["ModelSpec"] = None, default_
         path = base.path
     elif path in ("embedded", "default") and not Path(path).exists():
         path = None
+    if path is not None:
+        _check_model_path(path)
     name = Path(path).name if path else "embedded"
     if kv != "auto":
         name += f"@kv={kv}"
     return ModelSpec(name=name, path=path, kv_dtype=kv)
+
+
+def _check_model_path(path: str) -> None:
+    """Before any model runs: a local path that is not there (or is no model folder) fails now, not after
+    the base has been evaluated. `org/name` that is no local path is a hub id, fetched when loaded."""
+    local = Path(path).expanduser()
+    hub_id = "/" in path and not path.startswith((".", "/", "~"))
+    if not local.exists() and not hub_id:
+        raise EvalError(f"{path}: no such file or folder")
+    if local.is_dir() and not (local / "config.json").exists():
+        raise EvalError(f"{local / 'config.json'}: no such file (not a Hugging Face model folder)")
 
 
 @dataclass
