@@ -38,7 +38,8 @@ def convert(
                                                help="With --quantize-lm-head: 8 (default) or 4. On the embedded "
                                                     "model 8 bits cost +0.14% perplexity, 4 bits +15.7%; Llama-3-8B "
                                                     "int4 batch-1 decode on an H200 gains 3.8% / 5.5%."),
-    force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),
+    force: bool = typer.Option(False, "--force", help="Replace the -o folder if it exists (the old one is removed "
+                                                     "only once the new one is complete)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda[:N] (default: cuda when present)."),
 ) -> None:
     """Quantize MODEL layer by layer and write a checkpoint fitllm, vLLM and transformers load."""
