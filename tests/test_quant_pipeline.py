@@ -101,23 +101,32 @@ def test_bad_input(tiny):
         convert(tiny, "bad3", "rtn", fmt="autoawq", group_size=-1)
 
 
-def test_interrupted_run_leaves_nothing(tiny, monkeypatch):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_interrupted_run_leaves_nothing(tiny, monkeypatch, how):
+    """Ctrl-C, or SIGTERM (kill, timeout, docker stop), during the layer loop: the temp folder is removed
+    and the caller's SIGTERM handler is back."""
+    import signal
+
     import fitllm.quant.pipeline as pipeline
 
     root = tiny[0]
     calls = []
 
-    def boom(*a, **k):
+    def interrupted(*a, **k):
         calls.append(1)
         if len(calls) == 2:
-            raise KeyboardInterrupt
+            if how == "ctrl-c":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)
         return pipeline.step_rtn(*a, **k)
 
-    monkeypatch.setitem(pipeline.STEPS, "rtn", boom)
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setitem(pipeline.STEPS, "rtn", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        convert(tiny, "interrupted", "rtn")
-    assert not (root / "interrupted").exists()
-    assert not [p for p in root.iterdir() if p.name.startswith(".interrupted")]
+        convert(tiny, f"interrupted-{how}", "rtn")
+    assert not (root / f"interrupted-{how}").exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(f".interrupted-{how}")]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_data_free_methods_ask_for_eight_calibration_rows(tiny, monkeypatch):
@@ -136,31 +145,6 @@ def test_data_free_methods_ask_for_eight_calibration_rows(tiny, monkeypatch):
     for name, method in (("cal-rtn", "rtn"), ("cal-fp8", "fp8"), ("cal-awq", "awq")):
         convert(tiny, name, method, calib_samples=32)
     assert asked == [8, 8, 32]
-
-
-def test_sigterm_mid_run_leaves_nothing(tiny, monkeypatch):
-    """kill / timeout / docker stop: SIGTERM during the layer loop removes the temp folder as Ctrl-C does."""
-    import os
-    import signal
-
-    import fitllm.quant.pipeline as pipeline
-
-    root = tiny[0]
-    calls = []
-
-    def terminated(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return pipeline.step_rtn(*a, **k)
-
-    before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setitem(pipeline.STEPS, "rtn", terminated)
-    with pytest.raises(KeyboardInterrupt):
-        convert(tiny, "terminated", "rtn")
-    assert not (root / "terminated").exists()
-    assert not [p for p in root.iterdir() if p.name.startswith(".terminated")]
-    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the caller's again
 
 
 def test_a_killed_runs_leftovers_are_removed_by_the_next_run(tiny):
