@@ -164,7 +164,8 @@ def _generation_bar(show: bool, samples: int, steps: int):
     if not show:
         yield None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     with Progress(TextColumn(f"calibration text: the model writes {samples} samples (cached afterwards)"),
                   BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
