@@ -203,9 +203,12 @@ def test_quantize_per_token_matches_reference():
         del os.environ["FITLLM_KERNEL_BACKEND"]
     qr, sr = quantize_fp8_per_token_ref(x)
     assert torch.allclose(s, sr, rtol=1e-6)
-    # x * (1/s) vs x / s may differ in the last bit and flip a tie: allow a rare one-step difference
+    # x * (1/s) vs x / s may differ in the last bit and flip a near-tie: a code may be one e4m3 step off
+    # (adjacent byte codes of one sign), rarely (<= 0.24 % over 40 seeds; 0.52 % once in CI, which failed the
+    # old 0.5 % bound on random inputs), never more
     diff = (q.float() != qr.float())
-    assert diff.float().mean() < 5e-3
+    steps = (q.view(torch.uint8).int() - qr.view(torch.uint8).int()).abs()[diff]
+    assert (steps == 1).all() and diff.float().mean() < 2e-2
     assert torch.isfinite(q.float()).all() and (q.float().abs() <= 448).all()
     err = ((q.float() * s - x.float()).norm() / x.float().norm()).item()
     assert err < 0.05  # e4m3 keeps 3 mantissa bits
