@@ -129,6 +129,31 @@ def test_interrupted_run_leaves_nothing(tiny, monkeypatch, how):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_cpu_keeps_each_weights_dequantized_copy_within_its_budget(tiny, monkeypatch):
+    """On a CPU a quantized linear keeps its dequantized weight instead of making it at every call: the
+    logits are bit-identical to the per-call reference's, the copies count against
+    FITLLM_CPU_DEQUANT_CACHE_MB, and dropping the model gives the budget back."""
+    import gc
+
+    import fitllm.quant.layers as layers
+
+    r = convert(tiny, "kept-awq", "awq", group_size=32)
+    monkeypatch.setenv("FITLLM_CPU_DEQUANT_CACHE_MB", "0")
+    per_call = prompt_logits(load_quantized_model(r.output), IDS)
+    gc.collect()
+    before = layers._KEPT["bytes"]
+    monkeypatch.setenv("FITLLM_CPU_DEQUANT_CACHE_MB", "4096")
+    model = load_quantized_model(r.output)
+    kept = prompt_logits(model, IDS)
+    assert torch.equal(kept, per_call)
+    qkv = model.model.layers[0].self_attn.qkv_proj.parts[0]
+    assert qkv.kept_dense is not None and prompt_logits(model, IDS).equal(kept)
+    assert layers._KEPT["bytes"] > before
+    del model, qkv
+    gc.collect()
+    assert layers._KEPT["bytes"] == before
+
+
 def test_data_free_methods_ask_for_eight_calibration_rows(tiny, monkeypatch):
     """RTN and dynamic FP8 only measure the per-layer error: they ask for 8 rows (the built-in text
     generates what is asked, minutes on a CPU), AWQ for the default 32."""
