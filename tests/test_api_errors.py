@@ -201,6 +201,7 @@ BAD_CHATS = [
     ({"max_completion_tokens": 10**6}, "max_tokens", "context_length_exceeded"),
     ({"n": 1000}, "n", None),
     ({"messages": [{"role": "user", "content": "word " * 3000}]}, None, "context_length_exceeded"),
+    ({"modalities": ["text", "audio"]}, "modalities.1", None),  # text only: audio out is not served
 ]
 
 
@@ -258,6 +259,11 @@ def test_valid_requests_work(client):
     r = client.post("/v1/chat/completions", json={**OK_CHAT, "logprobs": True, "top_logprobs": 1})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"][0]["logprob"] == -0.5
+    # OpenAI parameters that change nothing about the tokens: accepted, as OpenAI's own API does
+    ignored = {"user": "u1", "metadata": {"run": "a"}, "store": False, "service_tier": "auto", "modalities": ["text"],
+               "parallel_tool_calls": True, "prediction": {"type": "content", "content": "Hello"}}
+    r = client.post("/v1/chat/completions", json={**OK_CHAT, **ignored})
+    assert r.status_code == 200, r.text
 
 
 def test_prompt_lists_give_one_choice_per_prompt_and_n(client):

@@ -221,10 +221,13 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
-    # Accepted and ignored: they change nothing about the tokens.
+    # Accepted and ignored: they change nothing about the tokens (prediction, OpenAI's predicted output, is
+    # a latency hint; clients such as the openai SDK's helpers send modalities ["text"] and these by default).
     metadata: Optional[dict[str, StrictStr]] = None
     store: Optional[bool] = None
     service_tier: Optional[StrictStr] = None
+    prediction: Optional[dict[str, Any]] = None
+    modalities: Optional[list[Literal["text"]]] = None
 
     @model_validator(mode="after")
     def _consistency(self):
