@@ -221,8 +221,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
-    # Accepted and ignored: they change nothing about the tokens (prediction, OpenAI's predicted output, is
-    # a latency hint; clients such as the openai SDK's helpers send modalities ["text"] and these by default).
+    # Accepted and ignored: they change nothing about the tokens (prediction, OpenAI's predicted output, is a
+    # latency hint; modalities may only ask for text). Clients that fill in OpenAI's defaults send them.
     metadata: Optional[dict[str, StrictStr]] = None
     store: Optional[bool] = None
     service_tier: Optional[StrictStr] = None
