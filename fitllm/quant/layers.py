@@ -165,9 +165,10 @@ class QuantLinear(FusedLinear):
 
 
 # On a CPU the kernels' torch reference dequantizes a weight at every call: a quantized checkpoint of the
-# embedded model decoded ~10x slower than the dense one (64 tokens: 39 s against 4 s, 2-core CPU). Each
-# weight's dequantized copy ([K, N], as the reference makes it) is kept instead, while all kept copies
-# together fit FITLLM_CPU_DEQUANT_CACHE_MB (default 4096; 0 turns it off); past that, per call as before.
+# embedded model decoded ~10x slower than the dense one (32 tokens: 15.5 s against 1.5 s, 2-core CPU,
+# benchmarks/cpu_decode_speed.py). Each weight's dequantized copy ([K, N], as the reference makes it) is kept
+# instead (1.5 s), while all kept copies together fit FITLLM_CPU_DEQUANT_CACHE_MB (default 4096; 0 turns it
+# off); past that, per call as before.
 _KEPT = {"bytes": 0, "lock": threading.Lock()}
 
 
