@@ -94,7 +94,8 @@ def memory(
         fail(str(exc))
     if not mem:
         return _catalog(config, label, settings, json_out)
-    p = bm.plan(config, settings, mem, card, _command_model(model), checkpoint_scheme)
+    command_model = _command_model(model)
+    p = bm.plan(config, settings, mem, card, command_model, checkpoint_scheme)
     needs_convert = scheme != checkpoint_scheme
     if json_out:
         doc = {"model": label, "gpu": asdict(card) if card else {"memory_gib": mem / bm.GiB},
@@ -104,8 +105,8 @@ def memory(
             doc["cards_that_fit"] = [g.key for g in bm.cards_that_fit(config, _smallest(settings))]
         print(json.dumps(doc, indent=2))
         return
-    _print_plan(p, config, label, mem, needs_convert, _command_model(model), lm_head)
-    if _command_model(model) != model:
+    _print_plan(p, config, label, mem, needs_convert, command_model, lm_head)
+    if command_model != model:
         out.print(f"({model} is a shape the planner knows, not a checkpoint: put its folder or hub id where the "
                   "commands say MODEL_DIR.)")
 

@@ -92,6 +92,12 @@ KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "int4")
 _FLOAT_KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def check_kv_dtype(kv_dtype: str) -> None:
+    """A KV dtype this cache stores (the engine asks before it loads the model, the cache when it is made)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+
+
 def hadamard(n: int) -> torch.Tensor:
     """An orthonormal [n, n] Hadamard matrix (symmetric, its own inverse). For an n that is not a
     power of two: block-diagonal with the largest power-of-two block that divides n."""
@@ -251,8 +257,7 @@ class PagedKVCache:
                  rotate: Optional[bool] = None):
         from fitllm.kernels import paged_attention as pa
 
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        check_kv_dtype(kv_dtype)
         if kv_dtype in ("fp8", "int4") and calibration is None:
             raise ValueError(f"kv_dtype={kv_dtype} needs calibrated K/V statistics (never a silent scale of 1.0): "
                              "pass calibration=calibrate_kv_scales(model, token_batches) or KVCalibration.from_scales(...)")

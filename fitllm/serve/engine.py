@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from fitllm.budget import default_block_size
-from fitllm.models.kv_cache import KV_DTYPES, KVCalibration
+from fitllm.models.kv_cache import KVCalibration, check_kv_dtype
 from fitllm.serve.block_manager import BlockManager
 from fitllm.serve.detokenizer import IncrementalDetokenizer
 from fitllm.serve.model_runner import ModelRunner, StepSeq
@@ -81,8 +81,7 @@ class EngineConfig:
 
     def __post_init__(self):
         check_speculative(self.speculative)
-        if self.kv_dtype not in KV_DTYPES:  # checked here too: before the model loads, not after
-            raise ValueError(f"unknown kv_dtype {self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        check_kv_dtype(self.kv_dtype)  # before the model loads, not when its cache is made
         if self.block_size is None:
             self.block_size = default_block_size(self.kv_dtype)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
