@@ -148,7 +148,8 @@ BAD_COMPLETIONS = [  # (body patch, expected param, expected code)
     ({"prompt": [-1]}, "prompt", None),
     ({"prompt": [VOCAB]}, "prompt", "invalid_token_id"),
     ({"prompt": None}, "prompt", None),
-    ({"prompt": "word " * 4000}, None, "context_length_exceeded"),
+    ({"prompt": "word " * 4000}, "prompt", "context_length_exceeded"),
+    ({"prompt": "word " * 10**5}, "prompt", "context_length_exceeded"),  # refused before tokenizing
     ({"prompt": list(range(MAX_LEN + 1))}, None, "context_length_exceeded"),
     ({"prompt": ["a"] * 100, "n": 2}, "n", "too_many_choices"),
     ({"temperature": 2.5}, "temperature", None),
@@ -198,9 +199,16 @@ BAD_CHATS = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
     ({"response_format": {"type": "json_object"}}, None, None),
     ({"max_completion_tokens": -5}, "max_completion_tokens", None),
-    ({"max_completion_tokens": 10**6}, "max_tokens", "context_length_exceeded"),
+    ({"max_completion_tokens": 10**6}, "max_completion_tokens", "context_length_exceeded"),
+    ({"max_tokens": 10**6}, "max_tokens", "context_length_exceeded"),
+    ({"max_tokens": 0}, "max_tokens", None),  # a chat answer has a token at least (OpenAI refuses 0 too)
+    ({"max_completion_tokens": 0}, "max_completion_tokens", None),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.1", None),
+    ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "18C"}]}, "messages.0", None),
     ({"n": 1000}, "n", None),
-    ({"messages": [{"role": "user", "content": "word " * 3000}]}, None, "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, "messages", "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "word " * 10**5}]}, "messages", "context_length_exceeded"),
     ({"modalities": ["text", "audio"]}, "modalities.1", None),  # text only: audio out is not served
 ]
 
@@ -241,6 +249,35 @@ def test_unknown_model_is_404(client):
                               "model", "model_not_found")
     assert "gpt-9" in err["message"]
     assert_openai_error(client.post("/v1/chat/completions", json={**OK_CHAT, "model": "../etc/passwd"}), 404)
+
+
+def test_long_tokens_are_not_refused_by_the_length_bound(client, tokenizer):
+    """The bound checked before tokenizing is the vocabulary's longest token, not a guess: SmolLM2 has tokens of
+    64+ characters (runs of '#'), so a prompt of ~40 characters a token fits (it was refused with a made-up
+    count when the bound was 32 characters a token)."""
+    server = client.app.state.server
+    longest = max(tokenizer.get_vocab(), key=len)
+    assert server.max_token_chars == len(longest) > 32
+    run = "#" * 64
+    prompt = run * (MAX_LEN // 2 + 4)
+    n_tokens = len(tokenizer.encode(prompt))
+    assert n_tokens < MAX_LEN - 8 and len(prompt) > 32 * MAX_LEN, (n_tokens, len(prompt))
+    r = client.post("/v1/completions", json={**OK_COMPLETION, "prompt": prompt})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == n_tokens
+
+
+def test_models_route_names_the_model(client):
+    r = client.get("/v1/models/tiny")
+    assert r.status_code == 200 and r.json()["id"] == "tiny" and r.json()["object"] == "model", r.text
+    assert_openai_error(client.get("/v1/models/gpt-9"), 404, "model", "model_not_found")
+
+
+def test_top_k_minus_one_means_off(client):
+    """vLLM's "disabled" value, which clients copying vLLM defaults send."""
+    r = client.post("/v1/completions", json={**OK_COMPLETION, "top_k": -1})
+    assert r.status_code == 200, r.text
+    assert_openai_error(client.post("/v1/completions", json={**OK_COMPLETION, "top_k": -2}), 400, "top_k")
 
 
 def test_unknown_route_and_method(client):

@@ -209,6 +209,10 @@ class Server:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(getattr(engine.model_config, "vocab_size", len(self.tokenizer)))
+        # No token spells more characters than the vocabulary's longest entry (byte-level and
+        # SentencePiece pieces are at least as long as their text): a text longer than this many
+        # characters per token of context cannot fit, whatever it tokenizes to.
+        self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.metrics = ServerMetrics(self.engine.stats)
         self._token_text: dict[int, str] = {}
         self.started_at = int(time.time())
@@ -228,29 +232,38 @@ class Server:
                 raise APIError(400, f"Token id {bad} is out of range: the vocabulary has {self.vocab_size} "
                                "tokens.", param="prompt", code="invalid_token_id")
             return prompt
-        # Cheap bound before tokenizing: no tokenizer packs more than ~32 characters per token.
-        if len(prompt) > 32 * self.max_model_len:
-            self.too_long(len(prompt) // 32, 0)
+        self.check_text_length(prompt, "prompt")
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    def too_long(self, prompt_len: int, max_tokens: int):
+    def check_text_length(self, text: str, param: str) -> None:
+        """Refuses, before tokenizing it, a text too long to fit in any tokenization."""
+        at_least = -(-len(text) // self.max_token_chars)
+        if at_least > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                           f"your {'messages' if param == 'messages' else 'prompt'} ({len(text)} characters) "
+                           f"cannot take fewer than {at_least} tokens. Please reduce it.", param=param,
+                           code="context_length_exceeded")
+
+    def too_long(self, prompt_len: int, max_tokens: int, prompt_param: str, tokens_param: str):
         raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                       f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-                       param="max_tokens" if prompt_len < self.max_model_len else "prompt",
+                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                       f"{'messages' if prompt_param == 'messages' else 'prompt'}, {max_tokens} for the "
+                       f"completion). Please reduce the {prompt_param} or {tokens_param}.",
+                       param=tokens_param if prompt_len < self.max_model_len else prompt_param,
                        code="context_length_exceeded")
 
-    def token_budget(self, prompt_ids: list[int], requested: Optional[int]) -> int:
+    def token_budget(self, prompt_ids: list[int], requested: Optional[int], prompt_param: str = "prompt",
+                     tokens_param: str = "max_tokens") -> int:
         """max_tokens for this prompt; None means 'up to the context length', as OpenAI does."""
         if not prompt_ids:
-            raise APIError(400, "The prompt is empty (it has no tokens).", param="prompt", code="empty_prompt")
+            raise APIError(400, "The prompt is empty (it has no tokens).", param=prompt_param, code="empty_prompt")
         room = self.max_model_len - len(prompt_ids)
         if requested is None:
             if room <= 0:
-                self.too_long(len(prompt_ids), 1)
+                self.too_long(len(prompt_ids), 1, prompt_param, tokens_param)
             return room
         if requested > room:
-            self.too_long(len(prompt_ids), requested)
+            self.too_long(len(prompt_ids), requested, prompt_param, tokens_param)
         return requested
 
     def sampling_params(self, body: P.SamplingFields, max_tokens: int, choice: int, logprobs: Optional[int],
@@ -265,7 +278,7 @@ class Server:
         return SamplingParams(
             max_tokens=max_tokens, temperature=_or(body.temperature, 1.0),
             top_p=max(_or(body.top_p, 1.0), 1e-6),  # OpenAI allows 0 (= the top token); the sampler wants > 0
-            top_k=_or(body.top_k, 0), min_p=_or(body.min_p, 0.0), seed=seed,
+            top_k=max(_or(body.top_k, 0), 0), min_p=_or(body.min_p, 0.0), seed=seed,
             presence_penalty=_or(body.presence_penalty, 0.0), frequency_penalty=_or(body.frequency_penalty, 0.0),
             repetition_penalty=_or(body.repetition_penalty, 1.0), stop=body.stop_list(),
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=bool(body.ignore_eos),
@@ -280,8 +293,7 @@ class Server:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # the template's own raise_exception(), or odd message orders
             raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
-        if len(text) > 32 * self.max_model_len:
-            self.too_long(len(text) // 32, 0)
+        self.check_text_length(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
@@ -702,7 +714,7 @@ async def chat_completions(server: Server, request: Request):
     n = body.n or 1
     _check_choice_count(n)
     ids = server.chat_prompt_ids(body)
-    max_tokens = server.token_budget(ids, body.token_limit())
+    max_tokens = server.token_budget(ids, body.token_limit(), "messages", body.token_limit_param())
     rid = P.new_id("chatcmpl")
     top = (body.top_logprobs or 0) if body.logprobs else None
     choices = [Choice(j, f"{rid}-{j}", ids, server.sampling_params(body, max_tokens, j, top)) for j in range(n)]
@@ -759,6 +771,12 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         card = P.ModelCard(id=config.served_model_name, created=server.started_at,
                            max_model_len=server.max_model_len)
         return P.ModelList(data=[card])
+
+    @app.get("/v1/models/{model:path}", response_model=P.ModelCard,
+             responses={404: {"model": P.ErrorResponse}})
+    async def model(model: str):
+        server.check_model(model)
+        return P.ModelCard(id=model, created=server.started_at, max_model_len=server.max_model_len)
 
     @app.post("/v1/completions", openapi_extra=_body_schema(P.CompletionRequest),
               responses={200: {"model": P.CompletionResponse}, 400: {"model": P.ErrorResponse}})

@@ -74,7 +74,7 @@ class SamplingFields(Request):
     seed: Optional[Annotated[StrictInt, Field(ge=-(2**63), le=2**64 - 1)]] = None
     user: Optional[StrictStr] = None
     # Extensions (vLLM names), reachable through the openai client's extra_body.
-    top_k: Optional[Annotated[StrictInt, Field(ge=0)]] = None
+    top_k: Optional[Annotated[StrictInt, Field(ge=-1)]] = None  # 0 or -1 (vLLM's value): off
     min_p: Optional[StrictFloat] = Field(None, ge=0.0, le=1.0)
     repetition_penalty: Optional[StrictFloat] = Field(None, gt=0.0, le=10.0)
     ignore_eos: Optional[bool] = None
@@ -214,7 +214,9 @@ class ResponseFormat(Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = None
+    # A chat answer has at least one token (OpenAI refuses 0; /v1/completions allows it, for scoring).
+    max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
+    max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
     response_format: Optional[ResponseFormat] = None
@@ -235,6 +237,10 @@ class ChatCompletionRequest(SamplingFields):
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.tools:
             raise ParamError("tools", "tools are not supported by this server")
+        for i, m in enumerate(self.messages):  # a tool exchange in the history could only be dropped or garbled
+            if m.tool_calls or m.tool_call_id is not None or m.role == "tool":
+                raise ParamError(f"messages.{i}", "tool calls and tool results are not supported by this server "
+                                 "(it does not support tools)")
         if self.tool_choice not in (None, "none"):
             raise ParamError("tool_choice", "tool_choice is not supported by this server")
         if self.response_format is not None and self.response_format.type != "text":
@@ -244,6 +250,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def token_limit_param(self) -> str:
+        """The field token_limit() came from (named in errors)."""
+        return "max_tokens" if self.max_completion_tokens is None and self.max_tokens is not None \
+            else "max_completion_tokens"
 
 
 # ---- responses ----------------------------------------------------------------------------------
