@@ -210,6 +210,12 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "word " * 3000}]}, "messages", "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "word " * 10**5}]}, "messages", "context_length_exceeded"),
     ({"modalities": ["text", "audio"]}, "modalities.1", None),  # text only: audio out is not served
+    ({"continue_final_message": True}, "continue_final_message", None),  # the last message is the user's
+    ({"messages": [{"role": "assistant", "content": "I"}], "continue_final_message": True,
+      "add_generation_prompt": True}, "continue_final_message", None),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", None),
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs", None),
+    ({"min_tokens": 3}, "min_tokens", "unknown_parameter"),  # not supported: named, not ignored
 ]
 
 
@@ -271,6 +277,42 @@ def test_models_route_names_the_model(client):
     r = client.get("/v1/models/tiny")
     assert r.status_code == 200 and r.json()["id"] == "tiny" and r.json()["object"] == "model", r.text
     assert_openai_error(client.get("/v1/models/gpt-9"), 404, "model", "model_not_found")
+
+
+def test_vllm_chat_template_options(client, tokenizer):
+    """continue_final_message continues the assistant's last message (no new turn is opened);
+    chat_template_kwargs reach the template as variables; both change the prompt the engine gets."""
+    from fitllm.serve.protocol import ChatCompletionRequest
+
+    server = client.app.state.server
+    partial = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    ids = server.chat_prompt_ids(ChatCompletionRequest(messages=partial, continue_final_message=True))
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\nHello, I am"), tokenizer.decode(ids)
+    opened = server.chat_prompt_ids(ChatCompletionRequest(messages=partial))
+    assert tokenizer.decode(opened).endswith("<|im_start|>assistant\n")
+    no_turn = server.chat_prompt_ids(ChatCompletionRequest(messages=partial[:1], add_generation_prompt=False))
+    assert not tokenizer.decode(no_turn).endswith("<|im_start|>assistant\n")
+    # SmolLM2's template reads no extra variables: accepted, same prompt
+    same = server.chat_prompt_ids(ChatCompletionRequest(messages=partial[:1], chat_template_kwargs={"x": 1}))
+    assert same == server.chat_prompt_ids(ChatCompletionRequest(messages=partial[:1]))
+    r = client.post("/v1/chat/completions", json={**OK_CHAT, "messages": partial, "continue_final_message": True,
+                                                 "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_vllm_detokenizer_options_reach_the_engine(client):
+    server = client.app.state.server
+    from fitllm.serve.protocol import CompletionRequest
+
+    body = CompletionRequest(prompt="x", skip_special_tokens=False, include_stop_str_in_output=True, stop="a")
+    params = server.sampling_params(body, 4, 0, None)
+    assert params.skip_special_tokens is False and params.include_stop_str_in_output is True
+    default = server.sampling_params(CompletionRequest(prompt="x"), 4, 0, None)
+    assert default.skip_special_tokens is True and default.include_stop_str_in_output is False
+    r = client.post("/v1/completions", json={**OK_COMPLETION, "skip_special_tokens": False,
+                                             "include_stop_str_in_output": True, "stop": "x"})
+    assert r.status_code == 200, r.text
 
 
 def test_top_k_minus_one_means_off(client):

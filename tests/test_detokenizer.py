@@ -8,9 +8,9 @@ from fitllm.serve.detokenizer import IncrementalDetokenizer
 TEXT = "Héllo wörld 😀 你好, the end. Stop at <END> and not after."
 
 
-def stream(tok, text, stop=(), prompt="Say:"):
+def stream(tok, text, stop=(), prompt="Say:", include_stop=False):
     ids = tok.encode(text, add_special_tokens=False)
-    d = IncrementalDetokenizer(tok, tok.encode(prompt, add_special_tokens=False), stop)
+    d = IncrementalDetokenizer(tok, tok.encode(prompt, add_special_tokens=False), stop, include_stop=include_stop)
     pieces = []
     for i in ids:
         pieces.append(d.add(i))
@@ -33,6 +33,16 @@ def test_pieces_join_to_the_full_decode_and_never_split_a_character(embedded_tok
 ])
 def test_stop_strings_spanning_tokens(embedded_tokenizer, stop, expected):
     pieces, d = stream(embedded_tokenizer, TEXT, stop)
+    assert d.stopped and "".join(pieces) == expected
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (["<END>"], "Héllo wörld 😀 你好, the end. Stop at <END>"),
+    (["d 😀", "Stop"], "Héllo wörld 😀"),  # the earliest stop string wins, as without include_stop
+])
+def test_stop_string_kept_with_include_stop(embedded_tokenizer, stop, expected):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string instead of before it."""
+    pieces, d = stream(embedded_tokenizer, TEXT, stop, include_stop=True)
     assert d.stopped and "".join(pieces) == expected
 
 

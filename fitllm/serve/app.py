@@ -282,7 +282,9 @@ class Server:
             presence_penalty=_or(body.presence_penalty, 0.0), frequency_penalty=_or(body.frequency_penalty, 0.0),
             repetition_penalty=_or(body.repetition_penalty, 1.0), stop=body.stop_list(),
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=bool(body.ignore_eos),
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
+            skip_special_tokens=_or(body.skip_special_tokens, True),
+            include_stop_str_in_output=bool(body.include_stop_str_in_output))
 
     def chat_prompt_ids(self, body: P.ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -290,7 +292,10 @@ class Server:
                            code="no_chat_template")
         messages = [_message_dict(m) for m in body.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, continue_final_message=bool(body.continue_final_message),
+                add_generation_prompt=_or(body.add_generation_prompt, not body.continue_final_message),
+                **(body.chat_template_kwargs or {}))
         except Exception as exc:  # the template's own raise_exception(), or odd message orders
             raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
         self.check_text_length(text, "messages")

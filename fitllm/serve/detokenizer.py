@@ -7,7 +7,8 @@ a multi-byte character is still incomplete and nothing is emitted, so a client n
 half of a character.
 
 Stop strings: text that could be the start of a stop string is held back until the next tokens
-decide; a stop string found (possibly spanning many tokens) ends the text just before it.
+decide; a stop string found (possibly spanning many tokens) ends the text just before it (or just
+after it, with include_stop: vLLM's include_stop_str_in_output).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ PROMPT_CONTEXT = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True):
-        self.tokenizer, self.skip_special = tokenizer, skip_special_tokens
+                 skip_special_tokens: bool = True, include_stop: bool = False):
+        self.tokenizer, self.skip_special, self.include_stop = tokenizer, skip_special_tokens, include_stop
         self._decode = _decoder(tokenizer, skip_special_tokens)
         self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
@@ -67,7 +68,8 @@ class IncrementalDetokenizer:
         hits = [(self.text.find(s, window), s) for s in self.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)[0]]
+            at, stop = min(hits)
+            self.text = self.text[: at + (len(stop) if self.include_stop else 0)]
             self.stopped = True
             return len(self.text)
         return len(self.text) - self._held_back()

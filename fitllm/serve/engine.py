@@ -247,7 +247,8 @@ class LLMEngine:
             needs_prompt_logits=params.prompt_logprobs is not None,
             prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None,
             detok=None if self.tokenizer is None else IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens),
+                self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
+                params.include_stop_str_in_output),
             sent_prompt_logprobs=False,
             spec_k=self.config.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens,
             spec_drafted=0, spec_accepted=0, spec_steps=0,

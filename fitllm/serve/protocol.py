@@ -79,6 +79,8 @@ class SamplingFields(Request):
     repetition_penalty: Optional[StrictFloat] = Field(None, gt=0.0, le=10.0)
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=64)
+    skip_special_tokens: Optional[bool] = None  # default true
+    include_stop_str_in_output: Optional[bool] = None
 
     @field_validator("stop")
     @classmethod
@@ -212,6 +214,12 @@ class ResponseFormat(Request):
     json_schema: Optional[dict[str, Any]] = None
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs must not override
+TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # A chat answer has at least one token (OpenAI refuses 0; /v1/completions allows it, for scoring).
@@ -230,6 +238,11 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: Optional[StrictStr] = None
     prediction: Optional[dict[str, Any]] = None
     modalities: Optional[list[Literal["text"]]] = None
+    # vLLM's chat template options: continue the last (assistant) message instead of opening a new one,
+    # and extra template variables (e.g. {"enable_thinking": false} for Qwen3).
+    add_generation_prompt: Optional[bool] = None  # default true
+    continue_final_message: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _consistency(self):
@@ -241,6 +254,15 @@ class ChatCompletionRequest(SamplingFields):
             if m.tool_calls or m.tool_call_id is not None or m.role == "tool":
                 raise ParamError(f"messages.{i}", "tool calls and tool results are not supported by this server "
                                  "(it does not support tools)")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError("continue_final_message",
+                             "continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ParamError("continue_final_message", "continue_final_message needs an assistant message last")
+        taken = set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS
+        if taken:
+            raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {sorted(taken)}: "
+                             "they are the server's (or request fields of their own)")
         if self.tool_choice not in (None, "none"):
             raise ParamError("tool_choice", "tool_choice is not supported by this server")
         if self.response_format is not None and self.response_format.type != "text":

@@ -45,6 +45,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None  # the same for prompt tokens (echo / scoring)
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the text ends after the stop string that ended it, not before
 
     @property
     def greedy(self) -> bool:
