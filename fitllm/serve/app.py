@@ -240,15 +240,14 @@ class Server:
         at_least = -(-len(text) // self.max_token_chars)
         if at_least > self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                           f"your {'messages' if param == 'messages' else 'prompt'} ({len(text)} characters) "
+                           f"your {param} ({len(text)} characters) "
                            f"cannot take fewer than {at_least} tokens. Please reduce it.", param=param,
                            code="context_length_exceeded")
 
     def too_long(self, prompt_len: int, max_tokens: int, prompt_param: str, tokens_param: str):
         raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
-                       f"{'messages' if prompt_param == 'messages' else 'prompt'}, {max_tokens} for the "
-                       f"completion). Please reduce the {prompt_param} or {tokens_param}.",
+                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, "
+                       f"{max_tokens} for the completion). Please reduce the {prompt_param} or {tokens_param}.",
                        param=tokens_param if prompt_len < self.max_model_len else prompt_param,
                        code="context_length_exceeded")
 
