@@ -215,7 +215,9 @@ BAD_CHATS = [
       "add_generation_prompt": True}, "continue_final_message", None),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", None),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs", None),
-    ({"min_tokens": 3}, "min_tokens", "unknown_parameter"),  # not supported: named, not ignored
+    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens", None),
+    ({"min_tokens": 10**6}, "min_tokens", None),  # more than the context leaves
+    ({"min_tokens": -1}, "min_tokens", None),
 ]
 
 

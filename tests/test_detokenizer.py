@@ -8,9 +8,10 @@ from fitllm.serve.detokenizer import IncrementalDetokenizer
 TEXT = "Héllo wörld 😀 你好, the end. Stop at <END> and not after."
 
 
-def stream(tok, text, stop=(), prompt="Say:", include_stop=False):
+def stream(tok, text, stop=(), prompt="Say:", include_stop=False, min_tokens=0):
     ids = tok.encode(text, add_special_tokens=False)
-    d = IncrementalDetokenizer(tok, tok.encode(prompt, add_special_tokens=False), stop, include_stop=include_stop)
+    d = IncrementalDetokenizer(tok, tok.encode(prompt, add_special_tokens=False), stop, include_stop=include_stop,
+                               min_tokens=min_tokens)
     pieces = []
     for i in ids:
         pieces.append(d.add(i))
@@ -44,6 +45,19 @@ def test_stop_string_kept_with_include_stop(embedded_tokenizer, stop, expected):
     """vLLM's include_stop_str_in_output: the text ends after the stop string instead of before it."""
     pieces, d = stream(embedded_tokenizer, TEXT, stop, include_stop=True)
     assert d.stopped and "".join(pieces) == expected
+
+
+def test_stop_strings_wait_for_min_tokens(embedded_tokenizer):
+    """vLLM's min_tokens: a stop string must begin after the first min_tokens tokens' text."""
+    tok = embedded_tokenizer
+    text = "the end. Then more text, the end again."
+    ids = tok.encode(text, add_special_tokens=False)
+    first = next(k for k in range(len(ids)) if "end" in tok.decode(ids[: k + 1]))  # the token completing "end"
+    for m, expected in [(0, "the "), (first, "the "), (first + 1, "the end. Then more text, the ")]:
+        pieces, d = stream(tok, text, ["end"], min_tokens=m)
+        assert d.stopped and "".join(pieces) == expected, m
+    pieces, d = stream(tok, text, ["end"], min_tokens=len(ids))  # never searched: all of it
+    assert not d.stopped and "".join(pieces) == tok.decode(ids)
 
 
 def test_partial_stop_is_held_back_then_released(embedded_tokenizer):

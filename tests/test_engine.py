@@ -126,6 +126,40 @@ def test_stop_conditions_and_prompt_logprobs(embedded_model, embedded_tokenizer,
     assert torch.allclose(torch.tensor(got), torch.tensor(expected), atol=1e-4)
 
 
+def test_min_tokens_bans_the_stop_tokens_until_then(embedded_model, embedded_tokenizer):
+    """vLLM's min_tokens: EOS and stop_token_ids cannot be sampled for the first min_tokens outputs.
+    Oracle: greedy over transformers-free full forwards with those ids masked. The two values of m
+    picked differ only in whether output m may stop, so a ban one token too long or too short fails;
+    checked plain, with look-ahead steps (their row samples output num_output + 1) and with
+    speculation by an int4 copy (no drafts before min_tokens)."""
+    tok = embedded_tokenizer
+    prompt = tok.encode("1, 2, 3, 4,", add_special_tokens=False)
+    comma = tok.encode(",", add_special_tokens=False)
+    assert len(comma) == 1
+    eng = make_engine(embedded_model, tok)
+    stops = sorted({comma[0]} | eng.eos_ids)
+
+    def oracle(m: int, n: int = 10) -> list[int]:
+        out: list[int] = []
+        while len(out) < n and (not out or out[-1] not in stops):
+            logits = prompt_logits(embedded_model, prompt + out)[-1].clone()
+            if len(out) < m:
+                logits[stops] = float("-inf")
+            out.append(int(logits.argmax()))
+        return out
+
+    expected = {m: oracle(m) for m in range(6)}
+    m = next(m for m in range(5) if expected[m][-1] in stops and len(expected[m]) == m + 1
+             and expected[m + 1] != expected[m])  # output m stops unless it is banned
+    for kw in (dict(), dict(async_scheduling=True), dict(speculative="self-int4")):
+        eng = make_engine(embedded_model, tok, **kw)
+        for mt in (m, m + 1):
+            params = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[comma[0]], min_tokens=mt)
+            out = eng.generate([prompt], params)[0]
+            assert out.new_token_ids == expected[mt], (kw, mt)
+            assert out.finish_reason == ("stop" if expected[mt][-1] in stops else "length")
+
+
 def test_nan_logits_fail_only_that_request(embedded_model, embedded_tokenizer, prompts, reference):
     eng = make_engine(embedded_model, embedded_tokenizer)
     broken = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

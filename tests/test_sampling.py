@@ -106,6 +106,20 @@ def test_logit_bias_and_logprobs_are_raw():
     assert out.logprobs[1].top == [] and out.logprobs[1].token_id == out.token_ids[1]
 
 
+def test_banned_tokens_are_never_sampled_and_leave_the_logprobs_raw():
+    """min_tokens' bans (SampleInput.banned): a greedy row takes the best token left, a sampled row
+    never draws a banned one, and the reported logprobs are the raw distribution's."""
+    x = logits(2, seed=8)
+    best = x.argsort(-1, descending=True)
+    banned = best[0, :2].tolist()
+    out = Sampler()(x, [SampleInput(SamplingParams(temperature=0, logprobs=1), banned=banned), row(temperature=0)])
+    assert out.token_ids == [best[0, 2].item(), best[1, 0].item()]  # the other row is untouched
+    assert math.isclose(out.logprobs[0].top[0][1], torch.log_softmax(x[0], -1)[best[0, 0]].item(), rel_tol=1e-5)
+    hot = SampleInput(SamplingParams(temperature=5.0), make_generator(9, "cpu"), banned=best[0, :V - 3].tolist())
+    drawn = {Sampler()(x[:1], [hot]).token_ids[0] for _ in range(100)}
+    assert drawn == set(best[0, V - 3:].tolist())  # every allowed token comes up at this temperature
+
+
 def test_non_finite_logits_fail_only_their_row():
     x = logits(3, seed=5)
     x[1, 4] = float("nan")
@@ -115,7 +129,8 @@ def test_non_finite_logits_fail_only_their_row():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(logprobs=50), dict(logit_bias={V: 1.0}),
-                                 dict(stop=[""]), dict(max_tokens=-1)])
+                                 dict(stop=[""]), dict(max_tokens=-1), dict(min_tokens=-1),
+                                 dict(max_tokens=4, min_tokens=5)])
 def test_validation_messages(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad).validate(V)

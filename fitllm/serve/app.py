@@ -272,6 +272,10 @@ class Server:
         if bad is not None:
             raise APIError(400, f"Token id {bad} in logit_bias/stop_token_ids is out of range: the vocabulary "
                            f"has {self.vocab_size} tokens.", param="logit_bias", code="invalid_token_id")
+        min_tokens = body.min_tokens or 0
+        if min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({min_tokens}) is more than the {max_tokens} tokens this completion may "
+                           "have (max_tokens, or the context length left after the prompt).", param="min_tokens")
         # n > 1 with a seed: each choice gets its own stream, still reproducible.
         seed = None if body.seed is None else (body.seed + choice) % (2**64)
         return SamplingParams(
@@ -283,7 +287,7 @@ class Server:
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=bool(body.ignore_eos),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
             skip_special_tokens=_or(body.skip_special_tokens, True),
-            include_stop_str_in_output=bool(body.include_stop_str_in_output))
+            include_stop_str_in_output=bool(body.include_stop_str_in_output), min_tokens=min_tokens)
 
     def chat_prompt_ids(self, body: P.ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):

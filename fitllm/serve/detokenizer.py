@@ -8,7 +8,8 @@ half of a character.
 
 Stop strings: text that could be the start of a stop string is held back until the next tokens
 decide; a stop string found (possibly spanning many tokens) ends the text just before it (or just
-after it, with include_stop: vLLM's include_stop_str_in_output).
+after it, with include_stop: vLLM's include_stop_str_in_output). The text of the first `min_tokens`
+tokens is never searched: a stop string must begin after it (vLLM's min_tokens).
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ PROMPT_CONTEXT = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True, include_stop: bool = False):
+                 skip_special_tokens: bool = True, include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer, self.skip_special, self.include_stop = tokenizer, skip_special_tokens, include_stop
+        self.unsearched = min_tokens  # tokens still to come whose text no stop string may begin in
         self._decode = _decoder(tokenizer, skip_special_tokens)
         self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
@@ -37,7 +39,9 @@ class IncrementalDetokenizer:
             return ""
         self.ids.append(token_id)
         self.text += self._decode_new()
-        if self.stop:
+        if self.unsearched > 0:
+            self.unsearched -= 1
+        elif self.stop:
             return self._emit(self._check_stop())
         return self._emit(len(self.text))
 

@@ -248,7 +248,7 @@ class LLMEngine:
             prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None,
             detok=None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
-                params.include_stop_str_in_output),
+                params.include_stop_str_in_output, params.min_tokens),
             sent_prompt_logprobs=False,
             spec_k=self.config.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens,
             spec_drafted=0, spec_accepted=0, spec_steps=0,
@@ -330,7 +330,7 @@ class LLMEngine:
             log.exception("queuing the next decode step ahead failed")
             return None
         self.num_look_ahead_steps += 1
-        return sched, self._queue_outputs(sched, seqs, logits)
+        return sched, self._queue_outputs(sched, seqs, logits, ahead=1)
 
     def _look_ahead_batch(self, pending: "_Pending") -> Optional[list[Request]]:
         """The requests of step N + 1 if they are certain now: every running request sampled one
@@ -371,7 +371,7 @@ class LLMEngine:
 
     def _num_to_draft(self, req: Request) -> int:
         p = req.params
-        if p.has_penalties:
+        if p.has_penalties or req.num_output < p.min_tokens:  # verification rows do not ban the stop tokens
             return 0
         # Room for the accepted drafts plus the target's own token, within both length limits.
         room = self.max_model_len - req.num_tokens
@@ -390,9 +390,11 @@ class LLMEngine:
         return StepSeq(req.token_ids[start:start + n], start, self.block_manager.table(req.request_id), num_logits,
                        len(req.prompt_ids))
 
-    def _queue_outputs(self, sched: SchedulerOutput, seqs: list[StepSeq], logits: torch.Tensor) -> "_Pending":
+    def _queue_outputs(self, sched: SchedulerOutput, seqs: list[StepSeq], logits: torch.Tensor,
+                       ahead: int = 0) -> "_Pending":
         """Queue on the GPU what the step's outputs need: sampled tokens (for greedy verification,
-        the target's argmax of every verification row), logprobs, prompt logprobs. No waiting."""
+        the target's argmax of every verification row), logprobs, prompt logprobs. No waiting.
+        `ahead`: output tokens sampled by steps whose results are not applied yet (a look-ahead: 1)."""
         pending = _Pending()
         rows, inputs, row = [], [], 0
         for (req, n), seq in zip(sched.num_tokens.items(), seqs):
@@ -416,7 +418,7 @@ class LLMEngine:
             elif seq.num_logits:
                 pending.todo.append(("sample", req, len(rows)))
                 rows.append(row - 1)
-                inputs.append(self._sample_input(req))
+                inputs.append(self._sample_input(req, req.num_output + ahead))
         if rows:
             index = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) \
                 else to_device(rows, torch.long, logits.device)
@@ -515,13 +517,20 @@ class LLMEngine:
                 break
         return out
 
-    def _sample_input(self, req: Request) -> SampleInput:
+    def _sample_input(self, req: Request, index: int) -> SampleInput:
+        """The sampler's row for req's output token number `index` (from 0)."""
+        p = req.params
+        banned = self._stop_ids(p) if index < p.min_tokens else ()
         fixed = req.state.get("sample_input")  # the same every step unless penalties look at the output
-        if fixed is not None:
+        if fixed is not None and not banned:
             return fixed
-        if req.params.has_penalties:
-            return SampleInput(req.params, req.state["generator"], req.prompt_ids, req.output_ids)
-        return SampleInput(req.params, req.state["generator"])
+        if p.has_penalties:
+            return SampleInput(p, req.state["generator"], req.prompt_ids, req.output_ids, banned)
+        return SampleInput(p, req.state["generator"], banned=banned)
+
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        """The token ids that end p's output."""
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
 
     def _append(self, req: Request, token: int, logprob: Optional[TokenLogprob], failed: bool) -> RequestOutput:
         if failed:

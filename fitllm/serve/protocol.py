@@ -81,6 +81,7 @@ class SamplingFields(Request):
     stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=64)
     skip_special_tokens: Optional[bool] = None  # default true
     include_stop_str_in_output: Optional[bool] = None
+    min_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # stop tokens and strings wait for these
 
     @field_validator("stop")
     @classmethod

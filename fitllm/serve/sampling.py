@@ -1,7 +1,7 @@
 """Sampling parameters and the batched sampler.
 
 One call samples a token for every row of a logits batch, each row with its own parameters, on
-the logits' device. Order (as vLLM and HF do it): logit_bias and penalties, then greedy rows take
+the logits' device. Order (as vLLM and HF do it): logit_bias, penalties and bans, then greedy rows take
 the argmax; the others are divided by their temperature, filtered by top-k, top-p and min-p, and
 sampled with the exponential-race trick (argmax of p / Exp(1) noise). A request with a seed owns
 a generator that draws exactly one noise vector per token it samples, so its tokens do not
@@ -46,6 +46,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # the text ends after the stop string that ended it, not before
+    min_tokens: int = 0  # no stop token, EOS or stop string ends the output before this many tokens (vLLM)
 
     @property
     def greedy(self) -> bool:
@@ -59,6 +60,9 @@ class SamplingParams:
         """ValueError with a sentence a client can act on."""
         checks = [
             (self.max_tokens is None or self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0 or self.top_k == -1, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
@@ -94,12 +98,14 @@ class TokenLogprob:
 
 @dataclass
 class SampleInput:
-    """One row of the batch: its parameters, generator and the tokens penalties look at."""
+    """One row of the batch: its parameters, generator, the tokens penalties look at, and the
+    tokens it may not sample this step (`banned`: the stop tokens before min_tokens)."""
 
     params: SamplingParams
     generator: Optional[torch.Generator] = None
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
+    banned: Sequence[int] = ()
 
 
 @dataclass
@@ -163,13 +169,13 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleInput]) -> DeviceSample:
         """Queue the sampling of every row on the logits' device; nothing waits for the GPU."""
-        if all(r.params.greedy and not r.params.logit_bias and not r.params.has_penalties
+        if all(r.params.greedy and not r.params.logit_bias and not r.params.has_penalties and not r.banned
                and r.params.logprobs is None for r in rows):  # plain greedy: one kernel, the same tokens
             return DeviceSample(greedy_tokens(logits), [], [], None)
         logits = logits.float()
         finite = torch.isfinite(logits).all(dim=-1)
         raw = torch.where(finite[:, None], logits, torch.zeros((), device=logits.device))
-        x = apply_penalties(apply_logit_bias(raw, rows), rows)
+        x = apply_bans(apply_penalties(apply_logit_bias(raw, rows), rows), rows)
         tokens = x.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
@@ -248,6 +254,18 @@ def apply_logit_bias(x: torch.Tensor, rows: Sequence[SampleInput]) -> torch.Tens
     x = x.clone()
     x.index_put_((to_device(r, torch.long, x.device), to_device(t, torch.long, x.device)),
                  to_device(b, x.dtype, x.device), accumulate=True)
+    return x
+
+
+def apply_bans(x: torch.Tensor, rows: Sequence[SampleInput]) -> torch.Tensor:
+    """Each row's banned tokens to -inf (a row never bans its whole vocabulary: min_tokens bans
+    only the stop tokens)."""
+    entries = [(i, int(t)) for i, r in enumerate(rows) for t in r.banned]
+    if not entries:
+        return x
+    r, t = zip(*entries)
+    x = x.clone()
+    x[to_device(r, torch.long, x.device), to_device(t, torch.long, x.device)] = float("-inf")
     return x
 
 
