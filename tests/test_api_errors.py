@@ -642,3 +642,31 @@ def test_serve_deterministic_flag_sets_the_kernels_switch_before_the_engine(monk
     for flag, want in (([], "0"), (["--deterministic"], "1")):
         assert CliRunner().invoke(app, ["serve", *flag]).exit_code == 3
         assert seen[-1] == want
+
+
+def test_tokenize_and_detokenize(client, tokenizer):
+    """vLLM's /tokenize and /detokenize, against the tokenizer and its chat template directly."""
+    text = "Héllo wörld 😀, the end."
+    r = client.post("/tokenize", json={"model": "tiny", "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    assert r.json() == {"count": len(ids), "max_model_len": r.json()["max_model_len"], "tokens": ids,
+                        "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    assert client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"] == \
+        tokenizer.encode(text, add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    chat = client.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()
+    expected = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True),
+                                add_special_tokens=False)
+    assert chat["tokens"] == expected and chat["count"] == len(expected) and chat.get("token_strs") is None
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+    # errors as the completion routes give them
+    assert_openai_error(client.post("/tokenize", json={"messages": messages, "add_generation_prompt": True,
+                                                        "continue_final_message": True}), 400, "continue_final_message")
+    assert_openai_error(client.post("/tokenize", json={"prompt": text, "messages": messages}), 400, "prompt",
+                        "unknown_parameter")
+    assert_openai_error(client.post("/tokenize", json={"prompt": "hi", "model": "other"}), 404, "model")
+    assert_openai_error(client.post("/tokenize", json={}), 400, "prompt")
+    assert_openai_error(client.post("/tokenize", content=b"{not json"), 400, code="invalid_json")
+    assert_openai_error(client.post("/detokenize", json={"tokens": [VOCAB]}), 400, "tokens", "invalid_token_id")
+    assert_openai_error(client.post("/detokenize", json={"tokens": [-1]}), 400, "tokens.0")

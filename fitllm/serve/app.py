@@ -289,7 +289,7 @@ class Server:
             skip_special_tokens=_or(body.skip_special_tokens, True),
             include_stop_str_in_output=bool(body.include_stop_str_in_output), min_tokens=min_tokens)
 
-    def chat_prompt_ids(self, body: P.ChatCompletionRequest) -> list[int]:
+    def chat_prompt_ids(self, body: P.ChatTemplateFields) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages",
                            code="no_chat_template")
@@ -731,6 +731,35 @@ async def chat_completions(server: Server, request: Request):
     return streamed or _json(shaper.final())
 
 
+async def tokenize(server: Server, request: Request):
+    """vLLM's /tokenize: a prompt's or a chat's ids, as the completion routes would see them (texts
+    longer than the context could hold in any tokenization are refused, as there)."""
+    raw = await request.body()
+    try:
+        chat = "messages" in json.loads(raw)
+    except (ValueError, TypeError):
+        chat = False  # the model's parse below names the problem
+    body = await parse_body(request, P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest)
+    server.check_model(body.model)
+    if chat:
+        ids = server.chat_prompt_ids(body)
+    else:
+        server.check_text_length(body.prompt, "prompt")
+        ids = server.tokenizer.encode(body.prompt, add_special_tokens=_or(body.add_special_tokens, True))
+    strs = server.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return _json(P.TokenizeResponse(count=len(ids), max_model_len=server.max_model_len, tokens=ids, token_strs=strs))
+
+
+async def detokenize(server: Server, request: Request):
+    body = await parse_body(request, P.DetokenizeRequest)
+    server.check_model(body.model)
+    bad = next((t for t in body.tokens if t >= server.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"Token id {bad} is out of range: the vocabulary has {server.vocab_size} tokens.",
+                       param="tokens", code="invalid_token_id")
+    return _json(P.DetokenizeResponse(prompt=server.decode(body.tokens)))
+
+
 def _check_choice_count(count: int) -> None:
     if count > MAX_CHOICES:
         raise APIError(400, f"n times the number of prompts is {count}; at most {MAX_CHOICES} choices "
@@ -796,6 +825,16 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     async def v1_chat_completions(request: Request):
         return await chat_completions(server, request)
 
+    @app.post("/tokenize", openapi_extra=_body_schema(P.TokenizeCompletionRequest, P.TokenizeChatRequest),
+              responses={200: {"model": P.TokenizeResponse}, 400: {"model": P.ErrorResponse}})
+    async def v1_tokenize(request: Request):
+        return await tokenize(server, request)
+
+    @app.post("/detokenize", openapi_extra=_body_schema(P.DetokenizeRequest),
+              responses={200: {"model": P.DetokenizeResponse}, 400: {"model": P.ErrorResponse}})
+    async def v1_detokenize(request: Request):
+        return await detokenize(server, request)
+
     _publish_request_schemas(app)
     return app
 
@@ -845,9 +884,10 @@ def _install_error_handlers(app: FastAPI, server: Server) -> None:
         return error_response(500, f"Internal server error ({exc.__class__.__name__}).", code="server_error")
 
 
-def _body_schema(model: type[BaseModel]) -> dict:
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+def _body_schema(*models: type[BaseModel]) -> dict:
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
+    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def _publish_request_schemas(app: FastAPI) -> None:
@@ -860,7 +900,8 @@ def _publish_request_schemas(app: FastAPI) -> None:
             return app.openapi_schema
         schema = build()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (P.CompletionRequest, P.ChatCompletionRequest):
+        for model in (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeCompletionRequest,
+                      P.TokenizeChatRequest, P.DetokenizeRequest):
             s = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(s.pop("$defs", {}))
             components[model.__name__] = s

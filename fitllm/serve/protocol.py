@@ -221,8 +221,34 @@ TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_te
                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(Request):
+    """The messages and vLLM's chat template options, shared by chat completions and /tokenize:
+    continue the last (assistant) message instead of opening a new one, and extra template
+    variables (e.g. {"enable_thinking": false} for Qwen3)."""
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: Optional[bool] = None  # default true
+    continue_final_message: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _template_options(self):
+        for i, m in enumerate(self.messages):  # a tool exchange in the history could only be dropped or garbled
+            if m.tool_calls or m.tool_call_id is not None or m.role == "tool":
+                raise ParamError(f"messages.{i}", "tool calls and tool results are not supported by this server "
+                                 "(it does not support tools)")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError("continue_final_message",
+                             "continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ParamError("continue_final_message", "continue_final_message needs an assistant message last")
+        taken = set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS
+        if taken:
+            raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {sorted(taken)}: "
+                             "they are the server's (or request fields of their own)")
+        return self
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     # A chat answer has at least one token (OpenAI refuses 0; /v1/completions allows it, for scoring).
     max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
@@ -239,11 +265,6 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: Optional[StrictStr] = None
     prediction: Optional[dict[str, Any]] = None
     modalities: Optional[list[Literal["text"]]] = None
-    # vLLM's chat template options: continue the last (assistant) message instead of opening a new one,
-    # and extra template variables (e.g. {"enable_thinking": false} for Qwen3).
-    add_generation_prompt: Optional[bool] = None  # default true
-    continue_final_message: Optional[bool] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _consistency(self):
@@ -251,19 +272,6 @@ class ChatCompletionRequest(SamplingFields):
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.tools:
             raise ParamError("tools", "tools are not supported by this server")
-        for i, m in enumerate(self.messages):  # a tool exchange in the history could only be dropped or garbled
-            if m.tool_calls or m.tool_call_id is not None or m.role == "tool":
-                raise ParamError(f"messages.{i}", "tool calls and tool results are not supported by this server "
-                                 "(it does not support tools)")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ParamError("continue_final_message",
-                             "continue_final_message and add_generation_prompt cannot both be true")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ParamError("continue_final_message", "continue_final_message needs an assistant message last")
-        taken = set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS
-        if taken:
-            raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {sorted(taken)}: "
-                             "they are the server's (or request fields of their own)")
         if self.tool_choice not in (None, "none"):
             raise ParamError("tool_choice", "tool_choice is not supported by this server")
         if self.response_format is not None and self.response_format.type != "text":
@@ -278,6 +286,25 @@ class ChatCompletionRequest(SamplingFields):
         """The field token_limit() came from (named in errors)."""
         return "max_tokens" if self.max_completion_tokens is None and self.max_tokens is not None \
             else "max_completion_tokens"
+
+
+class TokenizeCompletionRequest(Request):
+    """vLLM's /tokenize for a prompt: its ids as /v1/completions would encode it."""
+    model: Optional[StrictStr] = None
+    prompt: StrictStr
+    add_special_tokens: Optional[bool] = None  # default true (a BOS where the tokenizer adds one)
+    return_token_strs: Optional[bool] = None
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """vLLM's /tokenize for messages: the ids /v1/chat/completions would prompt the model with."""
+    model: Optional[StrictStr] = None
+    return_token_strs: Optional[bool] = None
+
+
+class DetokenizeRequest(Request):
+    model: Optional[StrictStr] = None
+    tokens: list[TokenId]
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -418,6 +445,17 @@ class ErrorDetail(Response):
     type: str
     param: Optional[str] = None
     code: Optional[str] = None
+
+
+class TokenizeResponse(Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None  # each token's vocabulary entry, when return_token_strs
+
+
+class DetokenizeResponse(Response):
+    prompt: str
 
 
 class ErrorResponse(Response):
