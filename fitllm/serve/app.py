@@ -815,26 +815,9 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
         server.check_model(model)
         return P.ModelCard(id=model, created=server.started_at, max_model_len=server.max_model_len)
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(P.CompletionRequest),
-              responses={200: {"model": P.CompletionResponse}, 400: {"model": P.ErrorResponse}})
-    async def v1_completions(request: Request):
-        return await completions(server, request)
-
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(P.ChatCompletionRequest),
-              responses={200: {"model": P.ChatCompletionResponse}, 400: {"model": P.ErrorResponse}})
-    async def v1_chat_completions(request: Request):
-        return await chat_completions(server, request)
-
-    @app.post("/tokenize", openapi_extra=_body_schema(P.TokenizeCompletionRequest, P.TokenizeChatRequest),
-              responses={200: {"model": P.TokenizeResponse}, 400: {"model": P.ErrorResponse}})
-    async def v1_tokenize(request: Request):
-        return await tokenize(server, request)
-
-    @app.post("/detokenize", openapi_extra=_body_schema(P.DetokenizeRequest),
-              responses={200: {"model": P.DetokenizeResponse}, 400: {"model": P.ErrorResponse}})
-    async def v1_detokenize(request: Request):
-        return await detokenize(server, request)
-
+    for path, handler, bodies, answer in POST_ROUTES:
+        app.add_api_route(path, _endpoint(server, handler), methods=["POST"], openapi_extra=_body_schema(*bodies),
+                          responses={200: {"model": answer}, 400: {"model": P.ErrorResponse}})
     _publish_request_schemas(app)
     return app
 
@@ -884,6 +867,22 @@ def _install_error_handlers(app: FastAPI, server: Server) -> None:
         return error_response(500, f"Internal server error ({exc.__class__.__name__}).", code="server_error")
 
 
+# path, handler, the request bodies it takes (for the OpenAPI document), its answer
+POST_ROUTES = [
+    ("/v1/completions", completions, (P.CompletionRequest,), P.CompletionResponse),
+    ("/v1/chat/completions", chat_completions, (P.ChatCompletionRequest,), P.ChatCompletionResponse),
+    ("/tokenize", tokenize, (P.TokenizeCompletionRequest, P.TokenizeChatRequest), P.TokenizeResponse),
+    ("/detokenize", detokenize, (P.DetokenizeRequest,), P.DetokenizeResponse),
+]
+
+
+def _endpoint(server: Server, handler):
+    async def endpoint(request: Request):
+        return await handler(server, request)
+    endpoint.__name__ = handler.__name__  # the OpenAPI operation's name
+    return endpoint
+
+
 def _body_schema(*models: type[BaseModel]) -> dict:
     refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
     schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
@@ -900,8 +899,7 @@ def _publish_request_schemas(app: FastAPI) -> None:
             return app.openapi_schema
         schema = build()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeCompletionRequest,
-                      P.TokenizeChatRequest, P.DetokenizeRequest):
+        for model in (body for route in POST_ROUTES for body in route[2]):
             s = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(s.pop("$defs", {}))
             components[model.__name__] = s
