@@ -670,3 +670,26 @@ def test_tokenize_and_detokenize(client, tokenizer):
     assert_openai_error(client.post("/tokenize", content=b"{not json"), 400, code="invalid_json")
     assert_openai_error(client.post("/detokenize", json={"tokens": [VOCAB]}), 400, "tokens", "invalid_token_id")
     assert_openai_error(client.post("/detokenize", json={"tokens": [-1]}), 400, "tokens.0")
+
+
+def test_chat_template_option(tokenizer, tmp_path, monkeypatch):
+    """--chat-template: a broken or missing file fails before the model loads, naming it and the line;
+    a good one replaces the tokenizer's template for chat completions and /tokenize."""
+    from typer.testing import CliRunner
+
+    from fitllm.cli import serve as serve_cli
+    from fitllm.cli.main import app
+
+    monkeypatch.setattr(serve_cli, "_check_port_free", lambda host, port: None)
+    monkeypatch.setattr(serve_cli, "_build_engine", lambda *a, **k: pytest.fail("the model was loaded"))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    for path, why in ((broken, "broken.jinja: line 2"), (tmp_path / "none.jinja", "none.jinja: cannot read it")):
+        result = CliRunner().invoke(app, ["serve", "--chat-template", str(path)])
+        assert result.exit_code == 1 and why in " ".join(result.output.split()), result.output
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    with make_client(tokenizer, chat_template=template) as c:
+        ids = c.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
+        assert ids == tokenizer.encode("<user>Hi\n<assistant>", add_special_tokens=False)
+        assert c.post("/v1/chat/completions", json=OK_CHAT).json()["usage"]["prompt_tokens"] == len(ids)
+    assert tokenizer.chat_template != template  # the server's own copy was changed, not the engine's

@@ -37,6 +37,9 @@ def serve(
     max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes", help="Largest request body."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Model name in the API (default: from MODEL)."),
+    chat_template: Optional[Path] = typer.Option(None, "--chat-template",
+                                                 help="A Jinja chat template file for /v1/chat/completions, in "
+                                                      "place of the tokenizer's (a base model has none)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
     speculative: Optional[str] = typer.Option(None, "--speculative",
@@ -55,6 +58,7 @@ def serve(
         os.environ["FITLLM_DETERMINISTIC"] = "1"
     if speculative and not 1 <= num_speculative_tokens <= 16:
         fail(f"--num-speculative-tokens {num_speculative_tokens}: must be between 1 and 16 with --speculative")
+    template = _read_chat_template(chat_template) if chat_template is not None else None
     _check_port_free(host, port)
     engine = _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                            num_kv_blocks, gpu_memory_utilization, not no_prefix_caching, not no_cuda_graphs,
@@ -64,7 +68,7 @@ def serve(
     name = served_model_name or _default_name(model)
     config = ServerConfig(served_model_name=name, model_aliases=tuple(a for a in (model,) if a),
                           api_key=api_key, max_body_bytes=max_request_bytes, max_waiting=max_waiting,
-                          request_timeout=request_timeout)
+                          request_timeout=request_timeout, chat_template=template)
     _print_summary(engine, name, host, port, api_key)
     _run(create_app(engine, config), host, port, log_level, request_timeout)
 
@@ -78,6 +82,21 @@ def _check_options(port, max_num_seqs, gpu_mem, max_waiting, timeout, max_bytes)
         fail(f"--gpu-memory-utilization {gpu_mem}: must be in (0, 1]")
     if timeout <= 0 or max_bytes < 1024:
         fail("--request-timeout must be positive and --max-request-bytes at least 1024")
+
+
+def _read_chat_template(path: Path) -> str:
+    """The template's text, checked for Jinja syntax before the minutes of model loading."""
+    import jinja2
+
+    try:
+        text = path.expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"--chat-template {path}: cannot read it ({exc})")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        fail(f"--chat-template {path}: line {exc.lineno}: {exc.message}")
+    return text
 
 
 def _check_port_free(host: str, port: int) -> None:

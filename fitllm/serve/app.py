@@ -52,6 +52,7 @@ class ServerConfig:
     max_waiting: int = 256                   # engine queue bound; past it, 429
     request_timeout: float = 600.0           # seconds from arrival to the last token
     retry_after_s: int = 1
+    chat_template: Optional[str] = None      # replaces the tokenizer's own (Jinja text)
 
 
 class APIError(Exception):
@@ -207,6 +208,8 @@ class Server:
         # The engine thread detokenizes with engine.tokenizer; a Rust tokenizer shared across
         # threads can fail with "Already borrowed", so the HTTP side encodes with its own copy.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = config.chat_template
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(getattr(engine.model_config, "vocab_size", len(self.tokenizer)))
         # No token spells more characters than the vocabulary's longest entry (byte-level and
