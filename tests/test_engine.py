@@ -116,6 +116,7 @@ def test_stop_conditions_and_prompt_logprobs(embedded_model, embedded_tokenizer,
         SamplingParams(max_tokens=0, prompt_logprobs=1)])
     assert outs[0].finish_reason == "stop" and outs[0].new_text == text[: text.index(stop_at)]
     assert outs[1].finish_reason == "stop" and outs[1].new_token_ids == reference[0][:2]
+    assert (outs[0].stop_reason, outs[1].stop_reason, outs[2].stop_reason) == (stop_at, reference[0][1], None)
     assert [lp.token_id for lp in outs[1].logprobs] == reference[0][:2] and len(outs[1].logprobs[0].top) == 2
     scored = outs[2]
     assert scored.finish_reason == "length" and scored.new_token_ids == []

@@ -286,6 +286,7 @@ def test_stop_sequence(client):
     r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=TEXTS[3], max_tokens=MAX_NEW, temperature=0,
                                   stop=[stop])
     assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert r.choices[0].model_extra["stop_reason"] == stop and base.choices[0].model_extra["stop_reason"] is None
     assert text.startswith(r.choices[0].text)
 
 

@@ -190,6 +190,7 @@ class Choice:
     text: str = ""
     generated: int = 0
     finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
     offset: int = 0                         # characters emitted so far (completions text_offset)
     admitted: bool = False                  # an output has arrived
     started: bool = False                   # a token has arrived
@@ -412,6 +413,7 @@ class Server:
                 raise APIError(500, f"The engine failed on this request: {out.error or 'unknown error'}",
                                code="engine_error")
             c.finish_reason = "length" if out.finish_reason == "abort" else out.finish_reason
+            c.stop_reason = out.stop_reason
 
     def usage(self, choices: list[Choice]) -> P.Usage:
         prompt = sum(len(p) for p in {c.prompt_index: c.prompt_ids for c in choices}.values())
@@ -595,7 +597,8 @@ class CompletionShaper:
             yield self.text_template(c.index).fill(text)
         elif text or lp is not None or out.finished:
             choice = P.CompletionChoice(index=c.index, text=text, logprobs=lp,
-                                        finish_reason=c.finish_reason if out.finished else None)
+                                        finish_reason=c.finish_reason if out.finished else None,
+                                        stop_reason=c.stop_reason)
             yield P.CompletionResponse(id=self.rid, model=self.model, created=self.created, choices=[choice])
 
     def text_template(self, index: int) -> P.TextTemplate:
@@ -613,7 +616,8 @@ class CompletionShaper:
     def final(self) -> P.CompletionResponse:
         choices = [P.CompletionChoice(index=c.index, text=c.text, logprobs=_merge_logprobs(c.logprob_rows)
                                       if self.body.logprobs is not None else None,
-                                      finish_reason=c.finish_reason) for c in self.choices]
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in self.choices]
         return P.CompletionResponse(id=self.rid, model=self.model, choices=choices,
                                     usage=self.server.usage(self.choices))
 
@@ -656,7 +660,8 @@ class ChatShaper:
             c.logprob_rows += [self.token_logprob(e) for e in out.logprobs]
 
     def chunk(self, c: Choice, delta: P.ChatDelta, logprobs=None, finish=None) -> P.ChatCompletionChunk:
-        choice = P.ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish)
+        choice = P.ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                   stop_reason=c.stop_reason if finish else None)
         return P.ChatCompletionChunk(id=self.rid, model=self.model, created=self.created, choices=[choice])
 
     def chunks(self, c: Optional[Choice], out):
@@ -689,7 +694,7 @@ class ChatShaper:
     def final(self) -> P.ChatCompletionResponse:
         choices = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
                                 logprobs=P.ChatLogprobs(content=c.logprob_rows) if self.body.logprobs else None,
-                                finish_reason=c.finish_reason) for c in self.choices]
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in self.choices]
         return P.ChatCompletionResponse(id=self.rid, model=self.model, choices=choices,
                                         usage=self.server.usage(self.choices))
 

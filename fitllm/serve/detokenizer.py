@@ -13,7 +13,7 @@ tokens is never searched: a stop string must begin after it (vLLM's min_tokens).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 # Prompt tokens to decode in front of the first generated ones: SentencePiece tokenizers drop a
 # leading space when a token is decoded at the start of a text.
@@ -32,6 +32,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text, including what is held back
         self.sent = 0  # characters of `text` already returned
         self.stopped = False
+        self.stop_string: Optional[str] = None  # the stop string that ended the text
 
     def add(self, token_id: int) -> str:
         """Feed one generated token; return the text that is now safe to emit."""
@@ -74,7 +75,7 @@ class IncrementalDetokenizer:
         if hits:
             at, stop = min(hits)
             self.text = self.text[: at + (len(stop) if self.include_stop else 0)]
-            self.stopped = True
+            self.stopped, self.stop_string = True, stop
             return len(self.text)
         return len(self.text) - self._held_back()
 

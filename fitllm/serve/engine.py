@@ -36,7 +36,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -108,6 +108,7 @@ class RequestOutput:
     # Speculation, at finish (None when the request never verified a draft):
     spec_acceptance_rate: Optional[float] = None  # accepted draft tokens / drafted tokens
     spec_mean_accepted_len: Optional[float] = None  # tokens per verification step (1 = no draft accepted)
+    stop_reason: Optional[Union[int, str]] = None  # the stop token id or stop string that ended it (vLLM); EOS: None
 
 
 class LLMEngine:
@@ -542,9 +543,11 @@ class LLMEngine:
         reason, text = None, ""
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             reason = "stop"  # the stop token's text is not part of the output
+            req.state["stop_reason"] = token if token in p.stop_token_ids else None
         elif detok is not None:
             text = detok.add(token)
             reason = "stop" if detok.stopped else None
+            req.state["stop_reason"] = detok.stop_string
         if reason is None and ((p.max_tokens is not None and req.num_output >= p.max_tokens)
                                or len(req.token_ids) >= self.max_model_len):
             reason = "length"
@@ -567,7 +570,7 @@ class LLMEngine:
             prompt_lps, s["sent_prompt_logprobs"] = s["prompt_logprobs"], True
         out = RequestOutput(req.request_id, tokens, text, req.status == "finished", req.finish_reason,
                             len(req.prompt_ids), req.num_output, logprobs, prompt_lps, error,
-                            req.num_cached_tokens)
+                            req.num_cached_tokens, stop_reason=s.get("stop_reason"))
         if out.finished and s["spec_steps"]:
             out.spec_acceptance_rate, out.spec_mean_accepted_len = spec_rates(s["spec_drafted"], s["spec_accepted"],
                                                                               s["spec_steps"])
@@ -633,6 +636,7 @@ def merge_outputs(acc: Optional[RequestOutput], out: RequestOutput) -> RequestOu
     acc.finished, acc.finish_reason, acc.error = out.finished, out.finish_reason, out.error
     acc.num_generated_tokens = out.num_generated_tokens
     acc.spec_acceptance_rate, acc.spec_mean_accepted_len = out.spec_acceptance_rate, out.spec_mean_accepted_len
+    acc.stop_reason = out.stop_reason
     return acc
 
 

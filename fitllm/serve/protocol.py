@@ -309,6 +309,9 @@ class DetokenizeRequest(Request):
 
 # ---- responses ----------------------------------------------------------------------------------
 
+# vLLM's extension of a finished choice: the stop_token_ids entry or stop string that ended it (None at EOS or length)
+StopReason = Optional[Union[int, str]]
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -339,6 +342,7 @@ class CompletionChoice(Response):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: StopReason = None
 
 
 class CompletionResponse(Response):
@@ -374,6 +378,7 @@ class ChatChoice(Response):
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(Response):
@@ -400,6 +405,7 @@ class ChatChunkChoice(Response):
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(Response):
