@@ -744,9 +744,10 @@ async def tokenize(server: Server, request: Request):
     longer than the context could hold in any tokenization are refused, as there)."""
     raw = await request.body()
     try:
-        chat = "messages" in json.loads(raw)
-    except (ValueError, TypeError):
-        chat = False  # the model's parse below names the problem
+        decoded = json.loads(raw)
+    except ValueError:
+        decoded = None  # the model's parse below names the problem
+    chat = isinstance(decoded, dict) and "messages" in decoded
     body = await parse_body(request, P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest)
     server.check_model(body.model)
     if chat:
