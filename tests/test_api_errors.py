@@ -215,7 +215,8 @@ BAD_CHATS = [
       "add_generation_prompt": True}, "continue_final_message", None),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", None),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs", None),
-    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens", None),
+    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens", "invalid_value"),
+    ({"min_tokens": 3, "max_tokens": None, "max_completion_tokens": 2}, "min_tokens", "invalid_value"),
     ({"min_tokens": 10**6}, "min_tokens", None),  # more than the context leaves
     ({"min_tokens": -1}, "min_tokens", None),
 ]
@@ -660,6 +661,12 @@ def test_tokenize_and_detokenize(client, tokenizer):
                                 add_special_tokens=False)
     assert chat["tokens"] == expected and chat["count"] == len(expected) and chat.get("token_strs") is None
     assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+    long = "word " * 30000  # past the context: counted all the same (counting is what it is for)
+    assert client.post("/tokenize", json={"prompt": long}).json()["count"] == len(tokenizer.encode(long))
+    bos = client.post("/tokenize", json={"messages": messages, "continue_final_message": True,
+                                         "add_special_tokens": True}).json()["tokens"]
+    assert bos == tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                 continue_final_message=True))
     # errors as the completion routes give them
     assert_openai_error(client.post("/tokenize", json={"messages": messages, "add_generation_prompt": True,
                                                         "continue_final_message": True}), 400, "continue_final_message")
@@ -687,9 +694,23 @@ def test_chat_template_option(tokenizer, tmp_path, monkeypatch):
     for path, why in ((broken, "broken.jinja: line 2"), (tmp_path / "none.jinja", "none.jinja: cannot read it")):
         result = CliRunner().invoke(app, ["serve", "--chat-template", str(path)])
         assert result.exit_code == 1 and why in " ".join(result.output.split()), result.output
+    # transformers' own Jinja environment: loop controls and its generation tag compile
+    hf_only = tmp_path / "hf.jinja"
+    hf_only.write_text("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% break %}"
+                       "{% endfor %}")
+    for value in (str(hf_only), "{{ messages[0].content }}"):  # a file, or the template itself
+        assert serve_cli._read_chat_template(value) == (hf_only.read_text() if value == str(hf_only) else value)
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
     with make_client(tokenizer, chat_template=template) as c:
         ids = c.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
         assert ids == tokenizer.encode("<user>Hi\n<assistant>", add_special_tokens=False)
         assert c.post("/v1/chat/completions", json=OK_CHAT).json()["usage"]["prompt_tokens"] == len(ids)
     assert tokenizer.chat_template != template  # the server's own copy was changed, not the engine's
+
+
+def test_min_tokens_error_names_the_limit_it_exceeds(client):
+    for extra, named in (({"max_completion_tokens": 2}, "(max_completion_tokens)"), ({"max_tokens": 2}, "(max_tokens)"),
+                         ({"max_tokens": None, "min_tokens": 10**6}, "(the context length left after the prompt)")):
+        err = assert_openai_error(client.post("/v1/chat/completions", json={**OK_CHAT, "min_tokens": 3, **extra}),
+                                  400, "min_tokens", "invalid_value")
+        assert named in err["message"], err

@@ -117,6 +117,14 @@ def test_stop_conditions_and_prompt_logprobs(embedded_model, embedded_tokenizer,
     assert outs[0].finish_reason == "stop" and outs[0].new_text == text[: text.index(stop_at)]
     assert outs[1].finish_reason == "stop" and outs[1].new_token_ids == reference[0][:2]
     assert (outs[0].stop_reason, outs[1].stop_reason, outs[2].stop_reason) == (stop_at, reference[0][1], None)
+    eos = min(eng.eos_ids)
+    forced = dict(max_tokens=3, temperature=0.0, logit_bias={eos: 100.0})
+    stopped, banned = eng.generate([prompts[0]] * 2, [SamplingParams(**forced, stop_token_ids=[eos]),
+                                                      SamplingParams(**forced, ignore_eos=True, min_tokens=2)])
+    # EOS is checked first, as vLLM does: no stop_reason though it is also a stop token
+    assert stopped.new_token_ids == [eos] and (stopped.finish_reason, stopped.stop_reason) == ("stop", None)
+    # min_tokens bans EOS even where it would not stop the output (vLLM)
+    assert eos not in banned.new_token_ids[:2] and banned.new_token_ids[2] == eos
     assert [lp.token_id for lp in outs[1].logprobs] == reference[0][:2] and len(outs[1].logprobs[0].top) == 2
     scored = outs[2]
     assert scored.finish_reason == "length" and scored.new_token_ids == []

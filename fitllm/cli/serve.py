@@ -37,9 +37,10 @@ def serve(
     max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes", help="Largest request body."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Model name in the API (default: from MODEL)."),
-    chat_template: Optional[Path] = typer.Option(None, "--chat-template",
-                                                 help="A Jinja chat template file for /v1/chat/completions, in "
-                                                      "place of the tokenizer's (a base model has none)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template",
+                                                help="A Jinja chat template for /v1/chat/completions, in place of "
+                                                     "the tokenizer's (a base model has none): a file, or the "
+                                                     "template itself."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
     speculative: Optional[str] = typer.Option(None, "--speculative",
@@ -84,16 +85,25 @@ def _check_options(port, max_num_seqs, gpu_mem, max_waiting, timeout, max_bytes)
         fail("--request-timeout must be positive and --max-request-bytes at least 1024")
 
 
-def _read_chat_template(path: Path) -> str:
-    """The template's text, checked for Jinja syntax before the minutes of model loading."""
+def _read_chat_template(value: str) -> str:
+    """The template's text: the file `value` names, or `value` itself where it holds template syntax
+    (as vLLM reads it). Compiled the way transformers renders it (a sandbox with loop controls and
+    its `generation` tag), before the minutes of model loading."""
     import jinja2
 
+    path = Path(value).expanduser()
     try:
-        text = path.expanduser().read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        fail(f"--chat-template {path}: cannot read it ({exc})")
+        if not any(c in value for c in "{}\n"):
+            fail(f"--chat-template {value}: cannot read it ({exc})")
+        text, path = value, "(the template given inline)"
     try:
-        jinja2.Environment().parse(text)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: its own rendering will report a broken template
+        return text
+    try:
+        _compile_jinja_template(text)
     except jinja2.TemplateSyntaxError as exc:
         fail(f"--chat-template {path}: line {exc.lineno}: {exc.message}")
     return text

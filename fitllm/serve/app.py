@@ -36,7 +36,7 @@ from fitllm.serve.sampling import SamplingParams
 
 log = logging.getLogger("fitllm.serve")
 
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                499: "client_closed_request", 503: "service_unavailable", 504: "timeout_error"}
@@ -278,8 +278,11 @@ class Server:
                            f"has {self.vocab_size} tokens.", param="logit_bias", code="invalid_token_id")
         min_tokens = body.min_tokens or 0
         if min_tokens > max_tokens:
+            limit = body.token_limit_param() if isinstance(body, P.ChatCompletionRequest) else "max_tokens"
+            given = getattr(body, limit) is not None
             raise APIError(400, f"min_tokens ({min_tokens}) is more than the {max_tokens} tokens this completion may "
-                           "have (max_tokens, or the context length left after the prompt).", param="min_tokens")
+                           f"have ({limit if given else 'the context length left after the prompt'}).",
+                           param="min_tokens", code="invalid_value")
         # n > 1 with a seed: each choice gets its own stream, still reproducible.
         seed = None if body.seed is None else (body.seed + choice) % (2**64)
         return SamplingParams(
@@ -293,7 +296,7 @@ class Server:
             skip_special_tokens=_or(body.skip_special_tokens, True),
             include_stop_str_in_output=bool(body.include_stop_str_in_output), min_tokens=min_tokens)
 
-    def chat_prompt_ids(self, body: P.ChatTemplateFields) -> list[int]:
+    def chat_prompt_ids(self, body: P.ChatTemplateFields, check_length: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages",
                            code="no_chat_template")
@@ -305,8 +308,9 @@ class Server:
                 **(body.chat_template_kwargs or {}))
         except Exception as exc:  # the template's own raise_exception(), or odd message orders
             raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
-        self.check_text_length(text, "messages")
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        if check_length:
+            self.check_text_length(text, "messages")
+        return self.tokenizer.encode(text, add_special_tokens=_or(body.add_special_tokens, False))
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -740,8 +744,8 @@ async def chat_completions(server: Server, request: Request):
 
 
 async def tokenize(server: Server, request: Request):
-    """vLLM's /tokenize: a prompt's or a chat's ids, as the completion routes would see them (texts
-    longer than the context could hold in any tokenization are refused, as there)."""
+    """vLLM's /tokenize: a prompt's or a chat's ids, as the completion routes would see them, at any
+    length (counting is what it is for; the body size limit bounds the work)."""
     raw = await request.body()
     try:
         decoded = json.loads(raw)
@@ -751,9 +755,8 @@ async def tokenize(server: Server, request: Request):
     body = await parse_body(request, P.TokenizeChatRequest if chat else P.TokenizeCompletionRequest)
     server.check_model(body.model)
     if chat:
-        ids = server.chat_prompt_ids(body)
+        ids = server.chat_prompt_ids(body, check_length=False)
     else:
-        server.check_text_length(body.prompt, "prompt")
         ids = server.tokenizer.encode(body.prompt, add_special_tokens=_or(body.add_special_tokens, True))
     strs = server.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return _json(P.TokenizeResponse(count=len(ids), max_model_len=server.max_model_len, tokens=ids, token_strs=strs))

@@ -530,8 +530,8 @@ class LLMEngine:
         return SampleInput(p, req.state["generator"], banned=banned)
 
     def _stop_ids(self, p: SamplingParams) -> list[int]:
-        """The token ids that end p's output."""
-        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
+        """The tokens min_tokens bans: p's stop tokens and EOS, even with ignore_eos (as vLLM does)."""
+        return sorted(set(p.stop_token_ids) | self.eos_ids)
 
     def _append(self, req: Request, token: int, logprob: Optional[TokenLogprob], failed: bool) -> RequestOutput:
         if failed:
@@ -541,9 +541,10 @@ class LLMEngine:
         self.num_generated_tokens += 1
         p, detok = req.params, req.state["detok"]
         reason, text = None, ""
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+        eos = not p.ignore_eos and token in self.eos_ids
+        if eos or token in p.stop_token_ids:
             reason = "stop"  # the stop token's text is not part of the output
-            req.state["stop_reason"] = token if token in p.stop_token_ids else None
+            req.state["stop_reason"] = None if eos else token  # EOS first, as vLLM checks
         elif detok is not None:
             text = detok.add(token)
             reason = "stop" if detok.stopped else None

@@ -229,6 +229,7 @@ class ChatTemplateFields(Request):
     add_generation_prompt: Optional[bool] = None  # default true
     continue_final_message: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: Optional[bool] = None  # default false: the template writes them (true adds e.g. a BOS too)
 
     @model_validator(mode="after")
     def _template_options(self):
