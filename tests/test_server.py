@@ -243,6 +243,30 @@ def test_chat_greedy_matches_generate_and_streams(client, embedded_model, embedd
     assert r.usage.completion_tokens <= 2
 
 
+def test_json_object_response_format(client):
+    """OpenAI's JSON mode through the client: the content is a JSON object (or, cut by max_tokens, the
+    start of one), streamed or not."""
+    import json
+
+    from fitllm.serve import json_mode
+
+    messages = [{"role": "user", "content": "Give me a JSON object describing a cat."}]
+    for seed in (1, 2):
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=60,
+                                           temperature=0.8, seed=seed, response_format={"type": "json_object"})
+        content = r.choices[0].message.content
+        assert json_mode.walk(json_mode.START, content.encode()) is not None, content
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(content), dict)
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=60,
+                                            temperature=0.8, seed=1, response_format={"type": "json_object"},
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=60,
+                                       temperature=0.8, seed=1,
+                                       response_format={"type": "json_object"}).choices[0].message.content
+
+
 def test_echo_scoring_logprobs_match_model(client, embedded_model, embedded_tokenizer):
     from fitllm.models.generate import prompt_logits
 

@@ -20,7 +20,6 @@ import re
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -29,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fitllm.models.tokenizer import vocabulary_bytes
 from fitllm.serve import protocol as P
 from fitllm.serve.async_engine import AsyncEngine, EngineOverloaded
 from fitllm.serve.metrics import ServerMetrics
@@ -219,6 +219,7 @@ class Server:
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.metrics = ServerMetrics(self.engine.stats)
         self._token_text: dict[int, str] = {}
+        self._vocab_bytes: Optional[list[Optional[bytes]]] = None  # vocabulary_bytes, made on first use
         self.started_at = int(time.time())
 
     # -- model and prompt checks --
@@ -294,7 +295,8 @@ class Server:
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=bool(body.ignore_eos),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
             skip_special_tokens=_or(body.skip_special_tokens, True),
-            include_stop_str_in_output=bool(body.include_stop_str_in_output), min_tokens=min_tokens)
+            include_stop_str_in_output=bool(body.include_stop_str_in_output), min_tokens=min_tokens,
+            json_object=isinstance(body, P.ChatCompletionRequest) and body.json_object())
 
     def chat_prompt_ids(self, body: P.ChatTemplateFields, check_length: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -323,12 +325,12 @@ class Server:
         return self.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
 
     def token_bytes(self, token_id: int) -> list[int]:
-        """The token's raw bytes (a byte-level BPE token may be half a UTF-8 character)."""
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        table = _byte_decoder()
-        if isinstance(piece, str) and piece and all(ch in table for ch in piece):
-            return [table[ch] for ch in piece]
-        return list(self.token_text(token_id).encode("utf-8"))
+        """The token's raw bytes (a byte-level BPE token may be half a UTF-8 character); a special
+        token's text."""
+        if self._vocab_bytes is None:
+            self._vocab_bytes = vocabulary_bytes(self.tokenizer)
+        data = self._vocab_bytes[token_id] if token_id < len(self._vocab_bytes) else None
+        return list(data) if data is not None else list(self.token_text(token_id).encode("utf-8"))
 
     # -- running requests --
 
@@ -483,20 +485,6 @@ class Server:
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    # GPT-2's byte-to-unicode table, inverted: byte-level BPE spells every byte as one character.
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return {ch: b for b, ch in enumerate(chars)}
 
 
 def _or(value, default):

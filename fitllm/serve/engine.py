@@ -42,8 +42,11 @@ import torch
 
 from fitllm.budget import default_block_size
 from fitllm.models.kv_cache import KVCalibration, check_kv_dtype
+from fitllm.models.tokenizer import vocabulary_bytes
+from fitllm.serve import json_mode
 from fitllm.serve.block_manager import BlockManager
 from fitllm.serve.detokenizer import IncrementalDetokenizer
+from fitllm.serve.json_mode import JsonGrammar
 from fitllm.serve.model_runner import ModelRunner, StepSeq
 from fitllm.serve.sampling import (DeviceSample, HostFetch, LogprobTensors, SampleInput, Sampler, SamplingParams,
                                    TokenLogprob, logprob_tensors, make_generator, to_device)
@@ -145,6 +148,7 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._outbox: list[RequestOutput] = []  # outputs produced between steps (aborts)
+        self._json_grammar: Optional[JsonGrammar] = None  # made with the first JSON-mode request
         self._inflight: Optional[tuple[SchedulerOutput, _Pending]] = None  # queued, outputs not read yet
         self._reset_counters()
         if config.warm_up and self.device.type == "cuda":
@@ -227,8 +231,8 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
         params.validate(vocab)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none")
+        if (params.stop or params.json_object) and self.tokenizer is None:
+            raise ValueError("stop strings and JSON mode need a tokenizer; this engine has none")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     num_speculative_tokens: Optional[int] = None) -> None:
@@ -244,7 +248,8 @@ class LLMEngine:
         generator = make_generator(params.seed, self.device)
         req.state.update(
             generator=generator,
-            sample_input=None if params.has_penalties else SampleInput(params, generator),
+            sample_input=None if params.follows_output else SampleInput(params, generator),
+            json_state=json_mode.START if params.json_object else None,
             needs_prompt_logits=params.prompt_logprobs is not None,
             prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None,
             detok=None if self.tokenizer is None else IncrementalDetokenizer(
@@ -347,7 +352,7 @@ class LLMEngine:
         reqs = []
         for kind, req, _ in pending.todo:
             p = req.params
-            if (kind != "sample" or req.status != "running" or p.has_penalties
+            if (kind != "sample" or req.status != "running" or p.follows_output
                     or req.num_computed != len(req.token_ids) or len(req.token_ids) + 1 >= self.max_model_len
                     or (p.max_tokens is not None and req.num_output + 1 >= p.max_tokens)):
                 return None
@@ -372,7 +377,7 @@ class LLMEngine:
 
     def _num_to_draft(self, req: Request) -> int:
         p = req.params
-        if p.has_penalties or req.num_output < p.min_tokens:  # verification rows do not ban the stop tokens
+        if p.follows_output or req.num_output < p.min_tokens:  # verification rows ban no tokens
             return 0
         # Room for the accepted drafts plus the target's own token, within both length limits.
         room = self.max_model_len - req.num_tokens
@@ -522,12 +527,21 @@ class LLMEngine:
         """The sampler's row for req's output token number `index` (from 0)."""
         p = req.params
         banned = self._stop_ids(p) if index < p.min_tokens else ()
-        fixed = req.state.get("sample_input")  # the same every step unless penalties look at the output
+        fixed = req.state.get("sample_input")  # the same every step unless its sampling follows the output
         if fixed is not None and not banned:
             return fixed
+        allowed = None
+        if p.json_object:
+            allowed = self.json_grammar().mask(req.state["json_state"], self.device)
         if p.has_penalties:
-            return SampleInput(p, req.state["generator"], req.prompt_ids, req.output_ids, banned)
-        return SampleInput(p, req.state["generator"], banned=banned)
+            return SampleInput(p, req.state["generator"], req.prompt_ids, req.output_ids, banned, allowed)
+        return SampleInput(p, req.state["generator"], banned=banned, allowed=allowed)
+
+    def json_grammar(self) -> JsonGrammar:
+        if self._json_grammar is None:
+            self._json_grammar = JsonGrammar(vocabulary_bytes(self.tokenizer), self.model_config.vocab_size,
+                                             self.eos_ids)
+        return self._json_grammar
 
     def _stop_ids(self, p: SamplingParams) -> list[int]:
         """The tokens min_tokens bans: p's stop tokens and EOS, even with ignore_eos (as vLLM does)."""
@@ -540,6 +554,11 @@ class LLMEngine:
         req.token_ids.append(token)
         self.num_generated_tokens += 1
         p, detok = req.params, req.state["detok"]
+        if p.json_object:  # the sampler allowed only tokens the grammar takes
+            req.state["json_state"] = self.json_grammar().advance(req.state["json_state"], token)
+            if req.state["json_state"] is None:
+                self._finish(req, "error")
+                return self._output(req, [], "", [], error=f"JSON mode: token {token} does not continue the object")
         reason, text = None, ""
         eos = not p.ignore_eos and token in self.eos_ids
         if eos or token in p.stop_token_ids:

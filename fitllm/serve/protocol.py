@@ -275,10 +275,16 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise ParamError("tools", "tools are not supported by this server")
         if self.tool_choice not in (None, "none"):
             raise ParamError("tool_choice", "tool_choice is not supported by this server")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ParamError("response_format",
-                             f"response_format {self.response_format.type!r} is not supported (only 'text')")
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            raise ParamError("response_format", "response_format 'json_schema' is not supported ('text' and "
+                             "'json_object' are)")
+        if self.json_object() and self.min_tokens:
+            raise ParamError("min_tokens", "min_tokens cannot be combined with response_format json_object "
+                             "(the object may close before it)")
         return self
+
+    def json_object(self) -> bool:
+        return self.response_format is not None and self.response_format.type == "json_object"
 
     def token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

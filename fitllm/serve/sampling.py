@@ -47,6 +47,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # the text ends after the stop string that ended it, not before
     min_tokens: int = 0  # no stop token, EOS or stop string ends the output before this many tokens (vLLM)
+    json_object: bool = False  # the output is one JSON object (OpenAI's response_format json_object)
 
     @property
     def greedy(self) -> bool:
@@ -55,6 +56,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def follows_output(self) -> bool:
+        """Whether a row's sampling depends on the tokens sampled before it (penalties count them,
+        JSON mode's grammar follows them): such a request is neither run ahead nor drafted for."""
+        return self.has_penalties or self.json_object
 
     def validate(self, vocab_size: int) -> None:
         """ValueError with a sentence a client can act on."""
@@ -85,6 +92,8 @@ class SamplingParams:
         for tok in self.stop_token_ids:
             if not 0 <= tok < vocab_size:
                 raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary (0..{vocab_size - 1})")
+        if self.json_object and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with JSON mode (the object may close before it)")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 
@@ -98,14 +107,16 @@ class TokenLogprob:
 
 @dataclass
 class SampleInput:
-    """One row of the batch: its parameters, generator, the tokens penalties look at, and the
-    tokens it may not sample this step (`banned`: the stop tokens before min_tokens)."""
+    """One row of the batch: its parameters, generator, the tokens penalties look at, the tokens it
+    may not sample this step (`banned`: the stop tokens before min_tokens) and, where only some may
+    come, which (`allowed`: a bool [vocab] mask on the logits' device, JSON mode)."""
 
     params: SamplingParams
     generator: Optional[torch.Generator] = None
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     banned: Sequence[int] = ()
+    allowed: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -169,8 +180,9 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleInput]) -> DeviceSample:
         """Queue the sampling of every row on the logits' device; nothing waits for the GPU."""
+        # plain greedy: one kernel, the same tokens
         if all(r.params.greedy and not r.params.logit_bias and not r.params.has_penalties and not r.banned
-               and r.params.logprobs is None for r in rows):  # plain greedy: one kernel, the same tokens
+               and r.allowed is None and r.params.logprobs is None for r in rows):
             return DeviceSample(greedy_tokens(logits), [], [], None)
         logits = logits.float()
         finite = torch.isfinite(logits).all(dim=-1)
@@ -258,14 +270,20 @@ def apply_logit_bias(x: torch.Tensor, rows: Sequence[SampleInput]) -> torch.Tens
 
 
 def apply_bans(x: torch.Tensor, rows: Sequence[SampleInput]) -> torch.Tensor:
-    """Each row's banned tokens to -inf (a row never bans its whole vocabulary: min_tokens bans
-    only the stop tokens)."""
+    """Each row's banned tokens, and those outside its allowed mask, to -inf (a row always keeps
+    some: min_tokens bans only the stop tokens, a JSON state allows at least one token)."""
     entries = [(i, int(t)) for i, r in enumerate(rows) for t in r.banned]
-    if not entries:
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not entries and not masked:
         return x
-    r, t = zip(*entries)
     x = x.clone()
-    x[to_device(r, torch.long, x.device), to_device(t, torch.long, x.device)] = float("-inf")
+    if entries:
+        r, t = zip(*entries)
+        x[to_device(r, torch.long, x.device), to_device(t, torch.long, x.device)] = float("-inf")
+    if masked:
+        idx = to_device(masked, torch.long, x.device)
+        allowed = torch.stack([rows[i].allowed[:x.shape[-1]] for i in masked])
+        x[idx] = x[idx].masked_fill(~allowed, float("-inf"))
     return x
 
 
