@@ -199,6 +199,8 @@ BAD_CHATS = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", None),
     ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", None),
+    ({"response_format": {"type": "json_object"}, "continue_final_message": True, "add_generation_prompt": False,
+      "messages": [{"role": "assistant", "content": "{"}]}, "continue_final_message", None),
     ({"max_completion_tokens": -5}, "max_completion_tokens", None),
     ({"max_completion_tokens": 10**6}, "max_completion_tokens", "context_length_exceeded"),
     ({"max_tokens": 10**6}, "max_tokens", "context_length_exceeded"),

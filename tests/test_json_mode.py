@@ -114,10 +114,23 @@ def grammar(embedded_tokenizer):
     return jm.JsonGrammar(vocabulary_bytes(embedded_tokenizer), 49152, [2])
 
 
+def nested(depth: int) -> dict:
+    return {"k": [nested(depth - 1), 1.5]} if depth else {"leaf": "é\n"}
+
+
+def test_pretty_printed_deep_objects_are_accepted():
+    assert is_done(jm.walk(jm.START, json.dumps(nested(15), indent=2).encode()))  # 15 levels x 2 = 61 spaces
+    assert is_done(jm.walk(jm.START, json.dumps(nested(7), indent=4).encode()))
+
+
 def test_masks_equal_walking_every_token(grammar):
+    """Every state of three documents (nested past what any token closes, pretty-printed), each
+    mask through the cache, whose keys merge states: equal to walking every token from the state."""
     text = b'{"name": "J\\u00e9r\\"ome", "n": [-1.5e+3, true, {}], "x": null}'
-    states = {jm.walk(jm.START, text[:i]) for i in range(len(text) + 1)}
-    assert len(states) > 20
+    deep = json.dumps(nested(7), indent=4, ensure_ascii=False).encode()
+    mixed = b'{"a": {"b": [1, {"c": [[], {}]}]}, "d": [[{"e": {}}], [[1]], {"f": [{"g": {"h": [2]}}]}]}'
+    states = {jm.walk(jm.START, doc[:i]) for doc in (text, deep, mixed) for i in range(len(doc) + 1)}
+    assert len(states) > 100 and len({grammar.cache_key(s) for s in states}) < len(states)
     for state in states:
         want = torch.zeros(49152, dtype=torch.bool)
         if is_done(state):
@@ -140,8 +153,8 @@ def test_engine_output_is_one_json_object(embedded_model, embedded_tokenizer):
     prompt = embedded_tokenizer.encode(embedded_tokenizer.apply_chat_template(chat, add_generation_prompt=True,
                                                                               tokenize=False), add_special_tokens=False)
     params = [SamplingParams(max_tokens=120, temperature=0.0, json_object=True)] + \
-        [SamplingParams(max_tokens=120, temperature=1.0, seed=s, json_object=True) for s in range(3)] + \
-        [SamplingParams(max_tokens=120, temperature=0.0)]
+        [SamplingParams(max_tokens=120, temperature=1.0, seed=s, json_object=True, ignore_eos=s == 2)
+         for s in range(3)] + [SamplingParams(max_tokens=120, temperature=0.0)]
     outs = eng.generate([prompt] * len(params), params)
     free = outs[-1].new_text
     assert not free.startswith("{")  # unconstrained, this model opens a markdown code block instead
@@ -153,4 +166,6 @@ def test_engine_output_is_one_json_object(embedded_model, embedded_tokenizer):
             assert isinstance(json.loads(out.new_text), dict) and is_done(state)
     # (greedy nests the same object until max_tokens: this small model repeats itself)
     assert sum(o.finish_reason == "stop" for o in outs[:-1]) >= 2
+    # the output ends where the object closes, even with ignore_eos (nothing else may follow)
+    assert outs[3].finish_reason == "stop" and outs[3].new_text.endswith("}")
     assert eng.stats()["kv_blocks_used"] == 0

@@ -568,6 +568,8 @@ class LLMEngine:
             text = detok.add(token)
             reason = "stop" if detok.stopped else None
             req.state["stop_reason"] = detok.stop_string
+        if reason is None and p.json_object and req.state["json_state"][0] == "done":
+            reason = "stop"  # the object is closed: nothing may follow (not even with ignore_eos)
         if reason is None and ((p.max_tokens is not None and req.num_output >= p.max_tokens)
                                or len(req.token_ids) >= self.max_model_len):
             reason = "length"

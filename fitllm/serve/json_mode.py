@@ -2,15 +2,17 @@
 
 A pushdown automaton over bytes says which tokens may come next; the sampler masks the others.
 Its state is an immutable tuple (mode, container stack, detail), so the allowed-token mask of a
-state is computed once and cached: a request walks through a few dozen states, and the next
-request meets the same ones.
+state is computed once and cached, under a key that drops what no token could tell apart (stack
+entries deeper than any token closes, whitespace counts far from the cap): requests repeat the
+same few dozen keys.
 
-A mask is found without walking the whole vocabulary: inside a string every token free of `"`,
-`\\` and control bytes keeps the string going (a precomputed set); elsewhere only tokens whose
-first byte the state accepts are walked (grouped by first byte once). Tokens are byte strings
-(byte-level BPE and SentencePiece's byte fallback alike); special tokens never appear inside the
-object, and EOS only after it closes. Whitespace runs between tokens are capped so a model cannot
-idle forever, and so is nesting.
+A mask is found without walking the whole vocabulary: inside a string every token of whole
+characters free of `"`, `\\` and control bytes keeps the string going (a precomputed set);
+elsewhere tokens are grouped by their first two bytes, so a group the state refuses costs one
+step. Tokens are byte strings (byte-level BPE and SentencePiece's byte fallback alike); special
+tokens never appear inside the object, and the output ends when it closes. Whitespace runs are
+capped so a model cannot idle forever (64 bytes: a newline and 15 levels of 4-space indent), and
+so is nesting.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-MAX_WHITESPACE = 16  # consecutive whitespace bytes between two tokens of the JSON text
+MAX_WHITESPACE = 64  # consecutive whitespace bytes between two tokens of the JSON text
 MAX_DEPTH = 32
 WHITESPACE = frozenset(b" \t\n\r")
 DIGITS = frozenset(b"0123456789")
@@ -161,6 +163,9 @@ def _whole_utf8(data: bytes) -> bool:
         return False
 
 
+WHITESPACE_MODES = frozenset({"value", "key_or_close", "key", "value_or_close", "colon", "after"})
+
+
 def walk(state: State, data: bytes) -> Optional[State]:
     for b in data:
         state = step(state, b)
@@ -177,14 +182,19 @@ class JsonGrammar:
                  cache_size: int = 512):
         # (a tokenizer may count more ids than the model has logits: those can never be sampled)
         self.tokens, self.vocab_size, self.eos_ids = list(token_bytes)[:vocab_size], vocab_size, sorted(eos_ids)
-        self.by_first: dict[int, list[int]] = {}
+        self.by_prefix: dict[int, dict[int, list[int]]] = {}  # first byte -> second byte -> ids (-1: no second)
         string_safe = set()  # whole characters, no quote, backslash or control byte: a string takes them as they are
         for i, data in enumerate(self.tokens):
             if not data:
                 continue
-            self.by_first.setdefault(data[0], []).append(i)
+            self.by_prefix.setdefault(data[0], {}).setdefault(data[1] if len(data) > 1 else -1, []).append(i)
             if all(b >= 0x20 and b not in (0x22, 0x5C) for b in data) and _whole_utf8(data):
                 string_safe.add(i)
+        words = [d for d in self.tokens if d]
+        # how deep into the stack a token can close, how many containers it can open, its leading whitespace
+        self.max_closes = max(d.count(b"}") + d.count(b"]") for d in words)
+        self.max_opens = max(d.count(b"{") + d.count(b"[") for d in words)
+        self.max_leading_ws = max(len(d) - len(d.lstrip(b" \t\n\r")) for d in words)
         self.string_safe = torch.tensor(sorted(string_safe), dtype=torch.long)
         self.string_special = [i for i, d in enumerate(self.tokens) if d and i not in string_safe]
         self.cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -197,9 +207,20 @@ class JsonGrammar:
         data = self.tokens[token_id] if token_id < len(self.tokens) else None
         return walk(state, data) if data else None
 
+    def cache_key(self, state: State) -> tuple:
+        """What the state's mask depends on. Below the deepest entry a token can close, the stack
+        only matters where it could empty (the object closing) or overflow; the whitespace run
+        only where a token's leading whitespace could pass the cap. Exact: equal keys, equal masks."""
+        mode, stack, detail = state
+        if self.max_closes < len(stack) and len(stack) + self.max_opens <= MAX_DEPTH:
+            stack = ("...",) + stack[-self.max_closes:] if self.max_closes else ("...",)
+        if mode in WHITESPACE_MODES:
+            detail = max(0, detail - (MAX_WHITESPACE - min(self.max_leading_ws, MAX_WHITESPACE)))
+        return mode, stack, detail
+
     def mask(self, state: State, device: torch.device | str) -> torch.Tensor:
         """Bool [vocab_size] on `device`: the tokens that may come next."""
-        key = (state, str(device))
+        key = (self.cache_key(state), str(device))
         hit = self.cache.get(key)
         if hit is not None:
             self.cache.move_to_end(key)
@@ -207,16 +228,29 @@ class JsonGrammar:
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
         if state[0] == "done":
             allowed[self.eos_ids] = True
+        elif state[0] == "string" and state[2][1:] == (0, ()):  # no escape or character under way
+            allowed[self.string_safe] = True
+            allowed[[i for i in self.string_special if walk(state, self.tokens[i]) is not None]] = True
         else:
-            if state[0] == "string" and state[2][1:] == (0, ()):  # no escape or character under way
-                allowed[self.string_safe] = True
-                candidates = self.string_special
-            else:
-                candidates = [i for b, ids in self.by_first.items() if step(state, b) is not None for i in ids]
-            ok = [i for i in candidates if walk(state, self.tokens[i]) is not None]
-            allowed[ok] = True
+            allowed[self._walk_groups(state)] = True
         mask = allowed.to(device)
         self.cache[key] = mask
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return mask
+
+    def _walk_groups(self, state: State) -> list[int]:
+        """The tokens the state takes, group by group of their first two bytes."""
+        ok = []
+        for first, groups in self.by_prefix.items():
+            after_first = step(state, first)
+            if after_first is None:
+                continue
+            for second, ids in groups.items():
+                if second < 0:
+                    ok += ids
+                    continue
+                after_second = step(after_first, second)
+                if after_second is not None:
+                    ok += [i for i in ids if walk(after_second, self.tokens[i][2:]) is not None]
+        return ok

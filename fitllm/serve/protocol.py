@@ -276,11 +276,13 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         if self.tool_choice not in (None, "none"):
             raise ParamError("tool_choice", "tool_choice is not supported by this server")
         if self.response_format is not None and self.response_format.type == "json_schema":
-            raise ParamError("response_format", "response_format 'json_schema' is not supported ('text' and "
-                             "'json_object' are)")
+            raise ParamError("response_format", "type 'json_schema' is not supported ('text' and 'json_object' are)")
         if self.json_object() and self.min_tokens:
             raise ParamError("min_tokens", "min_tokens cannot be combined with response_format json_object "
                              "(the object may close before it)")
+        if self.json_object() and self.continue_final_message:
+            raise ParamError("continue_final_message", "continue_final_message cannot be combined with "
+                             "response_format json_object (the answer is a whole object of its own)")
         return self
 
     def json_object(self) -> bool:
