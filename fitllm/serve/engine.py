@@ -180,8 +180,11 @@ class LLMEngine:
             for runner in (self.runner, getattr(self.drafter, "runner", None)):
                 if runner is not None:
                     runner.warm_up_decode(self.config.max_num_seqs)
+        if self.tokenizer is not None:  # JSON mode's token bytes (~1 s for a 128k vocabulary): not mid-serving
+            self.json_grammar()
         self._reset_counters()
-        log.info("warm-up (kernel compilation per step size) took %.1f s", time.perf_counter() - t0)
+        log.info("warm-up (kernel compilation per step size, JSON mode's vocabulary) took %.1f s",
+                 time.perf_counter() - t0)
 
     def _warm_up_lengths(self) -> list[int]:
         """One prompt length per M row of the GEMM tables: the row's largest M (the GEMMs do not
