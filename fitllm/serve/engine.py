@@ -46,7 +46,6 @@ from fitllm.models.tokenizer import vocabulary_bytes
 from fitllm.serve import json_mode
 from fitllm.serve.block_manager import BlockManager
 from fitllm.serve.detokenizer import IncrementalDetokenizer
-from fitllm.serve.json_mode import JsonGrammar
 from fitllm.serve.model_runner import ModelRunner, StepSeq
 from fitllm.serve.sampling import (DeviceSample, HostFetch, LogprobTensors, SampleInput, Sampler, SamplingParams,
                                    TokenLogprob, logprob_tensors, make_generator, to_device)
@@ -148,7 +147,7 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self._outbox: list[RequestOutput] = []  # outputs produced between steps (aborts)
-        self._json_grammar: Optional[JsonGrammar] = None  # made with the first JSON-mode request
+        self._json_grammar: Optional[json_mode.JsonGrammar] = None  # made in the GPU warm-up or when first needed
         self._inflight: Optional[tuple[SchedulerOutput, _Pending]] = None  # queued, outputs not read yet
         self._reset_counters()
         if config.warm_up and self.device.type == "cuda":
@@ -540,10 +539,10 @@ class LLMEngine:
             return SampleInput(p, req.state["generator"], req.prompt_ids, req.output_ids, banned, allowed)
         return SampleInput(p, req.state["generator"], banned=banned, allowed=allowed)
 
-    def json_grammar(self) -> JsonGrammar:
+    def json_grammar(self) -> json_mode.JsonGrammar:
         if self._json_grammar is None:
-            self._json_grammar = JsonGrammar(vocabulary_bytes(self.tokenizer), self.model_config.vocab_size,
-                                             self.eos_ids)
+            self._json_grammar = json_mode.JsonGrammar(vocabulary_bytes(self.tokenizer),
+                                                       self.model_config.vocab_size, self.eos_ids)
         return self._json_grammar
 
     def _stop_ids(self, p: SamplingParams) -> list[int]:
