@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fitllm.models.tokenizer import vocabulary_bytes
+from fitllm.models.tokenizer import TokenBytes
 from fitllm.serve import protocol as P
 from fitllm.serve.async_engine import AsyncEngine, EngineOverloaded
 from fitllm.serve.metrics import ServerMetrics
@@ -219,7 +219,7 @@ class Server:
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.metrics = ServerMetrics(self.engine.stats)
         self._token_text: dict[int, str] = {}
-        self._vocab_bytes: Optional[list[Optional[bytes]]] = None  # vocabulary_bytes, made on first use
+        self._token_bytes: Optional[TokenBytes] = None  # made on first use (it reads the tokenizer's decoder)
         self.started_at = int(time.time())
 
     # -- model and prompt checks --
@@ -279,7 +279,7 @@ class Server:
                            f"has {self.vocab_size} tokens.", param="logit_bias", code="invalid_token_id")
         min_tokens = body.min_tokens or 0
         if min_tokens > max_tokens:
-            limit = body.token_limit_param() if isinstance(body, P.ChatCompletionRequest) else "max_tokens"
+            limit = body.token_limit_param()
             given = getattr(body, limit) is not None
             raise APIError(400, f"min_tokens ({min_tokens}) is more than the {max_tokens} tokens this completion may "
                            f"have ({limit if given else 'the context length left after the prompt'}).",
@@ -296,7 +296,7 @@ class Server:
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
             skip_special_tokens=_or(body.skip_special_tokens, True),
             include_stop_str_in_output=bool(body.include_stop_str_in_output), min_tokens=min_tokens,
-            json_object=isinstance(body, P.ChatCompletionRequest) and body.json_object())
+            json_object=body.json_object())
 
     def chat_prompt_ids(self, body: P.ChatTemplateFields, check_length: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -327,9 +327,9 @@ class Server:
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's raw bytes (a byte-level BPE token may be half a UTF-8 character); a special
         token's text."""
-        if self._vocab_bytes is None:
-            self._vocab_bytes = vocabulary_bytes(self.tokenizer)
-        data = self._vocab_bytes[token_id] if token_id < len(self._vocab_bytes) else None
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer)
+        data = self._token_bytes([token_id])[0] if token_id < len(self.tokenizer) else None
         return list(data) if data is not None else list(self.token_text(token_id).encode("utf-8"))
 
     # -- running requests --

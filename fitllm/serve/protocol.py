@@ -115,6 +115,14 @@ class SamplingFields(Request):
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
+    def token_limit_param(self) -> str:
+        """The field that limits the completion's tokens (named in errors)."""
+        return "max_tokens"
+
+    def json_object(self) -> bool:
+        """Whether the answer must be one JSON object (chat's response_format)."""
+        return False
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -320,6 +328,7 @@ class DetokenizeRequest(Request):
 
 # vLLM's extension of a finished choice: the stop_token_ids entry or stop string that ended it (None at EOS or length)
 StopReason = Optional[Union[int, str]]
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
