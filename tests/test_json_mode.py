@@ -1,10 +1,17 @@
-"""JSON mode: the byte automaton against Python's json module, its token masks against walking
-every token, and the engine's output on the embedded model."""
+"""Structured output. JSON mode: the byte automaton against Python's json module. JSON schemas:
+the compiled automaton against the jsonschema package (an independent validator) on random
+schemas, pydantic's schemas and the embedded model; the compiler's errors. Both: token masks
+against walking every token, and the engine's output on the embedded model."""
 from __future__ import annotations
 
+import enum
 import json
+import random
 import re
+from typing import Literal, Optional
 
+import jsonschema
+import pydantic
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -22,8 +29,11 @@ OBJECTS = st.dictionaries(st.text(max_size=6), st.recursive(SCALARS, lambda inne
                                                             max_leaves=12), max_size=4)
 
 
-def is_done(state) -> bool:
-    return state is not None and state[0] == "done"
+OBJ = jm.JSON_OBJECT
+
+
+def is_done(config) -> bool:
+    return OBJ.done(config)
 
 
 def _no_constant(name):
@@ -44,12 +54,12 @@ def is_json_object(data: bytes) -> bool:
 @given(OBJECTS, STYLES)
 def test_every_serialized_object_and_each_prefix_is_accepted(obj, style):
     data = json.dumps(obj, **style).encode("utf-8")
-    state = jm.START
+    config = OBJ.start
     for i, b in enumerate(data):
-        assert not is_done(state), data[:i]  # nothing may close the object early
-        state = jm.step(state, b)
-        assert state is not None, (data, i)
-    assert is_done(state)
+        assert not is_done(config), data[:i]  # nothing may close the object early
+        config = OBJ.step(config, b)
+        assert config is not None, (data, i)
+    assert is_done(config)
 
 
 BYTES = st.sampled_from(list(b'{}[]",: 0-9.eE+-tfnrulas\\\n\t') + [0xC3, 0xA9, 0x01, 0x7F])
@@ -83,9 +93,9 @@ def test_accepted_bytes_are_exactly_json_objects(data):
     valid = is_json_object(data)
     ws_runs = max((len(r) for r in re.findall(rb"[ \t\n\r]+", data)), default=0)
     if valid and ws_runs <= jm.MAX_WHITESPACE:
-        assert is_done(jm.walk(jm.START, data)), data
+        assert is_done(OBJ.walk(OBJ.start, data)), data
     elif not valid:
-        assert not is_done(jm.walk(jm.START, data)), data
+        assert not is_done(OBJ.walk(OBJ.start, data)), data
 
 
 EDGE_CASES = [b'{"a\nb": 1}', b'{"a": 1,}', b'{"a": [1,]}', b'{,}', b'{"a" 1}', b'{"a":: 1}', b'{"a": 01}',
@@ -99,14 +109,14 @@ EDGE_CASES = [b'{"a\nb": 1}', b'{"a": 1,}', b'{"a": [1,]}', b'{,}', b'{"a" 1}', 
 
 @pytest.mark.parametrize("data", EDGE_CASES)
 def test_edge_cases_agree_with_json_loads(data):
-    assert is_done(jm.walk(jm.START, data)) == is_json_object(data)
+    assert is_done(OBJ.walk(OBJ.start, data)) == is_json_object(data)
 
 
 def test_limits_on_whitespace_and_depth():
-    assert jm.walk(jm.START, b"{" + b" " * jm.MAX_WHITESPACE + b"}") is not None
-    assert jm.walk(jm.START, b"{" + b" " * (jm.MAX_WHITESPACE + 1)) is None
-    assert jm.walk(jm.START, b'{"a":' + b"[" * (jm.MAX_DEPTH - 1)) is not None
-    assert jm.walk(jm.START, b'{"a":' + b"[" * jm.MAX_DEPTH) is None
+    assert OBJ.walk(OBJ.start, b"{" + b" " * jm.MAX_WHITESPACE + b"}") is not None
+    assert OBJ.walk(OBJ.start, b"{" + b" " * (jm.MAX_WHITESPACE + 1)) is None
+    assert OBJ.walk(OBJ.start, b'{"a":' + b"[" * (jm.MAX_DEPTH - 1)) is not None
+    assert OBJ.walk(OBJ.start, b'{"a":' + b"[" * jm.MAX_DEPTH) is None
 
 
 @pytest.fixture(scope="module")
@@ -119,39 +129,48 @@ def nested(depth: int) -> dict:
 
 
 def test_pretty_printed_deep_objects_are_accepted():
-    assert is_done(jm.walk(jm.START, json.dumps(nested(15), indent=2).encode()))  # 15 levels x 2 = 61 spaces
-    assert is_done(jm.walk(jm.START, json.dumps(nested(7), indent=4).encode()))
+    assert is_done(OBJ.walk(OBJ.start, json.dumps(nested(15), indent=2).encode()))  # 15 levels x 2 = 61 spaces
+    assert is_done(OBJ.walk(OBJ.start, json.dumps(nested(7), indent=4).encode()))
 
 
 def test_masks_equal_walking_every_token(grammar):
     """Every state of three documents (nested past what any token closes, pretty-printed), each
     mask through the cache, whose keys merge states: equal to walking every token from the state."""
     text = b'{"name": "J\\u00e9r\\"ome", "n": [-1.5e+3, true, {}], "x": null}'
-    deep = json.dumps(nested(7), indent=4, ensure_ascii=False).encode()
+    deep = json.dumps(nested(4), indent=4, ensure_ascii=False).encode()
     mixed = b'{"a": {"b": [1, {"c": [[], {}]}]}, "d": [[{"e": {}}], [[1]], {"f": [{"g": {"h": [2]}}]}]}'
-    states = {jm.walk(jm.START, doc[:i]) for doc in (text, deep, mixed) for i in range(len(doc) + 1)}
-    assert len(states) > 100 and len({grammar.cache_key(s) for s in states}) < len(states)
-    for state in states:
-        want = torch.zeros(49152, dtype=torch.bool)
-        if is_done(state):
-            want[2] = True
-        else:
-            ok = [i for i, d in enumerate(grammar.tokens) if d and jm.walk(state, d) is not None]
-            want[ok] = True
-        got = grammar.mask(state, "cpu")
-        assert torch.equal(got, want), (state, (got != want).nonzero().flatten()[:10])
-        assert got.any()
-        assert grammar.mask(state, "cpu") is got  # cached
+    configs = {OBJ.walk(OBJ.start, doc[:i]) for doc in (text, deep, mixed) for i in range(len(doc) + 1)}
+    assert len(configs) > 100 and len({frozenset(map(grammar.state_key, c)) for c in configs}) < len(configs)
+    for config in configs:
+        assert_mask_is_exact(grammar, OBJ, config)
 
 
-def test_engine_output_is_one_json_object(embedded_model, embedded_tokenizer):
+def assert_mask_is_exact(grammar, schema, config):
+    """The cached mask equals walking every token from the configuration."""
+    want = torch.zeros(49152, dtype=torch.bool)
+    if schema.done(config):
+        want[2] = True
+    ok = [i for i, d in enumerate(grammar.tokens) if d and schema.walk(config, d) is not None]
+    want[ok] = True
+    got = grammar.mask(schema, config, "cpu")
+    assert torch.equal(got, want), (config, (got != want).nonzero().flatten()[:10])
+    assert got.any()
+    assert grammar.mask(schema, config, "cpu") is got  # cached
+
+
+def engine_and_prompt(model, tokenizer, question: str):
     from fitllm.serve.engine import EngineConfig, LLMEngine
 
     eng = LLMEngine(EngineConfig(max_num_batched_tokens=64, block_size=8, num_kv_blocks=256, max_model_len=512),
-                    model=embedded_model, tokenizer=embedded_tokenizer)
-    chat = [{"role": "user", "content": "Describe a cat as JSON with the keys name, age and colours."}]
-    prompt = embedded_tokenizer.encode(embedded_tokenizer.apply_chat_template(chat, add_generation_prompt=True,
-                                                                              tokenize=False), add_special_tokens=False)
+                    model=model, tokenizer=tokenizer)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+    return eng, tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_engine_output_is_one_json_object(embedded_model, embedded_tokenizer):
+    eng, prompt = engine_and_prompt(embedded_model, embedded_tokenizer,
+                                    "Describe a cat as JSON with the keys name, age and colours.")
     params = [SamplingParams(max_tokens=120, temperature=0.0, json_object=True)] + \
         [SamplingParams(max_tokens=120, temperature=1.0, seed=s, json_object=True, ignore_eos=s == 2)
          for s in range(3)] + [SamplingParams(max_tokens=120, temperature=0.0)]
@@ -160,12 +179,247 @@ def test_engine_output_is_one_json_object(embedded_model, embedded_tokenizer):
     assert not free.startswith("{")  # unconstrained, this model opens a markdown code block instead
     for out in outs[:-1]:
         data = out.new_text.encode("utf-8")
-        state = jm.walk(jm.START, data)
-        assert state is not None, out.new_text  # every output is a prefix of a JSON object
+        config = OBJ.walk(OBJ.start, data)
+        assert config is not None, out.new_text  # every output is a prefix of a JSON object
         if out.finish_reason == "stop":
-            assert isinstance(json.loads(out.new_text), dict) and is_done(state)
+            assert isinstance(json.loads(out.new_text), dict) and is_done(config)
     # (greedy nests the same object until max_tokens: this small model repeats itself)
     assert sum(o.finish_reason == "stop" for o in outs[:-1]) >= 2
     # the output ends where the object closes, even with ignore_eos (nothing else may follow)
     assert outs[3].finish_reason == "stop" and outs[3].new_text.endswith("}")
+    assert eng.stats()["kv_blocks_used"] == 0
+
+
+# --- JSON schemas ---
+NAMES = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=5)
+LEAVES = st.sampled_from([{"type": t} for t in ("string", "integer", "number", "boolean", "null")]) \
+    | st.lists(SCALARS, min_size=1, max_size=4).map(lambda v: {"enum": v}) \
+    | SCALARS.map(lambda v: {"const": v}) | st.just({})
+
+
+@st.composite
+def objects(draw, inner):
+    props = draw(st.dictionaries(NAMES, inner, min_size=1, max_size=4))
+    required = [name for name in props if draw(st.booleans())]
+    return {"type": "object", "properties": props, "required": required}
+
+
+@st.composite
+def arrays(draw, inner):
+    lo = draw(st.integers(0, 2))
+    hi = draw(st.none() | st.integers(lo, lo + 3))
+    return {"type": "array", "items": draw(inner), "minItems": lo, **({} if hi is None else {"maxItems": hi})}
+
+
+def containers(inner):
+    return objects(inner) | arrays(inner) | inner.map(lambda s: {"type": "object", "additionalProperties": s}) \
+        | st.lists(inner, min_size=2, max_size=3).map(lambda options: {"anyOf": options}) \
+        | st.tuples(inner, inner).map(lambda pair: {"type": ["object", "string"], "properties": {"x": pair[0]}})
+
+
+SCHEMAS = (objects(st.recursive(LEAVES, containers, max_leaves=8))
+           | arrays(st.recursive(LEAVES, containers, max_leaves=8)))
+
+
+@st.composite
+def instances(draw, schema):
+    """A value of the schema, objects' keys in the schema's order (as the automaton writes them)."""
+    if schema == {}:
+        return draw(SCALARS)
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return draw(st.sampled_from(schema["enum"]))
+    if "anyOf" in schema:
+        return draw(instances(draw(st.sampled_from(schema["anyOf"]))))
+    kind = schema["type"] if isinstance(schema["type"], str) else draw(st.sampled_from(schema["type"]))
+    if kind == "object" and "properties" in schema:
+        return {name: draw(instances(sub)) for name, sub in schema["properties"].items()
+                if name in schema.get("required", []) or draw(st.booleans())}
+    if kind == "object":
+        return draw(st.dictionaries(NAMES, instances(schema.get("additionalProperties", {})), max_size=3))
+    if kind == "array":
+        lo = schema.get("minItems", 0)
+        return draw(st.lists(instances(schema["items"]), min_size=lo, max_size=schema.get("maxItems", lo + 3)))
+    return draw({"string": st.text(max_size=5), "integer": st.integers(-10**6, 10**6), "boolean": st.booleans(),
+                 "null": st.none(), "number": st.floats(allow_nan=False, allow_infinity=False) | st.integers()}[kind])
+
+
+# (keys and enum / const strings are taken as json writes them without ensure_ascii: one spelling)
+SCHEMA_STYLES = st.sampled_from([dict(indent=2), dict(separators=(",", ":")), dict(indent="\t")]) \
+    .map(lambda style: {**style, "ensure_ascii": False})
+
+
+def is_valid(text: bytes, schema: dict) -> bool:
+    """The oracle: Python's json reads it and the jsonschema package validates it."""
+    try:
+        value = json.loads(text.decode("utf-8"), parse_constant=lambda name: 1 / 0)
+    except (ValueError, UnicodeDecodeError, ZeroDivisionError):
+        return False
+    return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_values_of_the_schema_are_accepted(data):
+    """Completeness: a value the schema allows, serialized in its properties' order, is accepted
+    byte by byte and the automaton ends exactly at its last byte."""
+    schema = data.draw(SCHEMAS)
+    value = data.draw(instances(schema))
+    text = json.dumps(value, **data.draw(SCHEMA_STYLES)).encode("utf-8")
+    assert is_valid(text, schema)  # (the generator's own check)
+    compiled = jm.Schema(schema)
+    config = compiled.start
+    for i, b in enumerate(text):
+        assert not compiled.done(config), text[:i]
+        config = compiled.step(config, b)
+        assert config is not None, (schema, text, i)
+    assert compiled.done(config)
+
+
+def random_text(schema: jm.Schema, rng: random.Random, limit: int = 600) -> bytes:
+    """Bytes chosen at random among those the automaton takes, drifting towards closing quotes and
+    brackets as the text grows; asserts there is always a byte to take (no dead end)."""
+    config, out = schema.start, bytearray()
+    while not schema.done(config) and len(out) < limit:
+        choices = [b for b in range(256) if schema.step(config, b) is not None]
+        assert choices, (schema.document, bytes(out))
+        weights = [(1 + len(out) / 8) if b in b'"}],' else 0.1 if b in b" \n" else 1.0 for b in choices]
+        b = rng.choices(choices, weights)[0]
+        out.append(b)
+        config = schema.step(config, b)
+    return bytes(out)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(SCHEMAS, st.integers(0, 2**32))
+def test_everything_the_automaton_writes_is_valid(schema, seed):
+    """Soundness: walks of random accepted bytes never dead-end, and what they finish is a value
+    the schema allows."""
+    compiled = jm.Schema(schema)
+    rng = random.Random(seed)
+    for _ in range(3):
+        text = random_text(compiled, rng)
+        if compiled.done(compiled.walk(compiled.start, text)):
+            assert is_valid(text, schema), (schema, text)
+
+
+class Colour(str, enum.Enum):
+    RED = "red"
+    DARK_RED = "dark red"
+
+
+class Pet(pydantic.BaseModel):
+    name: str
+    legs: int
+    colour: Colour
+    kind: Literal["cat", "dog"] = "cat"
+    weight: Optional[float] = None
+    friends: list["Pet"] = []
+
+
+class Owner(pydantic.BaseModel):
+    owner: str
+    pets: list[Pet]
+    tags: dict[str, bool]
+    note: Optional[str] = None
+
+
+def test_pydantic_schemas_with_refs_enums_and_recursion():
+    schema = Owner.model_json_schema()  # $defs, $ref (a recursive one), enum, const, anyOf with null, defaults
+    compiled = jm.Schema(schema)
+    owner = Owner(owner="Ann", pets=[Pet(name="Tom", legs=4, colour=Colour.DARK_RED, weight=4.5,
+                                         friends=[Pet(name="Rex", legs=3, colour="red", kind="dog")])],
+                  tags={"x": True})
+    for text in (owner.model_dump_json(), owner.model_dump_json(indent=2), owner.model_dump_json(exclude_defaults=True)):
+        assert compiled.done(compiled.walk(compiled.start, text.encode())), text
+    assert compiled.walk(compiled.start, owner.model_dump_json().replace('"legs":4', '"legs":4.5').encode()) is None
+    assert compiled.walk(compiled.start, owner.model_dump_json().replace('"red"', '"blue"').encode()) is None
+    rng = random.Random(0)
+    finished = 0
+    for _ in range(30):
+        text = random_text(compiled, rng, limit=1500)
+        if compiled.done(compiled.walk(compiled.start, text)):
+            Owner.model_validate_json(text)  # pydantic itself reads it
+            finished += 1
+    assert finished >= 10
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "string"}, "top-level value must be an object or an array"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a"}}}, "'pattern' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}, "'minimum' is not supported"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "only false is supported"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b' is not among the properties"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}}, "does not point into the schema"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "only references inside the schema"),
+    ({"type": "array", "items": [{}, {}]}, "tuple validation"),
+    ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems (3) is more than maxItems (2)"),
+    ({"type": "object", "properties": {"a": {"enum": []}}}, "expected a non-empty list"),
+    ({"type": "object", "properties": {"a": {"allOf": [{}, {}]}}}, "only one schema"),
+    ({"type": "object", "properties": {"a": {"type": "date"}}}, "properties.a.type: expected one of"),
+    ({"type": "object", "properties": {"a": {"type": "string", "items": {}}}}, "'items' does not apply"),
+    ({"type": "object", "properties": {"a": {"const": float("nan")}}}, "properties.a"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}, "$defs": {"B": {"anyOf": [
+        {"$ref": "#/$defs/B"}, {"type": "null"}]}}}, "leads back to itself"),
+])
+def test_schemas_that_cannot_be_enforced_are_refused_with_where(schema, message):
+    with pytest.raises(jm.SchemaError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        jm.Schema(schema)
+
+
+def test_strict_reading_of_objects():
+    closed = jm.Schema({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                        "required": ["b"]})
+    assert closed.done(closed.walk(closed.start, b'{"b": 1}'))
+    assert closed.done(closed.walk(closed.start, b'{"a": 1, "b": 2}'))
+    assert closed.walk(closed.start, b'{"b": 1, "a": 2}') is None  # the schema's order
+    assert closed.walk(closed.start, b'{"a": 1}') is None or not closed.done(closed.walk(closed.start, b'{"a": 1}'))
+    assert closed.walk(closed.start, b'{"a": 1,}') is None
+    assert closed.walk(closed.start, b'{"b": 1, "c"') is None  # no other keys
+    free = jm.Schema({"type": "object"})  # no properties listed: any keys, any values (JSON mode)
+    assert free.done(free.walk(free.start, b'{"z": [1, {"y": null}]}'))
+    empty = jm.Schema({"type": "object", "additionalProperties": False})
+    assert empty.done(empty.walk(empty.start, b"{}")) and empty.walk(empty.start, b'{"') is None
+    counted = jm.Schema({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2})
+    assert counted.walk(counted.start, b"[]") is None and counted.walk(counted.start, b"[1,2,") is None
+    assert counted.done(counted.walk(counted.start, b"[1, 2]"))
+
+
+def test_schema_masks_equal_walking_every_token(grammar):
+    """Configurations of one state and of several (a key that is a prefix of another, enum values
+    sharing a prefix, anyOf of an integer and a number), each mask through the cache."""
+    schema = jm.Schema({"type": "object", "properties": {
+        "id": {"type": "integer"}, "ids": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "number"}]},
+                                           "maxItems": 3},
+        "mode": {"enum": ["on", "one", 1, 12, None]}, "deep": {"type": "object", "additionalProperties": {"type": "boolean"}}},
+        "required": ["id"]})
+    doc = b'{"id": -12, "ids": [1, 2.5e1, 3], "mode": "one", "deep": {"x": true, "y": false}}'
+    configs = {schema.walk(schema.start, doc[:i]) for i in range(len(doc) + 1)}
+    assert len(configs) > 60 and any(len(c) > 1 for c in configs)
+    for config in configs:
+        assert_mask_is_exact(grammar, schema, config)
+
+
+def test_engine_output_follows_the_schema(embedded_model, embedded_tokenizer):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "colours": {"type": "array", "items": {"enum": ["black", "white",
+                                                                                             "ginger"]},
+                                                           "minItems": 1, "maxItems": 3}},
+              "required": ["name", "age", "colours"]}
+    eng, prompt = engine_and_prompt(embedded_model, embedded_tokenizer, "Describe a cat as JSON.")
+    params = [SamplingParams(max_tokens=80, temperature=0.0, json_schema=schema)] + \
+        [SamplingParams(max_tokens=80, temperature=1.0, seed=s, json_schema=schema, ignore_eos=s == 1)
+         for s in range(3)] + [SamplingParams(max_tokens=80, temperature=0.0, json_object=True)]
+    outs = eng.generate([prompt] * len(params), params)
+    compiled = jm.Schema(schema)
+    for out in outs[:-1]:
+        assert compiled.walk(compiled.start, out.new_text.encode()) is not None, out.new_text
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.new_text), schema)
+    assert sum(o.finish_reason == "stop" for o in outs[:-1]) >= 2
+    assert compiled.walk(compiled.start, outs[-1].new_text.encode()) is None  # JSON mode alone strays from it
+    with pytest.raises(ValueError, match="'pattern' is not supported"):
+        eng.generate([prompt], [SamplingParams(json_schema={"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "x"}}})])
     assert eng.stats()["kv_blocks_used"] == 0

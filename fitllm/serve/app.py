@@ -296,7 +296,7 @@ class Server:
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
             skip_special_tokens=_or(body.skip_special_tokens, True),
             include_stop_str_in_output=bool(body.include_stop_str_in_output), min_tokens=min_tokens,
-            json_object=body.json_object())
+            json_object=body.json_object(), json_schema=body.json_schema())
 
     def chat_prompt_ids(self, body: P.ChatTemplateFields, check_length: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):

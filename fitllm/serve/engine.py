@@ -233,8 +233,8 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
         params.validate(vocab)
-        if (params.stop or params.json_object) and self.tokenizer is None:
-            raise ValueError("stop strings and JSON mode need a tokenizer; this engine has none")
+        if (params.stop or params.structured) and self.tokenizer is None:
+            raise ValueError("stop strings and structured output (JSON) need a tokenizer; this engine has none")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     num_speculative_tokens: Optional[int] = None) -> None:
@@ -251,7 +251,8 @@ class LLMEngine:
         req.state.update(
             generator=generator,
             sample_input=None if params.follows_output else SampleInput(params, generator),
-            json_state=json_mode.START if params.json_object else None,
+            schema=json_mode.schema_for(params.json_schema) if params.structured else None,
+            json=json_mode.schema_for(params.json_schema).start if params.structured else None,  # automaton's config
             needs_prompt_logits=params.prompt_logprobs is not None,
             prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None,
             detok=None if self.tokenizer is None else IncrementalDetokenizer(
@@ -533,8 +534,8 @@ class LLMEngine:
         if fixed is not None and not banned:
             return fixed
         allowed = None
-        if p.json_object:
-            allowed = self.json_grammar().mask(req.state["json_state"], self.device)
+        if p.structured:
+            allowed = self.json_grammar().mask(req.state["schema"], req.state["json"], self.device)
         if p.has_penalties:
             return SampleInput(p, req.state["generator"], req.prompt_ids, req.output_ids, banned, allowed)
         return SampleInput(p, req.state["generator"], banned=banned, allowed=allowed)
@@ -556,11 +557,12 @@ class LLMEngine:
         req.token_ids.append(token)
         self.num_generated_tokens += 1
         p, detok = req.params, req.state["detok"]
-        if p.json_object:  # the sampler allowed only tokens the grammar takes
-            req.state["json_state"] = self.json_grammar().advance(req.state["json_state"], token)
-            if req.state["json_state"] is None:
+        if p.structured:  # the sampler allowed only tokens the grammar takes
+            req.state["json"] = self.json_grammar().advance(req.state["schema"], req.state["json"], token)
+            if req.state["json"] is None:
                 self._finish(req, "error")
-                return self._output(req, [], "", [], error=f"JSON mode: token {token} does not continue the object")
+                return self._output(req, [], "", [], error=f"structured output: token {token} does not continue "
+                                    "the JSON value")
         reason, text = None, ""
         eos = not p.ignore_eos and token in self.eos_ids
         if eos or token in p.stop_token_ids:
@@ -570,8 +572,8 @@ class LLMEngine:
             text = detok.add(token)
             reason = "stop" if detok.stopped else None
             req.state["stop_reason"] = detok.stop_string
-        if reason is None and p.json_object and req.state["json_state"][0] == "done":
-            reason = "stop"  # the object is closed: nothing may follow (not even with ignore_eos)
+        if reason is None and p.structured and json_mode.Schema.done(req.state["json"]):
+            reason = "stop"  # the value is closed: nothing may follow (not even with ignore_eos)
         if reason is None and ((p.max_tokens is not None and req.num_output >= p.max_tokens)
                                or len(req.token_ids) >= self.max_model_len):
             reason = "length"

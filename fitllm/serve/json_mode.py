@@ -1,23 +1,34 @@
-"""JSON mode (OpenAI's `response_format: {"type": "json_object"}`): the output is one JSON object.
+"""Structured output: JSON mode (`response_format` `json_object`) and JSON schemas (`json_schema`).
 
-A pushdown automaton over bytes says which tokens may come next; the sampler masks the others.
-Its state is an immutable tuple (mode, container stack, detail), so the allowed-token mask of a
-state is computed once and cached, under a key that drops what no token could tell apart (stack
-entries deeper than any token closes, whitespace counts far from the cap): requests repeat the
-same few dozen keys.
+A schema is compiled into nodes (object, array, string, number, integer, literals, union) and a
+pushdown automaton over bytes says which bytes may come next; the sampler masks the tokens whose
+bytes the automaton refuses. JSON mode is the schema of any object. A configuration is a tuple
+of states, more than one where the schema is ambiguous (anyOf, enum values sharing a prefix);
+a state is an immutable tuple (mode, container stack, detail), so the allowed-token mask of a
+configuration is computed once and cached, under a key that drops what no token could tell apart
+(stack entries deeper than any token reaches, whitespace counts far from the cap).
 
 A mask is found without walking the whole vocabulary: inside a string every token of whole
 characters free of `"`, `\\` and control bytes keeps the string going (a precomputed set);
 elsewhere tokens are grouped by their first two bytes, so a group the state refuses costs one
 step. Tokens are byte strings (byte-level BPE and SentencePiece's byte fallback alike); special
-tokens never appear inside the object, and the output ends when it closes. Whitespace runs are
+tokens never appear inside the value, and the output ends when it closes. Whitespace runs are
 capped so a model cannot idle forever (64 bytes: a newline and 15 levels of 4-space indent), and
 so is nesting.
+
+What a schema means here (a strict reading, as OpenAI's structured outputs and xgrammar's):
+properties come in the order the schema lists them, optional ones may be left out, and an object
+that lists properties takes no others; an object that lists none takes any keys (with
+`additionalProperties`' schema for their values). Every keyword that constrains values is
+enforced or refused with a SchemaError naming it: nothing is silently ignored but annotations.
 """
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -27,7 +38,6 @@ WHITESPACE = frozenset(b" \t\n\r")
 DIGITS = frozenset(b"0123456789")
 HEX = frozenset(b"0123456789abcdefABCDEF")
 ESCAPES = frozenset(b'"\\/bfnrtu')
-LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
 # a UTF-8 lead byte -> (continuation bytes, the range of the first one)
 UTF8_LEADS = {**{b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)}, 0xE0: (2, 0xA0, 0xBF),
               **{b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0) if b != 0xED}, 0xED: (2, 0x80, 0x9F),
@@ -36,113 +46,421 @@ UTF8_LEADS = {**{b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)}, 0xE0: (2, 0xA0,
 # number parts: after "-", after a leading 0, in the integer, after ".", in the fraction, after e, after e+/-,
 # in the exponent
 NUMBER_DONE = frozenset({"zero", "int", "frac", "exp"})
+# Keywords that say nothing about which values are valid, and the containers of $ref targets.
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                         "readOnly", "writeOnly", "$defs", "definitions"})
+TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
+                 "array": {"items", "minItems", "maxItems"}, "string": set(), "number": set(), "integer": set(),
+                 "boolean": set(), "null": set()}
 
-# Modes: "top" (the object's "{"), "value", "key_or_close" (after "{"), "key" (after "," in an object),
+# Modes: "value" (a value of detail's node), "key_or_close" (after "{"), "key" (after "," in an object),
 # "value_or_close" (after "["), "colon", "after" (a value ended: "," or a close), "string", "number",
-# "literal", "done" (only EOS). Detail: whitespace run, or (is_key, escape, utf8) in a string, the
-# number part, the literal's remaining bytes.
-START = ("top", (), 0)
+# "literal", "done" (only EOS). Detail: (whitespace run, node) in the whitespace modes; in a string
+# (key_node: the value's node after an object key, else None; escape; utf8); (part, integer only) in a
+# number; (bytes left, property index or -1) in a literal. Stack frames: ("o", node, next property)
+# and ("a", node, items begun, capped where the count stops mattering).
+WHITESPACE_MODES = frozenset({"value", "key_or_close", "key", "value_or_close", "colon", "after"})
+DONE = ("done", (), ())
 State = tuple
+Config = tuple  # of States
 
 
-def step(state: State, b: int) -> Optional[State]:
-    """The state after byte b, or None where b cannot come next."""
-    mode, stack, detail = state
-    if mode == "string":
-        return _string_step(stack, detail, b)
-    if mode == "number":
-        part = _number_step(detail, b)
-        if part is not None:
-            return ("number", stack, part)
-        return step(("after", stack, 0), b) if detail in NUMBER_DONE else None
-    if mode == "literal":
-        if b != detail[0]:
+class SchemaError(ValueError):
+    """A schema this server cannot enforce, with the keyword and where it is."""
+
+
+@dataclass(frozen=True)
+class Node:
+    kind: str  # object, array, string, number, integer, literals, union
+    props: tuple = ()  # objects: ((key's JSON text with its quotes, value node, required), ...) in schema order
+    extra: Optional[int] = None  # objects without props: the values' node (any key may come)
+    items: Optional[int] = None
+    min_items: int = 0
+    max_items: Optional[int] = None
+    literals: tuple = ()  # the JSON texts (bytes) of enum / const values, true, false and null
+    options: tuple = ()  # a union's node ids
+
+    def keys_from(self, index: int) -> list[int]:
+        """The properties that may come next when `index` is the first not yet passed: up to and
+        including the first required one."""
+        out = []
+        for j in range(index, len(self.props)):
+            out.append(j)
+            if self.props[j][2]:
+                break
+        return out
+
+    def may_close(self, index: int) -> bool:
+        return not any(required for _, _, required in self.props[index:])
+
+
+def _json_text(value) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+class Schema:
+    """A JSON schema compiled to the automaton's nodes. Raises SchemaError for what it cannot enforce."""
+
+    def __init__(self, schema: Any):
+        self.document = schema
+        self.nodes: list[Optional[Node]] = []
+        self._refs: dict[str, int] = {}
+        self._any: Optional[int] = None
+        self._starts: dict[int, list] = {}  # node -> first byte -> how a value can begin (filled as met)
+        self.root = self._compile(schema, "schema")
+        self._check_no_union_cycle()
+        if any(self.nodes[i].kind not in ("object", "array") for i in self._alternatives(self.root)):
+            raise SchemaError("schema: the top-level value must be an object or an array")
+        self.key = json.dumps(schema)  # (not sorted: the order of properties is the order of the output)
+        self.start: Config = (("value", (), (MAX_WHITESPACE, self.root)),)  # no whitespace before the value
+
+    # --- compiling ---
+    def _add(self, node: Optional[Node]) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def _alternatives(self, node: int) -> list[int]:
+        n = self.nodes[node]
+        return [o for opt in n.options for o in self._alternatives(opt)] if n.kind == "union" else [node]
+
+    def _check_no_union_cycle(self) -> None:
+        """A value must begin somewhere: a $ref that leads back to itself through anyOf / $ref alone
+        (no object or array between) would never say which byte comes first. (Depth-first, each
+        node once: a schema cannot make this check slow.)"""
+        state: dict[int, bool] = {}  # node -> finished (False: on the current path)
+
+        def visit(node: int) -> None:
+            if state.get(node) is False:
+                raise SchemaError("schema: a $ref leads back to itself without an object or array in between")
+            if node in state or self.nodes[node].kind != "union":
+                return
+            state[node] = False
+            for option in self.nodes[node].options:
+                visit(option)
+            state[node] = True
+
+        for node in range(len(self.nodes)):
+            visit(node)
+
+    def any_value(self) -> int:
+        if self._any is None:
+            self._any = self._add(None)  # first, so the containers can refer to it
+            parts = [Node("object", extra=self._any), Node("array", items=self._any), Node("string"),
+                     Node("number"), Node("literals", literals=(b"true", b"false", b"null"))]
+            self.nodes[self._any] = Node("union", options=tuple(self._add(p) for p in parts))
+        return self._any
+
+    def _compile(self, s: Any, where: str) -> int:
+        if s is True or s == {}:
+            return self.any_value()
+        if not isinstance(s, dict):
+            raise SchemaError(f"{where}: a schema must be an object or true, got {json.dumps(s)[:60]}")
+        if "$ref" in s:
+            return self._ref(s, where)
+        if "enum" in s or "const" in s:
+            return self._literals(s, where)
+        for word in ("anyOf", "oneOf", "allOf"):
+            if word in s:
+                return self._combination(s, word, where)
+        unknown = set(s) - ANNOTATIONS - {"type"} - set().union(*TYPE_KEYWORDS.values())
+        if unknown:
+            raise SchemaError(f"{where}: keyword {sorted(unknown)[0]!r} is not supported")
+        types = s.get("type")
+        if types is None:  # untyped: what its keywords imply, else any value
+            types = "object" if {"properties", "required", "additionalProperties"} & set(s) else \
+                "array" if {"items", "minItems", "maxItems"} & set(s) else None
+            if types is None:
+                return self.any_value()
+        if isinstance(types, str):
+            types = [types]
+        if not isinstance(types, list) or not types or any(t not in TYPE_KEYWORDS for t in types):
+            raise SchemaError(f"{where}.type: expected one of {sorted(TYPE_KEYWORDS)} or a list of them, "
+                              f"got {json.dumps(types)}")
+        for word in set(s) & set().union(*TYPE_KEYWORDS.values()):
+            if not any(word in TYPE_KEYWORDS[t] for t in types):
+                raise SchemaError(f"{where}: keyword {word!r} does not apply to type {json.dumps(s['type'])}")
+        nodes = [self._typed(s, t, where) for t in dict.fromkeys(types)]
+        return nodes[0] if len(nodes) == 1 else self._add(Node("union", options=tuple(nodes)))
+
+    def _typed(self, s: dict, t: str, where: str) -> int:
+        if t == "object":
+            return self._object(s, where)
+        if t == "array":
+            return self._array(s, where)
+        if t == "boolean":
+            return self._add(Node("literals", literals=(b"true", b"false")))
+        if t == "null":
+            return self._add(Node("literals", literals=(b"null",)))
+        return self._add(Node(t))  # string, number, integer
+
+    def _object(self, s: dict, where: str) -> int:
+        props, required, extra = s.get("properties"), s.get("required", []), s.get("additionalProperties")
+        if props is not None and not isinstance(props, dict):
+            raise SchemaError(f"{where}.properties: expected an object")
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{where}.required: expected a list of property names")
+        if not props:
+            if required:
+                raise SchemaError(f"{where}.required: required properties need their schemas under 'properties'")
+            if extra is False:
+                return self._add(Node("object", props=()))  # only {}
+            index = self._add(None)  # first, for a recursive schema
+            self.nodes[index] = Node("object", extra=self._compile(True if extra is None else extra,
+                                                                   f"{where}.additionalProperties"))
+            return index
+        if extra not in (None, False):
+            raise SchemaError(f"{where}.additionalProperties: only false is supported next to 'properties' "
+                              "(an object lists its properties or takes any keys, not both)")
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise SchemaError(f"{where}.required: {missing[0]!r} is not among the properties")
+        index = self._add(None)
+        self.nodes[index] = Node("object", props=tuple(
+            (_json_text(name), self._compile(sub, f"{where}.properties.{name}"), name in required)
+            for name, sub in props.items()))
+        return index
+
+    def _array(self, s: dict, where: str) -> int:
+        lo, hi = s.get("minItems", 0), s.get("maxItems")
+        for word, value in (("minItems", lo), ("maxItems", hi)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise SchemaError(f"{where}.{word}: expected a non-negative integer")
+        if hi is not None and lo > hi:
+            raise SchemaError(f"{where}: minItems ({lo}) is more than maxItems ({hi})")
+        if isinstance(s.get("items"), list):
+            raise SchemaError(f"{where}.items: a list of schemas (tuple validation) is not supported")
+        index = self._add(None)
+        self.nodes[index] = Node("array", items=self._compile(s.get("items", True), f"{where}.items"),
+                                 min_items=lo, max_items=hi)
+        return index
+
+    def _literals(self, s: dict, where: str) -> int:
+        values = [s["const"]] if "const" in s else s["enum"]
+        extra = set(s) - ANNOTATIONS - {"const", "enum", "type"}
+        if extra:
+            raise SchemaError(f"{where}: keyword {sorted(extra)[0]!r} next to enum/const is not supported")
+        if not isinstance(values, list) or not values:
+            raise SchemaError(f"{where}.enum: expected a non-empty list")
+        try:
+            texts = tuple(dict.fromkeys(_json_text(v) for v in values))
+        except ValueError as e:
+            raise SchemaError(f"{where}: {e}") from None
+        return self._add(Node("literals", literals=texts))
+
+    def _combination(self, s: dict, word: str, where: str) -> int:
+        options = s[word]
+        if not isinstance(options, list) or not options:
+            raise SchemaError(f"{where}.{word}: expected a non-empty list of schemas")
+        extra = set(s) - ANNOTATIONS - {word}
+        if extra:
+            raise SchemaError(f"{where}: keyword {sorted(extra)[0]!r} next to {word} is not supported")
+        if word == "allOf" and len(options) > 1:
+            raise SchemaError(f"{where}.allOf: only one schema is supported")
+        # oneOf is read as anyOf: a value matching two options is not refused
+        nodes = [self._compile(o, f"{where}.{word}.{i}") for i, o in enumerate(options)]
+        return nodes[0] if len(nodes) == 1 else self._add(Node("union", options=tuple(nodes)))
+
+    def _ref(self, s: dict, where: str) -> int:
+        ref = s["$ref"]
+        extra = set(s) - ANNOTATIONS - {"$ref"}
+        if extra:
+            raise SchemaError(f"{where}: keyword {sorted(extra)[0]!r} next to $ref is not supported")
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise SchemaError(f"{where}.$ref: only references inside the schema ('#/...') are supported")
+        if ref not in self._refs:
+            target = self.document
+            for part in filter(None, ref[1:].split("/")):
+                part = part.replace("~1", "/").replace("~0", "~")
+                if not isinstance(target, dict) or part not in target:
+                    raise SchemaError(f"{where}.$ref: {ref!r} does not point into the schema")
+                target = target[part]
+            self._refs[ref] = self._add(None)  # first, so a recursive schema finds it
+            self.nodes[self._refs[ref]] = Node("union", options=(self._compile(target, ref),))
+        return self._refs[ref]
+
+    # --- the automaton ---
+    # _step returns the state after a byte, None where the byte cannot come, or a list of two or
+    # more states where the schema branches (rare: a deterministic walk stays free of lists).
+    def step(self, config: Config, b: int) -> Optional[Config]:
+        """The configuration after byte b, or None where b cannot come next."""
+        return _config([self._step(state, b) for state in config])
+
+    def walk(self, config: Optional[Config], data: bytes) -> Optional[Config]:
+        if config is not None and len(config) == 1:  # one state, stepped without configurations until it branches
+            state, step = config[0], self._step
+            for i, b in enumerate(data):
+                state = step(state, b)
+                if type(state) is not tuple:
+                    return None if state is None else self.walk(_config([state]), data[i + 1:])
+            return (state,)
+        for b in data:
+            if config is None:
+                return None
+            config = self.step(config, b)
+        return config
+
+    @staticmethod
+    def done(config: Optional[Config]) -> bool:
+        return config is not None and DONE in config
+
+    def _step(self, state: State, b: int):
+        mode, stack, detail = state
+        if mode == "string":
+            return _string_step(stack, detail, b)
+        if mode == "number":
+            part = _number_step(detail[0], b, detail[1])
+            if part is not None:
+                return ("number", stack, (part, detail[1]))
+            return self._step(("after", stack, (0, None)), b) if detail[0] in NUMBER_DONE else None
+        if mode == "literal":
+            rest, prop = detail
+            if b != rest[0]:
+                return None
+            return ("literal", stack, (rest[1:], prop)) if len(rest) > 1 else self._literal_end(stack, prop)
+        if mode == "done":
             return None
-        return ("literal", stack, detail[1:]) if len(detail) > 1 else ("after", stack, 0)
-    if mode in ("done", "top") or b not in WHITESPACE:
-        return _structural_step(mode, stack, b)
-    return (mode, stack, detail + 1) if detail < MAX_WHITESPACE else None
+        ws, node = detail
+        if b in WHITESPACE:
+            return (mode, stack, (ws + 1, node)) if ws < MAX_WHITESPACE else None
+        if mode == "value":
+            return _branches(self._value_start(stack, node, b))
+        if mode == "colon":
+            return ("value", stack, (0, node)) if b == 0x3A else None  # ":"
+        return self._in_container(mode, stack, b)
 
-
-def _structural_step(mode: str, stack: tuple, b: int) -> Optional[State]:
-    c = chr(b)
-    if mode == "top":
-        return ("key_or_close", ("o",), 0) if c == "{" else None
-    if mode in ("key_or_close", "key"):
-        if c == '"':
-            return ("string", stack, (True, 0, ()))
-        return _close(stack, "o") if c == "}" and mode == "key_or_close" else None
-    if mode == "colon":
-        return ("value", stack, 0) if c == ":" else None
-    if mode == "after":
+    def _in_container(self, mode: str, stack: tuple, b: int):
+        kind, node, count = stack[-1]
+        n, c = self.nodes[node], chr(b)
+        if mode in ("key_or_close", "key"):
+            if c == '"':
+                return self._key_start(stack)
+            return _close(stack) if c == "}" and mode == "key_or_close" and n.may_close(count) else None
+        if mode == "value_or_close":
+            if c == "]":
+                return _close(stack) if n.min_items == 0 else None
+            if n.max_items == 0:
+                return None
+            return _branches(self._value_start(self._item_begun(stack), n.items, b))
+        # after a value
         if c == ",":
-            return ("key", stack, 0) if stack[-1] == "o" else ("value", stack, 0)
-        return _close(stack, "o" if c == "}" else "a") if c in "}]" else None
-    if mode in ("value", "value_or_close"):
-        if c == "]" and mode == "value_or_close":
-            return _close(stack, "a")
-        return _value_start(stack, b)
-    return None  # done: nothing but EOS
-
-
-def _value_start(stack: tuple, b: int) -> Optional[State]:
-    c = chr(b)
-    if c in "{[":
-        if len(stack) >= MAX_DEPTH:
-            return None
-        return ("key_or_close", stack + ("o",), 0) if c == "{" else ("value_or_close", stack + ("a",), 0)
-    if c == '"':
-        return ("string", stack, (False, 0, ()))
-    if c == "-":
-        return ("number", stack, "minus")
-    if b in DIGITS:
-        return ("number", stack, "zero" if c == "0" else "int")
-    if b in LITERALS:
-        return ("literal", stack, LITERALS[b])
-    return None
-
-
-def _close(stack: tuple, kind: str) -> Optional[State]:
-    if not stack or stack[-1] != kind:
+            if kind == "o":
+                return ("key", stack, (0, None)) if n.extra is not None or count < len(n.props) else None
+            if n.max_items is not None and count >= n.max_items:
+                return None
+            return ("value", self._item_begun(stack), (0, n.items))
+        if c == "}" and kind == "o" and n.may_close(count):
+            return _close(stack)
+        if c == "]" and kind == "a" and count >= n.min_items:
+            return _close(stack)
         return None
+
+    def _item_begun(self, stack: tuple) -> tuple:
+        _, node, count = stack[-1]
+        n = self.nodes[node]
+        cap = n.max_items if n.max_items is not None else n.min_items  # counts past it are alike
+        return stack[:-1] + (("a", node, min(count + 1, cap)),)
+
+    def _key_start(self, stack: tuple):
+        _, node, index = stack[-1]
+        n = self.nodes[node]
+        if n.extra is not None:
+            return ("string", stack, (n.extra, 0, ()))
+        return _branches([("literal", stack, (n.props[j][0][1:], j)) for j in n.keys_from(index)])
+
+    def _literal_end(self, stack: tuple, prop: int) -> State:
+        if prop < 0:
+            return ("after", stack, (0, None))
+        _, node, _ = stack[-1]
+        return ("colon", stack[:-1] + (("o", node, prop + 1),), (0, self.nodes[node].props[prop][1]))
+
+    def _value_start(self, stack: tuple, node: int, b: int) -> list:
+        """The states a value of `node` is in after its first byte b (a list: unions branch)."""
+        row = self._starts.get(node)
+        if row is None:
+            row = self._starts[node] = [None] * 256
+        starts = row[b]
+        if starts is None:
+            starts = row[b] = self._first_byte(node, b)
+        return [(mode, stack + (frame,), detail) if frame else (mode, stack, detail)
+                for mode, frame, detail in starts if not frame or len(stack) < MAX_DEPTH]
+
+    def _first_byte(self, node: int, b: int) -> list:
+        """(mode, frame to push or None, detail) of each way a value of `node` can begin with b."""
+        n, c = self.nodes[node], chr(b)
+        if n.kind == "union":
+            return [s for option in n.options for s in self._first_byte(option, b)]
+        if n.kind == "object":
+            return [("key_or_close", ("o", node, 0), (0, None))] if c == "{" else []
+        if n.kind == "array":
+            return [("value_or_close", ("a", node, 0), (0, None))] if c == "[" else []
+        if n.kind == "string":
+            return [("string", None, (None, 0, ()))] if c == '"' else []
+        if n.kind in ("number", "integer"):
+            part = _number_step("start", b, n.kind == "integer")
+            return [("number", None, (part, n.kind == "integer"))] if part else []
+        return [("literal", None, (text[1:], -1)) if len(text) > 1 else ("after", None, (0, None))
+                for text in n.literals if text[0] == b]
+
+
+def _branches(states: list):
+    """_step's return for a list of states: None, the one state, or the list."""
+    return None if not states else states[0] if len(states) == 1 else states
+
+
+def _config(results: list) -> Optional[Config]:
+    """The configuration of _step's results (states, lists of them, None), duplicates dropped."""
+    out = []
+    for r in results:
+        if type(r) is list:
+            out += r
+        elif r is not None:
+            out.append(r)
+    return tuple(dict.fromkeys(out)) or None
+
+
+def _close(stack: tuple) -> State:
     rest = stack[:-1]
-    return ("after", rest, 0) if rest else ("done", (), 0)
+    return ("after", rest, (0, None)) if rest else DONE
 
 
 def _string_step(stack: tuple, detail: tuple, b: int) -> Optional[State]:
     # escape: 0 none, 1 after a backslash, 2-5 hex digits of \\u still to come; utf8: the continuation
     # bytes a multi-byte character still needs and the range of the next one (UTF-8 exactly: no
     # overlong forms, surrogates or code points past U+10FFFF)
-    is_key, escape, utf8 = detail
+    key_node, escape, utf8 = detail
     if utf8:
         left, lo, hi = utf8
         if not lo <= b <= hi:
             return None
-        return ("string", stack, (is_key, 0, (left - 1, 0x80, 0xBF) if left > 1 else ()))
+        return ("string", stack, (key_node, 0, (left - 1, 0x80, 0xBF) if left > 1 else ()))
     if escape == 1:
         if b not in ESCAPES:
             return None
-        return ("string", stack, (is_key, 5 if b == ord("u") else 0, ()))
+        return ("string", stack, (key_node, 5 if b == 0x75 else 0, ()))  # \\u
     if escape >= 2:
-        return ("string", stack, (is_key, 0 if escape == 2 else escape - 1, ())) if b in HEX else None
-    if b == ord('"'):
-        return ("colon", stack, 0) if is_key else ("after", stack, 0)
-    if b == ord("\\"):
-        return ("string", stack, (is_key, 1, ()))
+        return ("string", stack, (key_node, 0 if escape == 2 else escape - 1, ())) if b in HEX else None
+    if b == 0x22:  # the closing quote
+        return ("colon", stack, (0, key_node)) if key_node is not None else ("after", stack, (0, None))
+    if b == 0x5C:  # backslash
+        return ("string", stack, (key_node, 1, ()))
     if b < 0x20:
         return None
     if b < 0x80:
         return ("string", stack, detail)
     lead = UTF8_LEADS.get(b)
-    return None if lead is None else ("string", stack, (is_key, 0, lead))
+    return None if lead is None else ("string", stack, (key_node, 0, lead))
 
 
-def _number_step(part: str, b: int) -> Optional[str]:
+def _number_step(part: str, b: int, integer: bool) -> Optional[str]:
     digit = b in DIGITS
     c = chr(b)
-    if part == "minus":
+    if part in ("start", "minus"):
+        if part == "start" and c == "-":
+            return "minus"
         return ("zero" if c == "0" else "int") if digit else None
     if part in ("zero", "int"):
+        if integer:
+            return "int" if digit and part == "int" else None
         if c == ".":
             return "dot"
         if c in "eE":
@@ -163,20 +481,27 @@ def _whole_utf8(data: bytes) -> bool:
         return False
 
 
-WHITESPACE_MODES = frozenset({"value", "key_or_close", "key", "value_or_close", "colon", "after"})
+JSON_OBJECT = Schema({"type": "object"})  # JSON mode: any object
 
 
-def walk(state: State, data: bytes) -> Optional[State]:
-    for b in data:
-        state = step(state, b)
-        if state is None:
-            return None
-    return state
+@lru_cache(maxsize=64)
+def _compiled(text: str) -> Schema:
+    return Schema(json.loads(text))
+
+
+def schema_for(json_schema: Optional[dict]) -> Schema:
+    """The compiled schema of a request (None: JSON mode), compiled once per distinct schema."""
+    if json_schema is None:
+        return JSON_OBJECT
+    try:
+        return _compiled(json.dumps(json_schema))
+    except RecursionError:
+        raise SchemaError("schema: nested too deeply") from None
 
 
 class JsonGrammar:
-    """The masks of one vocabulary. token_bytes[i]: token i's bytes, None for a special token
-    (never inside the object); eos_ids end the output once the object is closed."""
+    """The masks of one vocabulary, for any schema. token_bytes[i]: token i's bytes, None for a
+    special token (never inside the value); eos_ids end the output once the value is closed."""
 
     def __init__(self, token_bytes: Sequence[Optional[bytes]], vocab_size: int, eos_ids: Sequence[int],
                  cache_size: int = 512):
@@ -200,57 +525,60 @@ class JsonGrammar:
         self.cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.cache_size = cache_size
 
-    def advance(self, state: State, token_id: int) -> Optional[State]:
-        """The state after the token (EOS leaves "done" as it is); None where it cannot come."""
-        if state[0] == "done":
-            return state if token_id in self.eos_ids else None
+    def advance(self, schema: Schema, config: Config, token_id: int) -> Optional[Config]:
+        """The configuration after the token (EOS leaves a closed value as it is); None where it cannot come."""
+        if token_id in self.eos_ids:
+            return (DONE,) if DONE in config else None
         data = self.tokens[token_id] if token_id < len(self.tokens) else None
-        return walk(state, data) if data else None
+        return schema.walk(config, data) if data else None
 
-    def cache_key(self, state: State) -> tuple:
-        """What the state's mask depends on. Below the deepest entry a token can close, the stack
-        only matters where it could empty (the object closing) or overflow; the whitespace run
-        only where a token's leading whitespace could pass the cap. Exact: equal keys, equal masks."""
+    def state_key(self, state: State) -> tuple:
+        """What a state's mask depends on. Below the deepest frame a token can reach (it closes
+        max_closes and then reads the next one's kind), the stack only matters where it could
+        empty (the value closing) or overflow; the whitespace run only where a token's leading
+        whitespace could pass the cap. Exact: equal keys, equal masks."""
         mode, stack, detail = state
-        if self.max_closes < len(stack) and len(stack) + self.max_opens <= MAX_DEPTH:
-            stack = ("...",) + stack[-self.max_closes:] if self.max_closes else ("...",)
+        reach = self.max_closes + 1
+        if reach < len(stack) and len(stack) + self.max_opens <= MAX_DEPTH:
+            stack = ("...",) + stack[-reach:]
         if mode in WHITESPACE_MODES:
-            detail = max(0, detail - (MAX_WHITESPACE - min(self.max_leading_ws, MAX_WHITESPACE)))
+            detail = (max(0, detail[0] - (MAX_WHITESPACE - min(self.max_leading_ws, MAX_WHITESPACE))), detail[1])
         return mode, stack, detail
 
-    def mask(self, state: State, device: torch.device | str) -> torch.Tensor:
+    def mask(self, schema: Schema, config: Config, device: torch.device | str) -> torch.Tensor:
         """Bool [vocab_size] on `device`: the tokens that may come next."""
-        key = (self.cache_key(state), str(device))
+        key = (schema.key, frozenset(map(self.state_key, config)), str(device))
         hit = self.cache.get(key)
         if hit is not None:
             self.cache.move_to_end(key)
             return hit
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
-        if state[0] == "done":
+        if DONE in config:
             allowed[self.eos_ids] = True
-        elif state[0] == "string" and state[2][1:] == (0, ()):  # no escape or character under way
+        live = tuple(s for s in config if s != DONE)
+        if len(live) == 1 and live[0][0] == "string" and live[0][2][1:] == (0, ()):  # no escape or character under way
             allowed[self.string_safe] = True
-            allowed[[i for i in self.string_special if walk(state, self.tokens[i]) is not None]] = True
-        else:
-            allowed[self._walk_groups(state)] = True
+            allowed[[i for i in self.string_special if schema.walk(live, self.tokens[i]) is not None]] = True
+        elif live:
+            allowed[self._walk_groups(schema, live)] = True
         mask = allowed.to(device)
         self.cache[key] = mask
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return mask
 
-    def _walk_groups(self, state: State) -> list[int]:
-        """The tokens the state takes, group by group of their first two bytes."""
+    def _walk_groups(self, schema: Schema, config: Config) -> list[int]:
+        """The tokens the configuration takes, group by group of their first two bytes."""
         ok = []
         for first, groups in self.by_prefix.items():
-            after_first = step(state, first)
+            after_first = schema.step(config, first)
             if after_first is None:
                 continue
             for second, ids in groups.items():
                 if second < 0:
                     ok += ids
                     continue
-                after_second = step(after_first, second)
+                after_second = schema.step(after_first, second)
                 if after_second is not None:
-                    ok += [i for i in ids if walk(after_second, self.tokens[i][2:]) is not None]
+                    ok += [i for i in ids if schema.walk(after_second, self.tokens[i][2:]) is not None]
         return ok

@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from fitllm.serve import json_mode
+
 MAX_N = 128          # OpenAI's limit on choices per request
 MAX_LOGPROBS = 20    # top-n logprobs per token
 MAX_STOP = 4         # stop sequences per request
@@ -123,6 +125,10 @@ class SamplingFields(Request):
         """Whether the answer must be one JSON object (chat's response_format)."""
         return False
 
+    def json_schema(self) -> Optional[dict]:
+        """The JSON schema the answer must follow (chat's response_format), if any."""
+        return None
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -218,9 +224,31 @@ class ChatMessage(Request):
         return self
 
 
+class JsonSchemaFormat(Request):
+    """OpenAI's response_format.json_schema: a named schema the answer must follow (always enforced:
+    `strict` false does not loosen it)."""
+    model_config = ConfigDict(populate_by_name=True)
+    name: Optional[StrictStr] = None
+    description: Optional[StrictStr] = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(Request):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[dict[str, Any]] = None
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ParamError("response_format", "response_format.json_schema is required with type 'json_schema' "
+                             "and only allowed with it")
+        if self.json_schema is not None:
+            try:
+                json_mode.schema_for(self.json_schema.schema_)
+            except json_mode.SchemaError as e:
+                raise ParamError("response_format", f"response_format.json_schema.{e}") from None
+        return self
 
 
 # apply_chat_template's own arguments, which chat_template_kwargs must not override
@@ -283,18 +311,21 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise ParamError("tools", "tools are not supported by this server")
         if self.tool_choice not in (None, "none"):
             raise ParamError("tool_choice", "tool_choice is not supported by this server")
-        if self.response_format is not None and self.response_format.type == "json_schema":
-            raise ParamError("response_format", "type 'json_schema' is not supported ('text' and 'json_object' are)")
-        if self.json_object() and self.min_tokens:
-            raise ParamError("min_tokens", "min_tokens cannot be combined with response_format json_object "
-                             "(the object may close before it)")
-        if self.json_object() and self.continue_final_message:
-            raise ParamError("continue_final_message", "continue_final_message cannot be combined with "
-                             "response_format json_object (the answer is a whole object of its own)")
+        structured = self.json_object() or self.json_schema() is not None
+        if structured and self.min_tokens:
+            raise ParamError("min_tokens", f"min_tokens cannot be combined with response_format "
+                             f"{self.response_format.type} (the JSON value may close before it)")
+        if structured and self.continue_final_message:
+            raise ParamError("continue_final_message", f"continue_final_message cannot be combined with "
+                             f"response_format {self.response_format.type} (the answer is a whole value of its own)")
         return self
 
     def json_object(self) -> bool:
         return self.response_format is not None and self.response_format.type == "json_object"
+
+    def json_schema(self) -> Optional[dict]:
+        fmt = self.response_format
+        return fmt.json_schema.schema_ if fmt is not None and fmt.json_schema is not None else None
 
     def token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

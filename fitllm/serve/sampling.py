@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from fitllm.kernels.fused import greedy_tokens
+from fitllm.serve import json_mode
 
 MAX_LOGPROBS = 20
 
@@ -48,6 +49,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the text ends after the stop string that ended it, not before
     min_tokens: int = 0  # no stop token, EOS or stop string ends the output before this many tokens (vLLM)
     json_object: bool = False  # the output is one JSON object (OpenAI's response_format json_object)
+    json_schema: Optional[dict] = None  # the output is one JSON value of this schema (response_format json_schema)
 
     @property
     def greedy(self) -> bool:
@@ -60,8 +62,13 @@ class SamplingParams:
     @property
     def follows_output(self) -> bool:
         """Whether a row's sampling depends on the tokens sampled before it (penalties count them,
-        JSON mode's grammar follows them): such a request is neither run ahead nor drafted for."""
-        return self.has_penalties or self.json_object
+        a JSON grammar follows them): such a request is neither run ahead nor drafted for."""
+        return self.has_penalties or self.structured
+
+    @property
+    def structured(self) -> bool:
+        """Whether a grammar constrains the output (JSON mode or a JSON schema)."""
+        return self.json_object or self.json_schema is not None
 
     def validate(self, vocab_size: int) -> None:
         """ValueError with a sentence a client can act on."""
@@ -92,8 +99,13 @@ class SamplingParams:
         for tok in self.stop_token_ids:
             if not 0 <= tok < vocab_size:
                 raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary (0..{vocab_size - 1})")
-        if self.json_object and self.min_tokens:
-            raise ValueError("min_tokens cannot be combined with JSON mode (the object may close before it)")
+        if self.structured and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output (the JSON value may close before it)")
+        if self.json_schema is not None:
+            try:
+                json_mode.schema_for(self.json_schema)
+            except json_mode.SchemaError as e:
+                raise ValueError(f"json_schema: {e}") from None
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 
