@@ -193,8 +193,23 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
      "messages.0.content", None),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", None),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, None, None),
-    ({"tool_choice": "required"}, None, None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", None),  # 'auto', the default
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice", None),
+    ({"tool_choice": "required"}, "tool_choice", None),  # no tools
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2, "tool_choice": "required"}, "tools", None),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"},
+     "tools.0.function.name", None),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 1}}}}}], "tool_choice": "required"}, "tools.0.function.parameters.properties.n",
+     None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "logprobs": True},
+     "logprobs", None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format", None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "min_tokens": 3},
+     "min_tokens", None),
     ({"top_logprobs": 3}, None, None),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
@@ -202,7 +217,8 @@ BAD_CHATS = [
     ({"response_format": {"type": "json_schema"}}, "response_format", None),
     ({"response_format": {"type": "json_object", "json_schema": {"schema": {}}}}, "response_format", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "string", "pattern": "a+"}}}}}}, "response_format", None),
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "a+"}}}}}},
+     "response_format.json_schema.schema.properties.a", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "min_tokens": 1},
      "min_tokens", None),
     ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", None),
@@ -213,9 +229,6 @@ BAD_CHATS = [
     ({"max_tokens": 10**6}, "max_tokens", "context_length_exceeded"),
     ({"max_tokens": 0}, "max_tokens", None),  # a chat answer has a token at least (OpenAI refuses 0 too)
     ({"max_completion_tokens": 0}, "max_completion_tokens", None),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.1", None),
-    ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "18C"}]}, "messages.0", None),
     ({"n": 1000}, "n", None),
     ({"messages": [{"role": "user", "content": "word " * 3000}]}, "messages", "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "word " * 10**5}]}, "messages", "context_length_exceeded"),
@@ -724,3 +737,28 @@ def test_min_tokens_error_names_the_limit_it_exceeds(client):
         err = assert_openai_error(client.post("/v1/chat/completions", json={**OK_CHAT, "min_tokens": 3, **extra}),
                                   400, "min_tokens", "invalid_value")
         assert named in err["message"], err
+
+
+def test_tools_and_tool_history_reach_the_template(tokenizer):
+    """The template sees the tools and, in the history, the calls (arguments as objects, as
+    Qwen's and Llama's templates write them with tojson) and the results with their call ids."""
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }} {{ t.function.parameters | tojson }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
+                "{% for c in m.tool_calls or [] %}(call {{ c.function.name }} {{ c.function.arguments.x }}){% endfor %}"
+                "{% if m.tool_call_id %}(result of {{ m.tool_call_id }}){% endif %}{% endfor %}<assistant>")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}}}}]
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 7}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    with make_client(tokenizer, chat_template=template) as c:
+        r = c.post("/tokenize", json={"messages": messages, "tools": tools})
+        assert r.status_code == 200, r.text
+        assert tokenizer.decode(r.json()["tokens"]) == (
+            '[tool f {"type": "object", "properties": {"x": {"type": "integer"}}}]<user>Hi<assistant>(call f 7)'
+            "<tool>42(result of call_1)<assistant>")
+        r = c.post("/v1/chat/completions", json={**OK_CHAT, "messages": messages, "tools": tools,
+                                                 "tool_choice": "required", "max_tokens": 40})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
+            c.post("/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"])

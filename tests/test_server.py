@@ -4,6 +4,7 @@ runtime's own `generate`, alone and inside a batch of 16 concurrent requests."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import torch
 
@@ -246,8 +248,6 @@ def test_chat_greedy_matches_generate_and_streams(client, embedded_model, embedd
 def test_json_object_response_format(client):
     """OpenAI's JSON mode through the client: the content is a JSON object (or, cut by max_tokens, the
     start of one), streamed or not."""
-    import json
-
     from fitllm.serve import json_mode
 
     messages = [{"role": "user", "content": "Give me a JSON object describing a cat."}]
@@ -292,6 +292,68 @@ def test_json_schema_response_format_through_the_clients_parse(client):
         assert isinstance(r.choices[0].message.parsed, Cat)
         parsed += 1
     assert parsed >= 2
+
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string"},
+                                          "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The local time."}},  # no parameters
+]
+
+
+def test_tool_choice_required_and_named_through_the_client(client):
+    """Forced tool calls: 'required' gives one or more calls of the tools given, each with
+    arguments of its schema (finish_reason tool_calls); a named function gives its arguments;
+    streamed, the deltas add up to the same calls with one id each; the history can carry the
+    calls and their results back to the model."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = dict(model="SmolLM2-135M-Instruct", messages=messages, tools=WEATHER_TOOLS, max_tokens=80, seed=3)
+    r = client.chat.completions.create(tool_choice="required", temperature=0, **kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
+    schemas = {t["function"]["name"]: t["function"].get("parameters") for t in WEATHER_TOOLS}
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call") and call.function.name in schemas
+        arguments = json.loads(call.function.arguments)
+        if schemas[call.function.name]:
+            jsonschema.validate(arguments, schemas[call.function.name])
+        else:
+            assert arguments == {}
+    assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(tool_choice=named, temperature=0.7, **kwargs)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(call.function.arguments), schemas["get_weather"])
+    one = client.chat.completions.create(tool_choice="required", temperature=0.7, parallel_tool_calls=False, **kwargs)
+    assert len(one.choices[0].message.tool_calls) == 1
+
+    for choice_ in ("required", named):
+        whole = client.chat.completions.create(tool_choice=choice_, temperature=0.7, **kwargs).choices[0]
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(tool_choice=choice_, temperature=0.7, stream=True, **kwargs):
+            for delta_call in chunk.choices[0].delta.tool_calls or []:
+                entry = calls.setdefault(delta_call.index, {"id": None, "name": None, "arguments": ""})
+                entry["id"] = entry["id"] or delta_call.id
+                entry["name"] = entry["name"] or delta_call.function.name
+                entry["arguments"] += delta_call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == whole.finish_reason
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert all(c["id"] for c in calls.values())
+
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=history, tools=WEATHER_TOOLS,
+                                       tool_choice="none", max_tokens=20, temperature=0)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
 
 
 def test_echo_scoring_logprobs_match_model(client, embedded_model, embedded_tokenizer):

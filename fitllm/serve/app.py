@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Union
@@ -305,7 +306,8 @@ class Server:
         messages = [_message_dict(m) for m in body.messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, continue_final_message=bool(body.continue_final_message),
+                messages, tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                tokenize=False, continue_final_message=bool(body.continue_final_message),
                 add_generation_prompt=_or(body.add_generation_prompt, not body.continue_final_message),
                 **(body.chat_template_kwargs or {}))
         except Exception as exc:  # the template's own raise_exception(), or odd message orders
@@ -495,7 +497,20 @@ def _message_dict(m: P.ChatMessage) -> dict:
     d = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
     if m.name:
         d["name"] = m.name
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:  # chat templates (Qwen's, Llama's) write the arguments with tojson: give them the object
+        d["tool_calls"] = [{**call, "function": {**call["function"], "arguments": _json_or_text(
+            call["function"].get("arguments"))}} if isinstance(call.get("function"), dict) else call
+            for call in m.tool_calls]
     return d
+
+
+def _json_or_text(arguments):
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return arguments
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -633,6 +648,8 @@ class ChatShaper:
         self.top_n = body.top_logprobs or 0
         self.created = P.now()  # one timestamp for every chunk of the response
         self.templates: dict[int, P.TextTemplate] = {}  # choice index -> its content-delta chunk
+        self.tool_mode = body.tool_mode()  # None, "named" or "required": the answer is tool calls
+        self.call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> the call's id, the same in every chunk
 
     def logprobs(self, out) -> Optional[P.ChatLogprobs]:
         if not self.body.logprobs:
@@ -664,7 +681,10 @@ class ChatShaper:
             return
         if not c.announced:  # OpenAI opens each choice with the role
             c.announced = True
-            yield self.chunk(c, P.ChatDelta(role="assistant", content=""))
+            yield self.chunk(c, P.ChatDelta(role="assistant", content=None if self.tool_mode else ""))
+        if self.tool_mode:
+            yield from self.tool_chunks(c, out)
+            return
         logprobs = self.logprobs(out)
         if out.new_text and logprobs is None:  # the per-token case: no model to build
             yield self.content_template(c).fill(out.new_text)
@@ -672,6 +692,51 @@ class ChatShaper:
             yield self.chunk(c, P.ChatDelta(content=out.new_text), logprobs)
         if out.finished:
             yield self.chunk(c, P.ChatDelta(), finish=c.finish_reason)
+
+    def tool_chunks(self, c: Choice, out):
+        """A named function's arguments stream as they come; 'required' calls are whole only once
+        the list closes, so they come together at the end."""
+        c.text += out.new_text
+        if self.tool_mode == "named" and out.new_text:
+            call = {"index": 0, "function": {"arguments": out.new_text}}
+            if (c.index, 0) not in self.call_ids:
+                call = {"index": 0, "id": self.call_id(c, 0), "type": "function",
+                        "function": {"name": self.body.called_function(), "arguments": out.new_text}}
+            yield self.chunk(c, P.ChatDelta(tool_calls=[call]))
+        if not out.finished:
+            return
+        if self.tool_mode == "required":
+            calls = self.tool_calls(c)
+            if calls is None:  # cut short: the text as it is
+                yield self.chunk(c, P.ChatDelta(content=c.text))
+            else:
+                yield self.chunk(c, P.ChatDelta(tool_calls=[{"index": i, **call.model_dump()}
+                                                            for i, call in enumerate(calls)]))
+        yield self.chunk(c, P.ChatDelta(), finish=self.finish_reason(c))
+
+    def call_id(self, c: Choice, i: int) -> str:
+        return self.call_ids.setdefault((c.index, i), f"call_{uuid.uuid4().hex[:24]}")
+
+    def tool_calls(self, c: Choice) -> Optional[list[P.ToolCall]]:
+        """The calls of a tool-mode answer; None where 'required' calls were cut short (not JSON)."""
+        if self.tool_mode == "named":  # the text is the arguments (cut short too, with finish_reason length)
+            return [P.ToolCall(id=self.call_id(c, 0), function=P.FunctionCall(name=self.body.called_function(),
+                                                                               arguments=c.text))]
+        try:
+            calls = json.loads(c.text)
+        except ValueError:
+            return None
+        return [P.ToolCall(id=self.call_id(c, i), function=P.FunctionCall(
+            name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False)))
+            for i, call in enumerate(calls)]
+
+    def finish_reason(self, c: Choice) -> Optional[str]:
+        # as vLLM: 'required' calls that closed finish with tool_calls; a named function with stop
+        return "tool_calls" if self.tool_mode == "required" and c.finish_reason == "stop" else c.finish_reason
+
+    def message(self, c: Choice) -> P.ChatResponseMessage:
+        calls = self.tool_calls(c) if self.tool_mode else None
+        return P.ChatResponseMessage(content=c.text) if calls is None else P.ChatResponseMessage(tool_calls=calls)
 
     def content_template(self, c: Choice) -> P.TextTemplate:
         template = self.templates.get(c.index)
@@ -684,9 +749,9 @@ class ChatShaper:
         return self.server.config.served_model_name
 
     def final(self) -> P.ChatCompletionResponse:
-        choices = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
+        choices = [P.ChatChoice(index=c.index, message=self.message(c),
                                 logprobs=P.ChatLogprobs(content=c.logprob_rows) if self.body.logprobs else None,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in self.choices]
+                                finish_reason=self.finish_reason(c), stop_reason=c.stop_reason) for c in self.choices]
         return P.ChatCompletionResponse(id=self.rid, model=self.model, choices=choices,
                                         usage=self.server.usage(self.choices))
 

@@ -66,7 +66,11 @@ Config = tuple  # of States
 
 
 class SchemaError(ValueError):
-    """A schema this server cannot enforce, with the keyword and where it is."""
+    """A schema this server cannot enforce: "where: problem", where a path from "schema"."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.where, _, self.problem = message.partition(": ")
 
 
 @dataclass(frozen=True)

@@ -224,6 +224,11 @@ class ChatMessage(Request):
         return self
 
 
+def _schema_error(param: str, e: json_mode.SchemaError) -> ParamError:
+    """The parameter that holds the schema, down to the place in it that cannot be enforced."""
+    return ParamError(param + e.where.removeprefix("schema"), e.problem)
+
+
 class JsonSchemaFormat(Request):
     """OpenAI's response_format.json_schema: a named schema the answer must follow (always enforced:
     `strict` false does not loosen it)."""
@@ -247,7 +252,7 @@ class ResponseFormat(Request):
             try:
                 json_mode.schema_for(self.json_schema.schema_)
             except json_mode.SchemaError as e:
-                raise ParamError("response_format", f"response_format.json_schema.{e}") from None
+                raise _schema_error("response_format.json_schema.schema", e) from None
         return self
 
 
@@ -257,11 +262,36 @@ TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_te
                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 
 
+class FunctionDefinition(Request):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object; none: no arguments
+    strict: Optional[bool] = None
+
+    def arguments_schema(self) -> dict:
+        return self.parameters if self.parameters is not None else {"type": "object", "additionalProperties": False}
+
+
+class Tool(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Request):
+    name: StrictStr
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatTemplateFields(Request):
-    """The messages and vLLM's chat template options, shared by chat completions and /tokenize:
-    continue the last (assistant) message instead of opening a new one, and extra template
-    variables (e.g. {"enable_thinking": false} for Qwen3)."""
+    """The messages, the tools the template shows the model, and vLLM's chat template options,
+    shared by chat completions and /tokenize: continue the last (assistant) message instead of
+    opening a new one, and extra template variables (e.g. {"enable_thinking": false} for Qwen3)."""
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[Tool]] = None
     add_generation_prompt: Optional[bool] = None  # default true
     continue_final_message: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -269,10 +299,14 @@ class ChatTemplateFields(Request):
 
     @model_validator(mode="after")
     def _template_options(self):
-        for i, m in enumerate(self.messages):  # a tool exchange in the history could only be dropped or garbled
-            if m.tool_calls or m.tool_call_id is not None or m.role == "tool":
-                raise ParamError(f"messages.{i}", "tool calls and tool results are not supported by this server "
-                                 "(it does not support tools)")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ParamError("tools", "tool function names must be unique")
+        for i, tool in enumerate(self.tools or []):
+            try:
+                json_mode.schema_for(tool.function.arguments_schema())
+            except json_mode.SchemaError as e:
+                raise _schema_error(f"tools.{i}.function.parameters", e) from None
         if self.continue_final_message and self.add_generation_prompt:
             raise ParamError("continue_final_message",
                              "continue_final_message and add_generation_prompt cannot both be true")
@@ -285,6 +319,27 @@ class ChatTemplateFields(Request):
         return self
 
 
+def tool_calls_schema(tools: list[Tool], parallel: bool) -> dict:
+    """tool_choice 'required': a list of calls, each {"name": one of the tools, "parameters": its
+    arguments} (vLLM's form). Each tool's schema moves under $defs, its own $refs re-rooted there."""
+    defs = {f"tool{i}": _rerooted(t.function.arguments_schema(), f"#/$defs/tool{i}") for i, t in enumerate(tools)}
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "parameters": {"$ref": f"#/$defs/tool{i}"}},
+              "required": ["name", "parameters"]} for i, t in enumerate(tools)]
+    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1}),
+            "$defs": defs}
+
+
+def _rerooted(schema: Any, root: str) -> Any:
+    """schema with every local $ref ("#...") pointing into it where it now lives (at `root`)."""
+    if isinstance(schema, dict):
+        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rerooted(v, root))
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rerooted(v, root) for v in schema]
+    return schema
+
+
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     # A chat answer has at least one token (OpenAI refuses 0; /v1/completions allows it, for scoring).
     max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
@@ -292,8 +347,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
     # Accepted and ignored: they change nothing about the tokens (prediction, OpenAI's predicted output, is a
     # latency hint; modalities may only ask for text). Clients that fill in OpenAI's defaults send them.
@@ -307,23 +361,53 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     def _consistency(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ParamError("tools", "tools are not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise ParamError("tool_choice", "tool_choice is not supported by this server")
+        self._check_tool_choice()
         structured = self.json_object() or self.json_schema() is not None
+        what = f"tool_choice {self.tool_mode()!r}" if self.tool_mode() else \
+            f"response_format {self.response_format.type}" if structured else None
         if structured and self.min_tokens:
-            raise ParamError("min_tokens", f"min_tokens cannot be combined with response_format "
-                             f"{self.response_format.type} (the JSON value may close before it)")
+            raise ParamError("min_tokens", f"min_tokens cannot be combined with {what} (the JSON value may close "
+                             "before it)")
         if structured and self.continue_final_message:
-            raise ParamError("continue_final_message", f"continue_final_message cannot be combined with "
-                             f"response_format {self.response_format.type} (the answer is a whole value of its own)")
+            raise ParamError("continue_final_message", f"continue_final_message cannot be combined with {what} "
+                             "(the answer is a whole value of its own)")
+        if self.tool_mode() and self.logprobs:
+            raise ParamError("logprobs", "logprobs cannot be combined with tool_choice 'required' or a named function")
         return self
+
+    def _check_tool_choice(self) -> None:
+        choice = self.tool_choice if self.tool_choice is not None else "auto" if self.tools else "none"
+        if choice == "auto":  # (OpenAI's default when tools are given)
+            raise ParamError("tool_choice", "'auto' is not supported: this server does not parse tool "
+                             "calls out of free text; use 'required' (the answer is one or more calls), a named "
+                             "function ({\"type\": \"function\", \"function\": {\"name\": ...}}) or 'none'")
+        if choice != "none" and not self.tools:
+            raise ParamError("tool_choice", "tool_choice other than 'none' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in [t.function.name for t in self.tools]:
+            raise ParamError("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among tools")
+        if self.tool_mode() and self.response_format is not None and self.response_format.type != "text":
+            raise ParamError("response_format", "response_format cannot be combined with tool_choice 'required' or "
+                             "a named function (the tool's parameters give the answer's schema)")
+
+    def tool_mode(self) -> Optional[str]:
+        """'required' (the answer is a list of calls), 'named' (the answer is one function's
+        arguments) or None (a plain answer)."""
+        if self.tool_choice == "required":
+            return "required"
+        return "named" if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def called_function(self) -> Optional[str]:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def json_object(self) -> bool:
         return self.response_format is not None and self.response_format.type == "json_object"
 
     def json_schema(self) -> Optional[dict]:
+        """The schema the answer follows: response_format's, or the tool call's the tool_choice forces."""
+        if self.tool_mode() == "named":
+            return next(t.function.arguments_schema() for t in self.tools if t.function.name == self.called_function())
+        if self.tool_mode() == "required":
+            return tool_calls_schema(self.tools, self.parallel_tool_calls is not False)
         fmt = self.response_format
         return fmt.json_schema.schema_ if fmt is not None and fmt.json_schema is not None else None
 
@@ -417,9 +501,28 @@ class ChatLogprobs(Response):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class FunctionCall(Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(Response):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _no_empty_calls(self, handler):
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(Response):
@@ -442,6 +545,7 @@ class ChatCompletionResponse(Response):
 class ChatDelta(Response):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # {"index", and the first time "id", "type"; "function"}
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
