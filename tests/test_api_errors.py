@@ -762,3 +762,30 @@ def test_tools_and_tool_history_reach_the_template(tokenizer):
                                                  "tool_choice": "required", "max_tokens": 40})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
             c.post("/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"])
+
+
+def test_tool_choice_auto_needs_a_parser(tokenizer):
+    """'auto' (the default with tools) parses Hermes blocks where the template shows the model the
+    tag, or where the server is told to; else it is a 400 that says what works."""
+    chat = {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "max_tokens": 8}
+    hermes = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}Call with <tool_call>.{% endif %}"
+    for config, ok in ((dict(chat_template=hermes), True), (dict(), False), (dict(tool_call_parser="hermes"), True),
+                       (dict(chat_template=hermes, tool_call_parser="none"), False)):
+        with make_client(tokenizer, **config) as c:
+            r = c.post("/v1/chat/completions", json=chat)
+            if ok:
+                assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
+            else:
+                assert "--tool-call-parser" in assert_openai_error(r, 400, "tool_choice")["message"]
+
+
+def test_tool_call_parser_option_is_checked_before_the_model_loads(monkeypatch):
+    from typer.testing import CliRunner
+
+    from fitllm.cli import serve as serve_cli
+    from fitllm.cli.main import app
+
+    monkeypatch.setattr(serve_cli, "_check_port_free", lambda host, port: None)
+    monkeypatch.setattr(serve_cli, "_build_engine", lambda *a, **k: pytest.fail("the model was loaded"))
+    result = CliRunner().invoke(app, ["serve", "--tool-call-parser", "mistral"])
+    assert result.exit_code == 1 and "expected hermes or none" in result.output, result.output

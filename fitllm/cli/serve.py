@@ -41,6 +41,11 @@ def serve(
                                                 help="A Jinja chat template for /v1/chat/completions, in place of "
                                                      "the tokenizer's (a base model has none): a file, or the "
                                                      "template itself."),
+    tool_call_parser: Optional[str] = typer.Option(
+        None, "--tool-call-parser",
+        help="How tool_choice 'auto' finds calls in the model's text: hermes (<tool_call> blocks: Qwen2.5/3, Hermes) "
+             "or none (then 'auto' is a 400; 'required' and named functions always work). Default: hermes where the "
+             "chat template mentions <tool_call>, else none."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
     speculative: Optional[str] = typer.Option(None, "--speculative",
@@ -60,6 +65,8 @@ def serve(
     if speculative and not 1 <= num_speculative_tokens <= 16:
         fail(f"--num-speculative-tokens {num_speculative_tokens}: must be between 1 and 16 with --speculative")
     template = _read_chat_template(chat_template) if chat_template is not None else None
+    if tool_call_parser not in (None, "hermes", "none"):
+        fail(f"--tool-call-parser {tool_call_parser}: expected hermes or none")
     _check_port_free(host, port)
     engine = _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                            num_kv_blocks, gpu_memory_utilization, not no_prefix_caching, not no_cuda_graphs,
@@ -69,7 +76,7 @@ def serve(
     name = served_model_name or _default_name(model)
     config = ServerConfig(served_model_name=name, model_aliases=tuple(a for a in (model,) if a),
                           api_key=api_key, max_body_bytes=max_request_bytes, max_waiting=max_waiting,
-                          request_timeout=request_timeout, chat_template=template)
+                          request_timeout=request_timeout, chat_template=template, tool_call_parser=tool_call_parser)
     _print_summary(engine, name, host, port, api_key)
     _run(create_app(engine, config), host, port, log_level, request_timeout)
 

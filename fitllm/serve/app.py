@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fitllm.models.tokenizer import TokenBytes
 from fitllm.serve import protocol as P
+from fitllm.serve import tool_calls
 from fitllm.serve.async_engine import AsyncEngine, EngineOverloaded
 from fitllm.serve.metrics import ServerMetrics
 from fitllm.serve.sampling import SamplingParams
@@ -54,6 +55,7 @@ class ServerConfig:
     request_timeout: float = 600.0           # seconds from arrival to the last token
     retry_after_s: int = 1
     chat_template: Optional[str] = None      # replaces the tokenizer's own (Jinja text)
+    tool_call_parser: Optional[str] = None   # tool_choice "auto": "hermes", "none", or None: from the template
 
 
 class APIError(Exception):
@@ -212,6 +214,9 @@ class Server:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         if config.chat_template is not None:
             self.tokenizer.chat_template = config.chat_template
+        parser = config.tool_call_parser
+        self.tool_call_parser = tool_calls.detect(getattr(self.tokenizer, "chat_template", None)) \
+            if parser is None else None if parser == "none" else parser
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(getattr(engine.model_config, "vocab_size", len(self.tokenizer)))
         # No token spells more characters than the vocabulary's longest entry (byte-level and
@@ -650,6 +655,7 @@ class ChatShaper:
         self.templates: dict[int, P.TextTemplate] = {}  # choice index -> its content-delta chunk
         self.tool_mode = body.tool_mode()  # None, "named" or "required": the answer is tool calls
         self.call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> the call's id, the same in every chunk
+        self.sent: dict[int, int] = {}  # choice -> characters of its text streamed as content ('auto')
 
     def logprobs(self, out) -> Optional[P.ChatLogprobs]:
         if not self.body.logprobs:
@@ -695,8 +701,12 @@ class ChatShaper:
 
     def tool_chunks(self, c: Choice, out):
         """A named function's arguments stream as they come; 'required' calls are whole only once
-        the list closes, so they come together at the end."""
+        the list closes, so they come together at the end; 'auto' streams text up to a call's tag
+        and its calls at the end."""
         c.text += out.new_text
+        if self.tool_mode == "auto":
+            yield from self.auto_chunks(c, out)
+            return
         if self.tool_mode == "named" and out.new_text:
             call = {"index": 0, "function": {"arguments": out.new_text}}
             if (c.index, 0) not in self.call_ids:
@@ -714,11 +724,30 @@ class ChatShaper:
                                                             for i, call in enumerate(calls)]))
         yield self.chunk(c, P.ChatDelta(), finish=self.finish_reason(c))
 
+    def auto_chunks(self, c: Choice, out):
+        sent = self.sent.get(c.index, 0)
+        content, calls = tool_calls.parse(c.text) if out.finished else (None, [])
+        upto = len(c.text) if out.finished and not calls else tool_calls.streamable(c.text)
+        if upto > sent:
+            self.sent[c.index] = upto
+            yield self.chunk(c, P.ChatDelta(content=c.text[sent:upto]))
+        if calls:
+            yield self.chunk(c, P.ChatDelta(tool_calls=[
+                {"index": i, "id": self.call_id(c, i), "type": "function", "function": {"name": n, "arguments": a}}
+                for i, (n, a) in enumerate(calls)]))
+        if out.finished:
+            yield self.chunk(c, P.ChatDelta(), finish=self.finish_reason(c))
+
     def call_id(self, c: Choice, i: int) -> str:
         return self.call_ids.setdefault((c.index, i), f"call_{uuid.uuid4().hex[:24]}")
 
     def tool_calls(self, c: Choice) -> Optional[list[P.ToolCall]]:
-        """The calls of a tool-mode answer; None where 'required' calls were cut short (not JSON)."""
+        """The calls of a tool-mode answer; None where 'required' calls were cut short (not JSON)
+        or an 'auto' answer holds none."""
+        if self.tool_mode == "auto":
+            calls = tool_calls.parse(c.text)[1]
+            return [P.ToolCall(id=self.call_id(c, i), function=P.FunctionCall(name=name, arguments=arguments))
+                    for i, (name, arguments) in enumerate(calls)] or None
         if self.tool_mode == "named":  # the text is the arguments (cut short too, with finish_reason length)
             return [P.ToolCall(id=self.call_id(c, 0), function=P.FunctionCall(name=self.body.called_function(),
                                                                                arguments=c.text))]
@@ -731,12 +760,17 @@ class ChatShaper:
             for i, call in enumerate(calls)]
 
     def finish_reason(self, c: Choice) -> Optional[str]:
-        # as vLLM: 'required' calls that closed finish with tool_calls; a named function with stop
-        return "tool_calls" if self.tool_mode == "required" and c.finish_reason == "stop" else c.finish_reason
+        # as vLLM: calls that closed ('required', or found by 'auto') finish with tool_calls; a named function
+        # with stop
+        called = self.tool_mode == "required" or (self.tool_mode == "auto" and tool_calls.parse(c.text)[1])
+        return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
     def message(self, c: Choice) -> P.ChatResponseMessage:
         calls = self.tool_calls(c) if self.tool_mode else None
-        return P.ChatResponseMessage(content=c.text) if calls is None else P.ChatResponseMessage(tool_calls=calls)
+        if calls is None:
+            return P.ChatResponseMessage(content=c.text)
+        content = tool_calls.parse(c.text)[0] if self.tool_mode == "auto" else None
+        return P.ChatResponseMessage(content=content, tool_calls=calls)
 
     def content_template(self, c: Choice) -> P.TextTemplate:
         template = self.templates.get(c.index)
@@ -786,6 +820,11 @@ async def chat_completions(server: Server, request: Request):
     server.check_model(body.model)
     n = body.n or 1
     _check_choice_count(n)
+    if body.tool_mode() == "auto" and server.tool_call_parser is None:
+        raise APIError(400, "tool_choice 'auto' (the default when tools are given) needs a way to tell tool calls "
+                       "in the model's text: this model's chat template shows no known format (start the server "
+                       "with --tool-call-parser hermes if the model writes <tool_call> blocks); or use 'required', "
+                       "a named function or 'none'.", param="tool_choice", code="invalid_value")
     ids = server.chat_prompt_ids(body)
     max_tokens = server.token_budget(ids, body.token_limit(), "messages", body.token_limit_param())
     rid = P.new_id("chatcmpl")

@@ -363,7 +363,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         self._check_tool_choice()
         structured = self.json_object() or self.json_schema() is not None
-        what = f"tool_choice {self.tool_mode()!r}" if self.tool_mode() else \
+        what = f"tool_choice {self.tool_mode()!r}" if self.tool_mode() in ("named", "required") else \
             f"response_format {self.response_format.type}" if structured else None
         if structured and self.min_tokens:
             raise ParamError("min_tokens", f"min_tokens cannot be combined with {what} (the JSON value may close "
@@ -372,29 +372,28 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise ParamError("continue_final_message", f"continue_final_message cannot be combined with {what} "
                              "(the answer is a whole value of its own)")
         if self.tool_mode() and self.logprobs:
-            raise ParamError("logprobs", "logprobs cannot be combined with tool_choice 'required' or a named function")
+            raise ParamError("logprobs", "logprobs cannot be combined with tool calls (tool_choice other than 'none')")
         return self
 
     def _check_tool_choice(self) -> None:
-        choice = self.tool_choice if self.tool_choice is not None else "auto" if self.tools else "none"
-        if choice == "auto":  # (OpenAI's default when tools are given)
-            raise ParamError("tool_choice", "'auto' is not supported: this server does not parse tool "
-                             "calls out of free text; use 'required' (the answer is one or more calls), a named "
-                             "function ({\"type\": \"function\", \"function\": {\"name\": ...}}) or 'none'")
+        choice = self.effective_tool_choice()
         if choice != "none" and not self.tools:
             raise ParamError("tool_choice", "tool_choice other than 'none' needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in [t.function.name for t in self.tools]:
             raise ParamError("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among tools")
         if self.tool_mode() and self.response_format is not None and self.response_format.type != "text":
-            raise ParamError("response_format", "response_format cannot be combined with tool_choice 'required' or "
-                             "a named function (the tool's parameters give the answer's schema)")
+            raise ParamError("response_format", "response_format cannot be combined with tool calls (tool_choice "
+                             "other than 'none'): the tools' parameters give the calls' schemas")
+
+    def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
+        """tool_choice, or OpenAI's default: 'auto' when tools are given, else 'none'."""
+        return self.tool_choice if self.tool_choice is not None else "auto" if self.tools else "none"
 
     def tool_mode(self) -> Optional[str]:
         """'required' (the answer is a list of calls), 'named' (the answer is one function's
-        arguments) or None (a plain answer)."""
-        if self.tool_choice == "required":
-            return "required"
-        return "named" if isinstance(self.tool_choice, NamedToolChoice) else None
+        arguments), 'auto' (text, with any calls in it parsed out) or None (a plain answer)."""
+        choice = self.effective_tool_choice()
+        return "named" if isinstance(choice, NamedToolChoice) else None if choice == "none" else choice
 
     def called_function(self) -> Optional[str]:
         return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None

@@ -1,0 +1,80 @@
+"""tool_choice "auto": Hermes blocks parsed out of the model's text, whole and while streaming."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from fitllm.serve import tool_calls
+from fitllm.serve.app import ChatShaper, Choice
+from fitllm.serve.protocol import ChatCompletionRequest
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("Just text.", "Just text.", []),
+    (CALL, None, [("get_weather", '{"city": "Zürich"}')]),
+    ("Let me look.\n\n" + CALL + "\n" + CALL.replace("Zürich", "Bern"), "Let me look.",
+     [("get_weather", '{"city": "Zürich"}'), ("get_weather", '{"city": "Bern"}')]),
+    ('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', None, [("f", '{"a": 1}')]),  # Llama's key
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", '{"a": 1}')]),  # a string
+    ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),  # not a call: text as written
+    (CALL + '<tool_call>{"arguments": {}}</tool_call>', CALL + '<tool_call>{"arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "f"', '<tool_call>{"name": "f"', []),  # cut short
+])
+def test_parse(text, content, calls):
+    assert tool_calls.parse(text) == (content, calls)
+
+
+def test_streamable_holds_back_what_may_become_a_tag():
+    assert tool_calls.streamable("Hello <tool") == len("Hello ")
+    assert tool_calls.streamable("Hello <") == len("Hello ")
+    assert tool_calls.streamable("a < b") == len("a < b")
+    assert tool_calls.streamable("Hi " + CALL) == len("Hi ")
+    assert tool_calls.detect("{% if tools %}<tool_call>{% endif %}") == "hermes" and tool_calls.detect(None) is None
+
+
+def shaper(stream: bool) -> ChatShaper:
+    server = SimpleNamespace(config=SimpleNamespace(served_model_name="m"),
+                             usage=lambda choices: {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2})
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, stream=stream)
+    return ChatShaper(server, body, "chatcmpl-1", [])
+
+
+def outputs(text: str, pieces: int):
+    step = max(1, len(text) // pieces)
+    parts = [text[i:i + step] for i in range(0, len(text), step)]
+    return [SimpleNamespace(new_text=p, finished=i == len(parts) - 1, logprobs=[]) for i, p in enumerate(parts)]
+
+
+@pytest.mark.parametrize("text", ["Sunny, I think.", "Checking. " + CALL, CALL + "\n" + CALL.replace("Zürich", "Bern"),
+                                  "a <tool_ca", "<tool_call>{broken</tool_call>"])
+@pytest.mark.parametrize("pieces", [1, 7, 200])
+def test_streamed_auto_answer_adds_up_to_the_whole_one(text, pieces):
+    whole_shaper = shaper(False)
+    c = Choice(0, "r-0", [1], None)
+    for out in outputs(text, pieces):
+        whole_shaper.collect(c, out)
+    c.finish_reason = "stop"
+    whole = whole_shaper.message(c)
+    assert whole_shaper.finish_reason(c) == ("tool_calls" if whole.tool_calls else "stop")
+
+    stream_shaper, s = shaper(True), Choice(0, "r-0", [1], None)
+    content, calls, finish = "", [], None
+    for out in outputs(text, pieces):
+        if out.finished:
+            s.finish_reason = "stop"
+        for chunk in stream_shaper.chunks(s, out):
+            delta = chunk.choices[0].delta
+            assert not (delta.content and calls)  # text never follows the calls
+            content += delta.content or ""
+            calls += delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == whole_shaper.finish_reason(c)
+    assert [(x["function"]["name"], x["function"]["arguments"]) for x in calls] == \
+        [(x.function.name, x.function.arguments) for x in whole.tool_calls or []]
+    assert content.strip() == (whole.content or "").strip()
+    ids = [x["id"] for x in calls]
+    assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
