@@ -204,6 +204,8 @@ BAD_CHATS = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 1}}}}}], "tool_choice": "required"}, "tools.0.function.parameters.properties.n",
      None),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.0.function.parameters", None),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "logprobs": True},
      "logprobs", None),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
