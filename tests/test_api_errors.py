@@ -206,6 +206,20 @@ BAD_CHATS = [
      None),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.0.function.parameters", None),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+      "tool_choice": "none"}, "tools.0.function.parameters", None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "parallel_tool_calls": "yes"}, "parallel_tool_calls", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {"type": "object"}}}},
+     "response_format.json_schema.name", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "string", "format": "x"}}}}}},
+     "response_format.json_schema.schema.$defs.A", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}},
+     "response_format.json_schema.schema", None),  # no finite value: refused, not failed mid-answer
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "c"}]}],
+      "tool_choice": "none"}, "messages.1.tool_calls.0.function", None),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "logprobs": True},
      "logprobs", None),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
@@ -764,6 +778,17 @@ def test_tools_and_tool_history_reach_the_template(tokenizer):
                                                  "tool_choice": "required", "max_tokens": 40})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
             c.post("/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"])
+
+
+def test_tools_shown_but_not_enforced_may_use_any_keyword(client):
+    """With tool_choice 'none' (or 'auto') the tools are only rendered for the model: keywords the
+    automaton cannot enforce (format, pattern, minimum) are fine there, as in vLLM and OpenAI."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "when": {"type": "string", "format": "date-time"}, "n": {"type": "integer", "minimum": 1}}}}}]
+    r = client.post("/v1/chat/completions", json={**OK_CHAT, "tools": tools, "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={**OK_CHAT, "tools": tools, "tool_choice": "required"})
+    assert_openai_error(r, 400, "tools.0.function.parameters.properties.when")
 
 
 def test_tool_choice_auto_needs_a_parser(tokenizer):

@@ -140,7 +140,7 @@ def test_masks_equal_walking_every_token(grammar):
     deep = json.dumps(nested(4), indent=4, ensure_ascii=False).encode()
     mixed = b'{"a": {"b": [1, {"c": [[], {}]}]}, "d": [[{"e": {}}], [[1]], {"f": [{"g": {"h": [2]}}]}]}'
     configs = {OBJ.walk(OBJ.start, doc[:i]) for doc in (text, deep, mixed) for i in range(len(doc) + 1)}
-    assert len(configs) > 100 and len({frozenset(map(grammar.state_key, c)) for c in configs}) < len(configs)
+    assert len(configs) > 100 and len({frozenset(grammar.state_key(OBJ, s) for s in c) for c in configs}) < len(configs)
     for config in configs:
         assert_mask_is_exact(grammar, OBJ, config)
 
@@ -366,6 +366,30 @@ def test_pydantic_schemas_with_refs_enums_and_recursion():
 def test_schemas_that_cannot_be_enforced_are_refused_with_where(schema, message):
     with pytest.raises(jm.SchemaError, match=message.replace("(", r"\(").replace(")", r"\)")):
         jm.Schema(schema)
+
+
+def test_enum_and_type_both_apply():
+    both = jm.Schema({"type": "object", "properties": {"e": {"type": "string", "enum": [1, "x", None]},
+                                                       "c": {"type": ["integer", "null"], "enum": [2.0, 2.5, None]}}})
+    assert both.walk(both.start, b'{"e": 1') is None and both.done(both.walk(both.start, b'{"e": "x", "c": null}'))
+    assert both.done(both.walk(both.start, b'{"c": 2.0}')) and both.walk(both.start, b'{"c": 2.5') is None
+
+
+def test_nesting_cap_is_never_walked_into():
+    """A value begins only where its smallest form fits under MAX_DEPTH; a schema whose values
+    cannot fit is refused at once (it would otherwise fail mid-answer)."""
+    tree = jm.Schema({"type": "object", "properties": {"next": {"$ref": "#"}, "leaf": {"type": "integer"}}})
+    deep = tree.walk(tree.start, b'{"next": ' * (jm.MAX_DEPTH - 1) + b"{")
+    assert deep is not None and tree.walk(deep, b'"next"') is None and tree.done(tree.walk(deep, b'"leaf": 1' + b"}" * 32))
+    needs_2 = jm.Schema({"type": "array", "items": {"type": "object", "properties": {
+        "p": {"type": "array", "items": {"type": "integer"}, "minItems": 1}}, "required": ["p"]}, "minItems": 1})
+    assert needs_2.min_depth[needs_2.root] == 3
+    with pytest.raises(jm.SchemaError, match="no value of it fits in 32 levels"):
+        jm.Schema({"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]})
+    rng = random.Random(1)
+    for _ in range(20):  # random walks over a schema that can recurse: no dead end at the cap either
+        text = random_text(tree, rng, limit=400)
+        assert tree.walk(tree.start, text) is not None
 
 
 def test_strict_reading_of_objects():

@@ -23,6 +23,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n
     ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),  # not a call: text as written
     (CALL + '<tool_call>{"arguments": {}}</tool_call>', CALL + '<tool_call>{"arguments": {}}</tool_call>', []),
     ('<tool_call>{"name": "f"', '<tool_call>{"name": "f"', []),  # cut short
+    ('<tool_call>{"name": "f", "arguments": {}}\n', None, [("f", "{}")]),  # stopped before the closing tag (vLLM too)
 ])
 def test_parse(text, content, calls):
     assert tool_calls.parse(text) == (content, calls)
@@ -78,3 +79,16 @@ def test_streamed_auto_answer_adds_up_to_the_whole_one(text, pieces):
     assert content.strip() == (whole.content or "").strip()
     ids = [x["id"] for x in calls]
     assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
+
+
+def test_required_calls_cut_short_finish_as_text():
+    """A 'required' answer a stop string cut is not calls: its text, finish_reason stop (not tool_calls)."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+                                 tool_choice="required")
+    shaper_ = ChatShaper(SimpleNamespace(config=SimpleNamespace(served_model_name="m")), body, "chatcmpl-1", [])
+    for text, finish, calls in (('[{"name": "get_weather", "parameters": {', "stop", None),
+                                ('[{"name": "get_weather", "parameters": {}}]', "tool_calls", 1)):
+        c = Choice(0, "r-0", [1], None, text=text, finish_reason="stop")
+        message = shaper_.message(c)
+        assert shaper_.finish_reason(c) == finish and len(message.tool_calls or []) == (calls or 0)
+        assert message.content == (None if calls else text)

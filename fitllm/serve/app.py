@@ -505,15 +505,14 @@ def _message_dict(m: P.ChatMessage) -> dict:
     if m.tool_call_id is not None:
         d["tool_call_id"] = m.tool_call_id
     if m.tool_calls:  # chat templates (Qwen's, Llama's) write the arguments with tojson: give them the object
-        d["tool_calls"] = [{**call, "function": {**call["function"], "arguments": _json_or_text(
-            call["function"].get("arguments"))}} if isinstance(call.get("function"), dict) else call
-            for call in m.tool_calls]
+        d["tool_calls"] = [{**call.model_dump(exclude_none=True), "function": {
+            "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}} for call in m.tool_calls]
     return d
 
 
-def _json_or_text(arguments):
+def _json_or_text(arguments: str):
     try:
-        return json.loads(arguments) if isinstance(arguments, str) else arguments
+        return json.loads(arguments)
     except ValueError:
         return arguments
 
@@ -762,7 +761,7 @@ class ChatShaper:
     def finish_reason(self, c: Choice) -> Optional[str]:
         # as vLLM: calls that closed ('required', or found by 'auto') finish with tool_calls; a named function
         # with stop
-        called = self.tool_mode == "required" or (self.tool_mode == "auto" and tool_calls.parse(c.text)[1])
+        called = self.tool_mode in ("required", "auto") and self.tool_calls(c) is not None
         return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
     def message(self, c: Choice) -> P.ChatResponseMessage:

@@ -98,6 +98,15 @@ class Node:
         return not any(required for _, _, required in self.props[index:])
 
 
+def _is_type(value, t: str) -> bool:
+    """JSON Schema's types of a JSON value (an integer is a number; 1.0 is an integer)."""
+    if isinstance(value, bool):
+        return t == "boolean"
+    if isinstance(value, (int, float)):
+        return t == "number" or (t == "integer" and float(value).is_integer())
+    return {"string": str, "object": dict, "array": list, "null": type(None)}.get(t) is type(value)
+
+
 def _json_text(value) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
@@ -113,6 +122,12 @@ class Schema:
         self._starts: dict[int, list] = {}  # node -> first byte -> how a value can begin (filled as met)
         self.root = self._compile(schema, "schema")
         self._check_no_union_cycle()
+        self.min_depth = self._min_depths()
+        if self.min_depth[self.root] > MAX_DEPTH:
+            raise SchemaError(f"schema: no value of it fits in {MAX_DEPTH} levels of nesting (does a required "
+                              "property or item lead back to where it started?)")
+        # the deepest any value the automaton may still begin needs (bounds what the mask cache key may drop)
+        self.deepest = max((d for d in self.min_depth if d <= MAX_DEPTH), default=0)
         if any(self.nodes[i].kind not in ("object", "array") for i in self._alternatives(self.root)):
             raise SchemaError("schema: the top-level value must be an object or an array")
         self.key = json.dumps(schema)  # (not sorted: the order of properties is the order of the output)
@@ -145,6 +160,30 @@ class Schema:
 
         for node in range(len(self.nodes)):
             visit(node)
+
+    def _min_depths(self) -> list[float]:
+        """Per node, the fewest containers deep its smallest value nests (inf: none is finite).
+        The automaton begins a value only where that depth still fits under MAX_DEPTH, so a model
+        can never walk into a value it cannot finish. A fixed point, for recursive schemas."""
+        depth = [float("inf")] * len(self.nodes)
+        changed = True
+        while changed:
+            changed = False
+            for i, n in enumerate(self.nodes):
+                if n.kind == "union":
+                    d = min(depth[o] for o in n.options)
+                elif n.kind == "object":
+                    d = 1 + max([depth[node] for _, node, required in n.props if required], default=0)
+                elif n.kind == "array":
+                    d = 1 + (depth[n.items] if n.min_items else 0)
+                else:
+                    d = 0
+                if d < depth[i]:
+                    depth[i], changed = d, True
+        return depth
+
+    def fits(self, stack: tuple, node: int) -> bool:
+        return len(stack) + self.min_depth[node] <= MAX_DEPTH
 
     def any_value(self) -> int:
         if self._any is None:
@@ -245,6 +284,11 @@ class Schema:
             raise SchemaError(f"{where}: keyword {sorted(extra)[0]!r} next to enum/const is not supported")
         if not isinstance(values, list) or not values:
             raise SchemaError(f"{where}.enum: expected a non-empty list")
+        if "type" in s:  # both apply: the values of the type
+            types = s["type"] if isinstance(s["type"], list) else [s["type"]]
+            values = [v for v in values if any(_is_type(v, t) for t in types)]
+            if not values:
+                raise SchemaError(f"{where}: no enum / const value is of type {json.dumps(s['type'])}")
         try:
             texts = tuple(dict.fromkeys(_json_text(v) for v in values))
         except ValueError as e:
@@ -279,7 +323,8 @@ class Schema:
                     raise SchemaError(f"{where}.$ref: {ref!r} does not point into the schema")
                 target = target[part]
             self._refs[ref] = self._add(None)  # first, so a recursive schema finds it
-            self.nodes[self._refs[ref]] = Node("union", options=(self._compile(target, ref),))
+            path = "schema" + ref[1:].replace("/", ".")  # (an error's place, written as the others are)
+            self.nodes[self._refs[ref]] = Node("union", options=(self._compile(target, path),))
         return self._refs[ref]
 
     # --- the automaton ---
@@ -348,7 +393,7 @@ class Schema:
         # after a value
         if c == ",":
             if kind == "o":
-                return ("key", stack, (0, None)) if n.extra is not None or count < len(n.props) else None
+                return ("key", stack, (0, None)) if self._next_keys(stack) else None
             if n.max_items is not None and count >= n.max_items:
                 return None
             return ("value", self._item_begun(stack), (0, n.items))
@@ -364,12 +409,18 @@ class Schema:
         cap = n.max_items if n.max_items is not None else n.min_items  # counts past it are alike
         return stack[:-1] + (("a", node, min(count + 1, cap)),)
 
-    def _key_start(self, stack: tuple):
+    def _next_keys(self, stack: tuple) -> list[int]:
+        """The properties whose key may come next (their values fit); [-1]: any key (a free object)."""
         _, node, index = stack[-1]
         n = self.nodes[node]
         if n.extra is not None:
-            return ("string", stack, (n.extra, 0, ()))
-        return _branches([("literal", stack, (n.props[j][0][1:], j)) for j in n.keys_from(index)])
+            return [-1] if self.fits(stack, n.extra) else []
+        return [j for j in n.keys_from(index) if self.fits(stack, n.props[j][1])]
+
+    def _key_start(self, stack: tuple):
+        n = self.nodes[stack[-1][1]]
+        return _branches([("string", stack, (n.extra, 0, ())) if j < 0 else
+                          ("literal", stack, (n.props[j][0][1:], j)) for j in self._next_keys(stack)])
 
     def _literal_end(self, stack: tuple, prop: int) -> State:
         if prop < 0:
@@ -386,7 +437,7 @@ class Schema:
         if starts is None:
             starts = row[b] = self._first_byte(node, b)
         return [(mode, stack + (frame,), detail) if frame else (mode, stack, detail)
-                for mode, frame, detail in starts if not frame or len(stack) < MAX_DEPTH]
+                for mode, frame, detail in starts if not frame or self.fits(stack, frame[1])]
 
     def _first_byte(self, node: int, b: int) -> list:
         """(mode, frame to push or None, detail) of each way a value of `node` can begin with b."""
@@ -536,14 +587,15 @@ class JsonGrammar:
         data = self.tokens[token_id] if token_id < len(self.tokens) else None
         return schema.walk(config, data) if data else None
 
-    def state_key(self, state: State) -> tuple:
+    def state_key(self, schema: Schema, state: State) -> tuple:
         """What a state's mask depends on. Below the deepest frame a token can reach (it closes
         max_closes and then reads the next one's kind), the stack only matters where it could
-        empty (the value closing) or overflow; the whitespace run only where a token's leading
-        whitespace could pass the cap. Exact: equal keys, equal masks."""
+        empty (the value closing) or where a value begun in the token might not fit under the
+        nesting cap; the whitespace run only where a token's leading whitespace could pass the
+        cap. Exact: equal keys, equal masks."""
         mode, stack, detail = state
         reach = self.max_closes + 1
-        if reach < len(stack) and len(stack) + self.max_opens <= MAX_DEPTH:
+        if reach < len(stack) and len(stack) + self.max_opens + schema.deepest <= MAX_DEPTH:
             stack = ("...",) + stack[-reach:]
         if mode in WHITESPACE_MODES:
             detail = (max(0, detail[0] - (MAX_WHITESPACE - min(self.max_leading_ws, MAX_WHITESPACE))), detail[1])
@@ -551,7 +603,7 @@ class JsonGrammar:
 
     def mask(self, schema: Schema, config: Config, device: torch.device | str) -> torch.Tensor:
         """Bool [vocab_size] on `device`: the tokens that may come next."""
-        key = (schema.key, frozenset(map(self.state_key, config)), str(device))
+        key = (schema.key, frozenset(self.state_key(schema, state) for state in config), str(device))
         hit = self.cache.get(key)
         if hit is not None:
             self.cache.move_to_end(key)

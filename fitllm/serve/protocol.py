@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
@@ -194,12 +195,24 @@ class CompletionRequest(SamplingFields):
         return list(v)
 
 
+class HistoryFunctionCall(Request):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as the server returned it
+
+
+class HistoryToolCall(Request):
+    """A call an assistant message of the history made (as OpenAI's responses carry it)."""
+    id: Optional[StrictStr] = None
+    type: Literal["function"] = "function"
+    function: HistoryFunctionCall
+
+
 class ChatMessage(Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[StrictStr, list[dict[str, Any]]]] = None
     name: Optional[StrictStr] = None
     tool_call_id: Optional[StrictStr] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_calls: Optional[list[HistoryToolCall]] = None
     refusal: Optional[StrictStr] = None
 
     @field_validator("content")
@@ -233,10 +246,10 @@ class JsonSchemaFormat(Request):
     """OpenAI's response_format.json_schema: a named schema the answer must follow (always enforced:
     `strict` false does not loosen it)."""
     model_config = ConfigDict(populate_by_name=True)
-    name: Optional[StrictStr] = None
+    name: Optional[Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]] = None  # (vLLM: optional)
     description: Optional[StrictStr] = None
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None
 
 
 class ResponseFormat(Request):
@@ -266,7 +279,7 @@ class FunctionDefinition(Request):
     name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Optional[StrictStr] = None
     parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object; none: no arguments
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None
 
     def arguments_schema(self) -> dict:
         return self.parameters if self.parameters is not None else {"type": "object", "additionalProperties": False}
@@ -302,11 +315,10 @@ class ChatTemplateFields(Request):
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) < len(names):
             raise ParamError("tools", "tool function names must be unique")
-        for i, tool in enumerate(self.tools or []):
-            try:
-                json_mode.schema_for(tool.function.arguments_schema())
-            except json_mode.SchemaError as e:
-                raise _schema_error(f"tools.{i}.function.parameters", e) from None
+        for i, tool in enumerate(self.tools or []):  # OpenAI's rule: the arguments are a JSON object
+            if tool.function.arguments_schema().get("type", "object") != "object":
+                raise ParamError(f"tools.{i}.function.parameters", "a function's parameters must be an object "
+                                 "schema (type 'object')")
         if self.continue_final_message and self.add_generation_prompt:
             raise ParamError("continue_final_message",
                              "continue_final_message and add_generation_prompt cannot both be true")
@@ -348,7 +360,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
     response_format: Optional[ResponseFormat] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[StrictBool] = None
     # Accepted and ignored: they change nothing about the tokens (prediction, OpenAI's predicted output, is a
     # latency hint; modalities may only ask for text). Clients that fill in OpenAI's defaults send them.
     metadata: Optional[dict[str, StrictStr]] = None
@@ -381,6 +393,13 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise ParamError("tool_choice", "tool_choice other than 'none' needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in [t.function.name for t in self.tools]:
             raise ParamError("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among tools")
+        if self.tool_mode() in ("named", "required"):  # the calls' arguments are then enforced: their schemas must be
+            for i, tool in enumerate(self.tools):      # (for 'none' and 'auto' they are only shown to the model)
+                if self.tool_mode() == "required" or tool.function.name == self.called_function():
+                    try:
+                        json_mode.schema_for(tool.function.arguments_schema())
+                    except json_mode.SchemaError as e:
+                        raise _schema_error(f"tools.{i}.function.parameters", e) from None
         if self.tool_mode() and self.response_format is not None and self.response_format.type != "text":
             raise ParamError("response_format", "response_format cannot be combined with tool calls (tool_choice "
                              "other than 'none'): the tools' parameters give the calls' schemas")

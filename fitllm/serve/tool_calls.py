@@ -5,8 +5,8 @@ and many fine-tunes are trained to write after (or instead of) their answer:
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-A reply whose blocks all parse is tool calls (the text before the first block is its content);
-otherwise it is text, as written. While streaming, text is sent up to the first block's tag, holding
+A reply whose blocks all parse is tool calls (the text before the first block is its content, as
+in vLLM's parser: text after the calls is dropped); otherwise it is text, as written. While streaming, text is sent up to the first block's tag, holding
 back a tail that might be the beginning of one.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ import re
 from typing import Optional
 
 OPEN = "<tool_call>"
-BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+# a block, or the last one left open (a model may stop right after its JSON, as vLLM's parser allows)
+BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*?)\s*$", re.S)
 
 
 def detect(chat_template: Optional[str]) -> Optional[str]:
@@ -27,7 +28,7 @@ def detect(chat_template: Optional[str]) -> Optional[str]:
 def parse(text: str) -> tuple[Optional[str], list[tuple[str, str]]]:
     """(content, [(name, arguments as JSON text)]): no calls unless every block is one."""
     start = text.find(OPEN)
-    blocks = BLOCK.findall(text, start) if start >= 0 else []
+    blocks = [closed or left_open for closed, left_open in BLOCK.findall(text, start)] if start >= 0 else []
     calls = []
     for block in blocks:
         try:
