@@ -652,7 +652,7 @@ class ChatShaper:
         self.top_n = body.top_logprobs or 0
         self.created = P.now()  # one timestamp for every chunk of the response
         self.templates: dict[int, P.TextTemplate] = {}  # choice index -> its content-delta chunk
-        self.tool_mode = body.tool_mode()  # None, "named" or "required": the answer is tool calls
+        self.tool_mode = body.tool_mode()  # None, or "named" / "required" / "auto": the answer holds tool calls
         self.call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> the call's id, the same in every chunk
         self.sent: dict[int, int] = {}  # choice -> characters of its text streamed as content ('auto')
 
