@@ -248,11 +248,12 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params,
                       cache_salt=1 if long_from is not None and len(prompt_token_ids) > long_from else None)
         generator = make_generator(params.seed, self.device)
+        schema = json_mode.schema_for(params.json_schema) if params.structured else None
         req.state.update(
             generator=generator,
             sample_input=None if params.follows_output else SampleInput(params, generator),
-            schema=json_mode.schema_for(params.json_schema) if params.structured else None,
-            json=json_mode.schema_for(params.json_schema).start if params.structured else None,  # automaton's config
+            schema=schema,
+            json=schema.start if schema is not None else None,  # the automaton's configuration
             needs_prompt_logits=params.prompt_logprobs is not None,
             prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None,
             detok=None if self.tokenizer is None else IncrementalDetokenizer(

@@ -138,6 +138,9 @@ class Schema:
         self.nodes.append(node)
         return len(self.nodes) - 1
 
+    def _union(self, nodes: list[int]) -> int:
+        return nodes[0] if len(nodes) == 1 else self._add(Node("union", options=tuple(nodes)))
+
     def _alternatives(self, node: int) -> list[int]:
         n = self.nodes[node]
         return [o for opt in n.options for o in self._alternatives(opt)] if n.kind == "union" else [node]
@@ -222,8 +225,7 @@ class Schema:
         for word in set(s) & set().union(*TYPE_KEYWORDS.values()):
             if not any(word in TYPE_KEYWORDS[t] for t in types):
                 raise SchemaError(f"{where}: keyword {word!r} does not apply to type {json.dumps(s['type'])}")
-        nodes = [self._typed(s, t, where) for t in dict.fromkeys(types)]
-        return nodes[0] if len(nodes) == 1 else self._add(Node("union", options=tuple(nodes)))
+        return self._union([self._typed(s, t, where) for t in dict.fromkeys(types)])
 
     def _typed(self, s: dict, t: str, where: str) -> int:
         if t == "object":
@@ -247,21 +249,17 @@ class Schema:
                 raise SchemaError(f"{where}.required: required properties need their schemas under 'properties'")
             if extra is False:
                 return self._add(Node("object", props=()))  # only {}
-            index = self._add(None)  # first, for a recursive schema
-            self.nodes[index] = Node("object", extra=self._compile(True if extra is None else extra,
-                                                                   f"{where}.additionalProperties"))
-            return index
+            return self._add(Node("object", extra=self._compile(True if extra is None else extra,
+                                                                f"{where}.additionalProperties")))
         if extra not in (None, False):
             raise SchemaError(f"{where}.additionalProperties: only false is supported next to 'properties' "
                               "(an object lists its properties or takes any keys, not both)")
         missing = [r for r in required if r not in props]
         if missing:
             raise SchemaError(f"{where}.required: {missing[0]!r} is not among the properties")
-        index = self._add(None)
-        self.nodes[index] = Node("object", props=tuple(
+        return self._add(Node("object", props=tuple(
             (_json_text(name), self._compile(sub, f"{where}.properties.{name}"), name in required)
-            for name, sub in props.items()))
-        return index
+            for name, sub in props.items())))
 
     def _array(self, s: dict, where: str) -> int:
         lo, hi = s.get("minItems", 0), s.get("maxItems")
@@ -272,10 +270,8 @@ class Schema:
             raise SchemaError(f"{where}: minItems ({lo}) is more than maxItems ({hi})")
         if isinstance(s.get("items"), list):
             raise SchemaError(f"{where}.items: a list of schemas (tuple validation) is not supported")
-        index = self._add(None)
-        self.nodes[index] = Node("array", items=self._compile(s.get("items", True), f"{where}.items"),
-                                 min_items=lo, max_items=hi)
-        return index
+        return self._add(Node("array", items=self._compile(s.get("items", True), f"{where}.items"),
+                              min_items=lo, max_items=hi))
 
     def _literals(self, s: dict, where: str) -> int:
         values = [s["const"]] if "const" in s else s["enum"]
@@ -305,8 +301,7 @@ class Schema:
         if word == "allOf" and len(options) > 1:
             raise SchemaError(f"{where}.allOf: only one schema is supported")
         # oneOf is read as anyOf: a value matching two options is not refused
-        nodes = [self._compile(o, f"{where}.{word}.{i}") for i, o in enumerate(options)]
-        return nodes[0] if len(nodes) == 1 else self._add(Node("union", options=tuple(nodes)))
+        return self._union([self._compile(o, f"{where}.{word}.{i}") for i, o in enumerate(options)])
 
     def _ref(self, s: dict, where: str) -> int:
         ref = s["$ref"]
