@@ -59,8 +59,8 @@ def test_streamed_auto_answer_adds_up_to_the_whole_one(text, pieces):
     for out in outputs(text, pieces):
         whole_shaper.collect(c, out)
     c.finish_reason = "stop"
-    whole = whole_shaper.message(c)
-    assert whole_shaper.finish_reason(c) == ("tool_calls" if whole.tool_calls else "stop")
+    whole_content, whole_calls = whole_shaper.answer(c)
+    assert whole_shaper.finish_reason(c, whole_calls) == ("tool_calls" if whole_calls else "stop")
 
     stream_shaper, s = shaper(True), Choice(0, "r-0", [1], None)
     content, calls, finish = "", [], None
@@ -73,10 +73,10 @@ def test_streamed_auto_answer_adds_up_to_the_whole_one(text, pieces):
             content += delta.content or ""
             calls += delta.tool_calls or []
             finish = chunk.choices[0].finish_reason or finish
-    assert finish == whole_shaper.finish_reason(c)
+    assert finish == whole_shaper.finish_reason(c, whole_calls)
     assert [(x["function"]["name"], x["function"]["arguments"]) for x in calls] == \
-        [(x.function.name, x.function.arguments) for x in whole.tool_calls or []]
-    assert content.strip() == (whole.content or "").strip()
+        [(x.function.name, x.function.arguments) for x in whole_calls or []]
+    assert content.strip() == (whole_content or "").strip()
     ids = [x["id"] for x in calls]
     assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
 
@@ -89,6 +89,6 @@ def test_required_calls_cut_short_finish_as_text():
     for text, finish, calls in (('[{"name": "get_weather", "parameters": {', "stop", None),
                                 ('[{"name": "get_weather", "parameters": {}}]', "tool_calls", 1)):
         c = Choice(0, "r-0", [1], None, text=text, finish_reason="stop")
-        message = shaper_.message(c)
-        assert shaper_.finish_reason(c) == finish and len(message.tool_calls or []) == (calls or 0)
-        assert message.content == (None if calls else text)
+        content, tool_calls_ = shaper_.answer(c)
+        assert shaper_.finish_reason(c, tool_calls_) == finish and len(tool_calls_ or []) == (calls or 0)
+        assert content == (None if calls else text)

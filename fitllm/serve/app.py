@@ -654,7 +654,7 @@ class ChatShaper:
         self.templates: dict[int, P.TextTemplate] = {}  # choice index -> its content-delta chunk
         self.tool_mode = body.tool_mode()  # None, or "named" / "required" / "auto": the answer holds tool calls
         self.call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> the call's id, the same in every chunk
-        self.sent: dict[int, int] = {}  # choice -> characters of its text streamed as content ('auto')
+        self.sent: dict[int, int] = {}  # choice -> characters of its text streamed as content (tool modes)
 
     def logprobs(self, out) -> Optional[P.ChatLogprobs]:
         if not self.body.logprobs:
@@ -699,77 +699,64 @@ class ChatShaper:
             yield self.chunk(c, P.ChatDelta(), finish=c.finish_reason)
 
     def tool_chunks(self, c: Choice, out):
-        """A named function's arguments stream as they come; 'required' calls are whole only once
-        the list closes, so they come together at the end; 'auto' streams text up to a call's tag
-        and its calls at the end."""
+        """A named function's arguments stream as they come; 'auto' streams text up to a call's
+        tag; whole calls ('required', or found by 'auto') come at the end, after any text not
+        sent yet."""
         c.text += out.new_text
-        if self.tool_mode == "auto":
-            yield from self.auto_chunks(c, out)
-            return
         if self.tool_mode == "named" and out.new_text:
             call = {"index": 0, "function": {"arguments": out.new_text}}
             if (c.index, 0) not in self.call_ids:
                 call = {"index": 0, "id": self.call_id(c, 0), "type": "function",
                         "function": {"name": self.body.called_function(), "arguments": out.new_text}}
             yield self.chunk(c, P.ChatDelta(tool_calls=[call]))
+        elif self.tool_mode == "auto" and not out.finished:
+            yield from self.content_upto(c, tool_calls.streamable(c.text))
         if not out.finished:
             return
-        if self.tool_mode == "required":
-            calls = self.tool_calls(c)
-            if calls is None:  # cut short: the text as it is
-                yield self.chunk(c, P.ChatDelta(content=c.text))
-            else:
+        calls = self.answer(c)[1]
+        if self.tool_mode != "named":  # the text without calls; with them, what came before the first tag
+            yield from self.content_upto(c, len(c.text) if calls is None else
+                                         tool_calls.streamable(c.text) if self.tool_mode == "auto" else 0)
+            if calls is not None:
                 yield self.chunk(c, P.ChatDelta(tool_calls=[{"index": i, **call.model_dump()}
                                                             for i, call in enumerate(calls)]))
-        yield self.chunk(c, P.ChatDelta(), finish=self.finish_reason(c))
+        yield self.chunk(c, P.ChatDelta(), finish=self.finish_reason(c, calls))
 
-    def auto_chunks(self, c: Choice, out):
+    def content_upto(self, c: Choice, upto: int):
+        """The choice's text up to character `upto` that was not streamed yet."""
         sent = self.sent.get(c.index, 0)
-        content, calls = tool_calls.parse(c.text) if out.finished else (None, [])
-        upto = len(c.text) if out.finished and not calls else tool_calls.streamable(c.text)
         if upto > sent:
             self.sent[c.index] = upto
             yield self.chunk(c, P.ChatDelta(content=c.text[sent:upto]))
-        if calls:
-            yield self.chunk(c, P.ChatDelta(tool_calls=[
-                {"index": i, "id": self.call_id(c, i), "type": "function", "function": {"name": n, "arguments": a}}
-                for i, (n, a) in enumerate(calls)]))
-        if out.finished:
-            yield self.chunk(c, P.ChatDelta(), finish=self.finish_reason(c))
 
     def call_id(self, c: Choice, i: int) -> str:
         return self.call_ids.setdefault((c.index, i), f"call_{uuid.uuid4().hex[:24]}")
 
-    def tool_calls(self, c: Choice) -> Optional[list[P.ToolCall]]:
-        """The calls of a tool-mode answer; None where 'required' calls were cut short (not JSON)
-        or an 'auto' answer holds none."""
+    def answer(self, c: Choice) -> tuple[Optional[str], Optional[list[P.ToolCall]]]:
+        """A finished choice's (content, tool calls). Calls None where there are none: a plain
+        answer, an 'auto' answer without calls, 'required' calls cut short (not JSON: the text as
+        it is). A named function's text is its arguments (cut short too, with finish_reason length)."""
+        if self.tool_mode == "named":
+            return None, [P.ToolCall(id=self.call_id(c, 0),
+                                     function=P.FunctionCall(name=self.body.called_function(), arguments=c.text))]
         if self.tool_mode == "auto":
-            calls = tool_calls.parse(c.text)[1]
-            return [P.ToolCall(id=self.call_id(c, i), function=P.FunctionCall(name=name, arguments=arguments))
-                    for i, (name, arguments) in enumerate(calls)] or None
-        if self.tool_mode == "named":  # the text is the arguments (cut short too, with finish_reason length)
-            return [P.ToolCall(id=self.call_id(c, 0), function=P.FunctionCall(name=self.body.called_function(),
-                                                                               arguments=c.text))]
-        try:
-            calls = json.loads(c.text)
-        except ValueError:
-            return None
-        return [P.ToolCall(id=self.call_id(c, i), function=P.FunctionCall(
-            name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False)))
-            for i, call in enumerate(calls)]
+            content, calls = tool_calls.parse(c.text)
+        elif self.tool_mode == "required":
+            try:
+                content, calls = None, [(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+                                        for call in json.loads(c.text)]
+            except ValueError:
+                content, calls = c.text, []
+        else:
+            content, calls = c.text, []
+        return content, [P.ToolCall(id=self.call_id(c, i), function=P.FunctionCall(name=name, arguments=arguments))
+                         for i, (name, arguments) in enumerate(calls)] or None
 
-    def finish_reason(self, c: Choice) -> Optional[str]:
+    def finish_reason(self, c: Choice, calls: Optional[list[P.ToolCall]]) -> Optional[str]:
         # as vLLM: calls that closed ('required', or found by 'auto') finish with tool_calls; a named function
         # with stop
-        called = self.tool_mode in ("required", "auto") and self.tool_calls(c) is not None
+        called = calls is not None and self.tool_mode in ("required", "auto")
         return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
-
-    def message(self, c: Choice) -> P.ChatResponseMessage:
-        calls = self.tool_calls(c) if self.tool_mode else None
-        if calls is None:
-            return P.ChatResponseMessage(content=c.text)
-        content = tool_calls.parse(c.text)[0] if self.tool_mode == "auto" else None
-        return P.ChatResponseMessage(content=content, tool_calls=calls)
 
     def content_template(self, c: Choice) -> P.TextTemplate:
         template = self.templates.get(c.index)
@@ -782,9 +769,13 @@ class ChatShaper:
         return self.server.config.served_model_name
 
     def final(self) -> P.ChatCompletionResponse:
-        choices = [P.ChatChoice(index=c.index, message=self.message(c),
-                                logprobs=P.ChatLogprobs(content=c.logprob_rows) if self.body.logprobs else None,
-                                finish_reason=self.finish_reason(c), stop_reason=c.stop_reason) for c in self.choices]
+        choices = []
+        for c in self.choices:
+            content, calls = self.answer(c)
+            choices.append(P.ChatChoice(
+                index=c.index, message=P.ChatResponseMessage(content=content, tool_calls=calls),
+                logprobs=P.ChatLogprobs(content=c.logprob_rows) if self.body.logprobs else None,
+                finish_reason=self.finish_reason(c, calls), stop_reason=c.stop_reason))
         return P.ChatCompletionResponse(id=self.rid, model=self.model, choices=choices,
                                         usage=self.server.usage(self.choices))
 
