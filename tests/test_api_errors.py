@@ -202,7 +202,7 @@ BAD_CHATS = [
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"},
      "tools.0.function.name", None),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": 1}}}}}], "tool_choice": "required"}, "tools.0.function.parameters.properties.n",
+        "n": {"type": "integer", "multipleOf": 2}}}}}], "tool_choice": "required"}, "tools.0.function.parameters.properties.n",
      None),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.0.function.parameters", None),
@@ -214,7 +214,7 @@ BAD_CHATS = [
      "response_format.json_schema.name", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
         "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": "string", "format": "x"}}}}}},
-     "response_format.json_schema.schema.$defs.A", None),
+     "response_format.json_schema.schema.$defs.A.format", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
         "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}},
      "response_format.json_schema.schema", None),  # no finite value: refused, not failed mid-answer
@@ -233,8 +233,8 @@ BAD_CHATS = [
     ({"response_format": {"type": "json_schema"}}, "response_format", None),
     ({"response_format": {"type": "json_object", "json_schema": {"schema": {}}}}, "response_format", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "string", "pattern": "a+"}}}}}},
-     "response_format.json_schema.schema.properties.a", None),
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(a)\\1"}}}}}},
+     "response_format.json_schema.schema.properties.a.pattern", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "min_tokens": 1},
      "min_tokens", None),
     ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", None),
@@ -782,13 +782,13 @@ def test_tools_and_tool_history_reach_the_template(tokenizer):
 
 def test_tools_shown_but_not_enforced_may_use_any_keyword(client):
     """With tool_choice 'none' (or 'auto') the tools are only rendered for the model: keywords the
-    automaton cannot enforce (format, pattern, minimum) are fine there, as in vLLM and OpenAI."""
+    automaton cannot enforce (a format it does not know, multipleOf) are fine there, as in vLLM and OpenAI."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "when": {"type": "string", "format": "date-time"}, "n": {"type": "integer", "minimum": 1}}}}}]
+        "when": {"type": "string", "format": "duration"}, "n": {"type": "integer", "multipleOf": 2}}}}}]
     r = client.post("/v1/chat/completions", json={**OK_CHAT, "tools": tools, "tool_choice": "none", "max_tokens": 2})
     assert r.status_code == 200, r.text
     r = client.post("/v1/chat/completions", json={**OK_CHAT, "tools": tools, "tool_choice": "required"})
-    assert_openai_error(r, 400, "tools.0.function.parameters.properties.when")
+    assert_openai_error(r, 400, "tools.0.function.parameters.properties.when.format")
 
 
 def test_tool_choice_auto_needs_a_parser(tokenizer):

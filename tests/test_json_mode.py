@@ -4,10 +4,12 @@ schemas, pydantic's schemas and the embedded model; the compiler's errors. Both:
 against walking every token, and the engine's output on the embedded model."""
 from __future__ import annotations
 
+import datetime
 import enum
 import json
 import random
 import re
+import uuid
 from typing import Literal, Optional
 
 import jsonschema
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 
 from fitllm.models.tokenizer import vocabulary_bytes
 from fitllm.serve import json_mode as jm
+from fitllm.serve import json_regex
 from fitllm.serve.sampling import SamplingParams
 
 SCALARS = st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.text(max_size=8) \
@@ -192,9 +195,31 @@ def test_engine_output_is_one_json_object(embedded_model, embedded_tokenizer):
 
 # --- JSON schemas ---
 NAMES = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=5)
+# strings with a pattern, format or length (patterns in ASCII, where Python's re and ECMA agree)
+TEXT_RULES = [{"pattern": "^[a-z]{1,3}$"}, {"pattern": "^(ab|c)+$"}, {"pattern": "x[0-9]"}, {"pattern": "^\\d+-[^-]*$"},
+              {"format": "date"}, {"format": "date-time"}, {"format": "uuid"}, {"format": "email"},
+              {"minLength": 2}, {"maxLength": 3}, {"minLength": 1, "maxLength": 2}, {"pattern": "^[a-c]*$", "minLength": 2}]
+
+
+@st.composite
+def bounded_numbers(draw):
+    kind = draw(st.sampled_from(["integer", "number"]))
+    values = st.integers(-40, 40) | st.sampled_from([-2.5, 0.125, 1.5, 1e-3])
+    schema = {"type": kind}
+    for side in ("minimum", "maximum"):
+        if draw(st.booleans()):
+            schema["exclusive" + side.title() if draw(st.booleans()) else side] = draw(values)
+    try:
+        jm.Schema({"type": "array", "items": schema})
+    except jm.SchemaError:
+        schema = {"type": kind, "minimum": 0}  # (an empty range)
+    return schema
+
+
 LEAVES = st.sampled_from([{"type": t} for t in ("string", "integer", "number", "boolean", "null")]) \
     | st.lists(SCALARS, min_size=1, max_size=4).map(lambda v: {"enum": v}) \
-    | SCALARS.map(lambda v: {"const": v}) | st.just({})
+    | SCALARS.map(lambda v: {"const": v}) | st.just({}) \
+    | st.sampled_from(TEXT_RULES).map(lambda rule: {"type": "string", **rule}) | bounded_numbers()
 
 
 @st.composite
@@ -241,10 +266,35 @@ def instances(draw, schema):
     if kind == "array":
         lo = schema.get("minItems", 0)
         return draw(st.lists(instances(schema["items"]), min_size=lo, max_size=schema.get("maxItems", lo + 3)))
+    if kind == "string" and len(schema) > 1:
+        return draw(text_of(schema))
+    if kind in ("integer", "number") and len(schema) > 1:
+        return draw(number_of(schema))
     return draw({"string": st.text(max_size=5), "integer": st.integers(-10**6, 10**6), "boolean": st.booleans(),
                  "null": st.none(), "number": st.floats(allow_nan=False, allow_infinity=False) | st.integers()}[kind])
 
 
+def text_of(schema: dict):
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    pattern = schema.get("pattern") or (f"^(?:{json_regex.FORMATS[schema['format']]})$" if "format" in schema else None)
+    if pattern is None:
+        return st.text(min_size=lo, max_size=hi if hi is not None else lo + 4)
+    ascii_text = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+    return st.from_regex(pattern, fullmatch="^" in pattern, alphabet=ascii_text) \
+        .filter(lambda v: lo <= len(v) <= (hi if hi is not None else len(v)))
+
+
+def number_of(schema: dict):
+    """Values in the bounds, as plain decimals (bounds refuse exponents: 1e-05 is written 0.00001)."""
+    def fits(v) -> bool:
+        return jsonschema.Draft202012Validator(schema).is_valid(v)
+    if schema["type"] == "integer":
+        return st.integers(-50, 50).filter(fits)
+    return (st.integers(-50, 50) | st.decimals(-50, 50, places=3).map(float)).filter(fits) \
+        .filter(lambda v: "e" not in repr(v))
+
+
+FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER  # (date, email, uuid, ...; date-time where rfc3339-validator is)
 # (keys and enum / const strings are taken as json writes them without ensure_ascii: one spelling)
 SCHEMA_STYLES = st.sampled_from([dict(indent=2), dict(separators=(",", ":")), dict(indent="\t")]) \
     .map(lambda style: {**style, "ensure_ascii": False})
@@ -256,7 +306,7 @@ def is_valid(text: bytes, schema: dict) -> bool:
         value = json.loads(text.decode("utf-8"), parse_constant=lambda name: 1 / 0)
     except (ValueError, UnicodeDecodeError, ZeroDivisionError):
         return False
-    return jsonschema.Draft202012Validator(schema).is_valid(value)
+    return jsonschema.Draft202012Validator(schema, format_checker=FORMATS).is_valid(value)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -347,8 +397,17 @@ def test_pydantic_schemas_with_refs_enums_and_recursion():
 
 @pytest.mark.parametrize("schema, message", [
     ({"type": "string"}, "top-level value must be an object or an array"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a"}}}, "'pattern' is not supported"),
-    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}, "'minimum' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}, "'multipleOf' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}, "properties.a.pattern: lookaround"),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": "ipv6"}}}, 'a.format: "ipv6" is not supported'),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": "date", "pattern": "a"}}}, "next to 'format'"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^ab$", "maxLength": 1}}},
+     "no string of 0 to 1 characters matches the pattern"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 2}}},
+     "minLength (3) is more than maxLength (2)"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "exclusiveMinimum": 1, "maximum": 1.5}}},
+     "no integer lies between"),
+    ({"type": "object", "properties": {"a": {"type": "number", "exclusiveMinimum": True}}}, "expected a number"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "only false is supported"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b' is not among the properties"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}}, "does not point into the schema"),
@@ -425,12 +484,68 @@ def test_schema_masks_equal_walking_every_token(grammar):
         assert_mask_is_exact(grammar, schema, config)
 
 
+def test_strings_and_numbers_with_rules():
+    schema = jm.Schema({"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"}, "day": {"type": "string", "format": "date"},
+        "name": {"type": "string", "minLength": 2, "maxLength": 4}, "n": {"type": "integer", "minimum": -5, "maximum": 12},
+        "p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}}})
+    walk = lambda doc: schema.walk(schema.start, doc.encode())  # noqa: E731
+    assert schema.done(walk('{"code": "AB-123", "day": "2026-12-06", "name": "J\\u00e9\u00e9", "n": -5, "p": 1.0}'))
+    for stray in ('{"code": "AB-1234', '{"code": "Ab', '{"day": "2026-02-30', '{"name": "a"', '{"name": "abcde',
+                  '{"n": 13', '{"n": -6', '{"n": 1.', '{"n": 1e', '{"p": 0,', '{"p": 1.01', '{"p": -', '{"p": 0.5e'):
+        assert walk(stray) is None, stray
+    for fine in ('{"n": 1', '{"n": -', '{"p": 0.', '{"p": 0.00001', '{"name": "ab\\', '{"name": "ab\\u00'):
+        assert walk(fine) is not None, fine
+
+
+def test_constrained_masks_equal_walking_every_token(grammar):
+    """Masks of states inside strings with a pattern, a format or lengths (escapes and multi-byte
+    characters under way included) and inside bounded numbers."""
+    schema = jm.Schema({"type": "object", "properties": {
+        "w": {"type": "string", "pattern": "^[a-z ]+$"}, "e": {"type": "string", "format": "email"},
+        "s": {"type": "string", "minLength": 3, "maxLength": 6}, "f": {"type": "string", "pattern": "é\\d"},
+        "n": {"type": "integer", "minimum": 10, "maximum": 300}, "x": {"type": "number", "maximum": -0.5}}})
+    doc = '{"w": "hello world", "e": "ann.lee@mail.org", "s": "a\\n\\u00e9\u00e9b", "f": "xé1", "n": 250, "x": -3.25}'
+    data = doc.encode()
+    configs = {schema.walk(schema.start, data[:i]) for i in range(len(data) + 1)}
+    assert None not in configs and len(configs) > 70
+    for config in configs:
+        assert_mask_is_exact(grammar, schema, config)
+
+
+class Reading(pydantic.BaseModel):
+    sensor: str = pydantic.Field(pattern="^[a-z]+-[0-9]{2}$")
+    taken: datetime.date
+    at: datetime.datetime
+    id: uuid.UUID
+    value: float = pydantic.Field(ge=-40, lt=125)
+    count: int = pydantic.Field(gt=0, le=1000)
+    note: str = pydantic.Field(min_length=1, max_length=12)
+
+
+def test_pydantic_constraints_and_formats():
+    compiled = jm.Schema(Reading.model_json_schema())
+    sample = Reading(sensor="hall-07", taken="2026-12-06", at="2026-12-06T23:05:09Z", id=uuid.uuid4(), value=21.5,
+                     count=3, note="ok")
+    assert compiled.done(compiled.walk(compiled.start, sample.model_dump_json().encode()))
+    rng = random.Random(2)
+    finished = 0
+    for _ in range(20):
+        text = random_text(compiled, rng, limit=1500)
+        if compiled.done(compiled.walk(compiled.start, text)):
+            Reading.model_validate_json(text)  # pydantic itself reads it: pattern, dates, UUID, bounds, lengths
+            finished += 1
+    assert finished >= 5
+
+
 def test_engine_output_follows_the_schema(embedded_model, embedded_tokenizer):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 30},
+                                               "born": {"type": "string", "format": "date"},
                                                "colours": {"type": "array", "items": {"enum": ["black", "white",
                                                                                              "ginger"]},
                                                            "minItems": 1, "maxItems": 3}},
-              "required": ["name", "age", "colours"]}
+              "required": ["name", "age", "born", "colours"]}
     eng, prompt = engine_and_prompt(embedded_model, embedded_tokenizer, "Describe a cat as JSON.")
     params = [SamplingParams(max_tokens=80, temperature=0.0, json_schema=schema)] + \
         [SamplingParams(max_tokens=80, temperature=1.0, seed=s, json_schema=schema, ignore_eos=s == 1)
@@ -440,10 +555,10 @@ def test_engine_output_follows_the_schema(embedded_model, embedded_tokenizer):
     for out in outs[:-1]:
         assert compiled.walk(compiled.start, out.new_text.encode()) is not None, out.new_text
         if out.finish_reason == "stop":
-            jsonschema.validate(json.loads(out.new_text), schema)
-    assert sum(o.finish_reason == "stop" for o in outs[:-1]) >= 2
+            jsonschema.validate(json.loads(out.new_text), schema, format_checker=FORMATS)
+    assert sum(o.finish_reason == "stop" for o in outs[:-1]) >= 2, [o.new_text for o in outs]
     assert compiled.walk(compiled.start, outs[-1].new_text.encode()) is None  # JSON mode alone strays from it
-    with pytest.raises(ValueError, match="'pattern' is not supported"):
+    with pytest.raises(ValueError, match="'multipleOf' is not supported"):
         eng.generate([prompt], [SamplingParams(json_schema={"type": "object", "properties": {
-            "a": {"type": "string", "pattern": "x"}}})])
+            "a": {"type": "integer", "multipleOf": 2}}})])
     assert eng.stats()["kv_blocks_used"] == 0

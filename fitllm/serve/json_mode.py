@@ -21,16 +21,23 @@ properties come in the order the schema lists them, optional ones may be left ou
 that lists properties takes no others; an object that lists none takes any keys (with
 `additionalProperties`' schema for their values). Every keyword that constrains values is
 enforced or refused with a SchemaError naming it: nothing is silently ignored but annotations.
+A string with a pattern, format or length is walked character by character through json_regex's
+automaton (mode "text"); a number with bounds keeps its text so far and goes on only while some
+way to finish it lies within them (plain decimals: no exponent).
 """
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
 import torch
+
+from fitllm.serve.json_regex import ANY_TEXT, FORMATS, PatternError, Regex
 
 MAX_WHITESPACE = 64  # consecutive whitespace bytes between two tokens of the JSON text
 MAX_DEPTH = 32
@@ -38,6 +45,7 @@ WHITESPACE = frozenset(b" \t\n\r")
 DIGITS = frozenset(b"0123456789")
 HEX = frozenset(b"0123456789abcdefABCDEF")
 ESCAPES = frozenset(b'"\\/bfnrtu')
+ESCAPED_CHARS = {ord(k): v for k, v in zip('"\\/bfnrt', b'"\\/\b\f\n\r\t')}  # \" -> ", \n -> newline, ...
 # a UTF-8 lead byte -> (continuation bytes, the range of the first one)
 UTF8_LEADS = {**{b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)}, 0xE0: (2, 0xA0, 0xBF),
               **{b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0) if b != 0xED}, 0xED: (2, 0x80, 0x9F),
@@ -46,19 +54,25 @@ UTF8_LEADS = {**{b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)}, 0xE0: (2, 0xA0,
 # number parts: after "-", after a leading 0, in the integer, after ".", in the fraction, after e, after e+/-,
 # in the exponent
 NUMBER_DONE = frozenset({"zero", "int", "frac", "exp"})
+EXPONENT = frozenset({"e", "esign", "exp"})
 # Keywords that say nothing about which values are valid, and the containers of $ref targets.
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                          "readOnly", "writeOnly", "$defs", "definitions"})
 TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
-                 "array": {"items", "minItems", "maxItems"}, "string": set(), "number": set(), "integer": set(),
+                 "array": {"items", "minItems", "maxItems"}, "string": {"pattern", "format", "minLength", "maxLength"},
+                 "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+                 "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
                  "boolean": set(), "null": set()}
 
 # Modes: "value" (a value of detail's node), "key_or_close" (after "{"), "key" (after "," in an object),
-# "value_or_close" (after "["), "colon", "after" (a value ended: "," or a close), "string", "number",
-# "literal", "done" (only EOS). Detail: (whitespace run, node) in the whitespace modes; in a string
+# "value_or_close" (after "["), "colon", "after" (a value ended: "," or a close), "string", "text",
+# "number", "literal", "done" (only EOS). Detail: (whitespace run, node) in the whitespace modes; in a string
 # (key_node: the value's node after an object key, else None; escape; utf8); (part, integer only) in a
-# number; (bytes left, property index or -1) in a literal. Stack frames: ("o", node, next property)
-# and ("a", node, items begun, capped where the count stops mattering).
+# number, (part, integer only, node, text so far) in a number with bounds; (bytes left, property index
+# or -1) in a literal. In "text", a string value with a pattern, format or length: (node, characters
+# so far, the pattern's state, the character under way: () none, ("\\",) after a backslash, ("u", hex
+# digits left, value so far), ("8", UTF-8 bytes left, bits so far, the next byte's range)). Stack
+# frames: ("o", node, next property) and ("a", node, items begun, capped where the count stops mattering).
 WHITESPACE_MODES = frozenset({"value", "key_or_close", "key", "value_or_close", "colon", "after"})
 DONE = ("done", (), ())
 State = tuple
@@ -83,6 +97,11 @@ class Node:
     max_items: Optional[int] = None
     literals: tuple = ()  # the JSON texts (bytes) of enum / const values, true, false and null
     options: tuple = ()  # a union's node ids
+    text: Optional[Regex] = None  # strings with a pattern, format or length (ANY_TEXT: lengths only)
+    min_len: int = 0  # (in characters, as JSON Schema counts them)
+    max_len: Optional[int] = None
+    low: Optional[tuple] = None  # numbers: (bound, exclusive) below and above
+    high: Optional[tuple] = None
 
     def keys_from(self, index: int) -> list[int]:
         """The properties that may come next when `index` is the first not yet passed: up to and
@@ -236,7 +255,9 @@ class Schema:
             return self._add(Node("literals", literals=(b"true", b"false")))
         if t == "null":
             return self._add(Node("literals", literals=(b"null",)))
-        return self._add(Node(t))  # string, number, integer
+        if t == "string":
+            return self._string(s, where)
+        return self._number(s, t, where)
 
     def _object(self, s: dict, where: str) -> int:
         props, required, extra = s.get("properties"), s.get("required", []), s.get("additionalProperties")
@@ -261,17 +282,65 @@ class Schema:
             (_json_text(name), self._compile(sub, f"{where}.properties.{name}"), name in required)
             for name, sub in props.items())))
 
-    def _array(self, s: dict, where: str) -> int:
-        lo, hi = s.get("minItems", 0), s.get("maxItems")
-        for word, value in (("minItems", lo), ("maxItems", hi)):
+    @staticmethod
+    def _counts(s: dict, low: str, high: str, where: str) -> tuple[int, Optional[int]]:
+        """A (minimum, maximum or None) pair of counts such as minItems / maxItems, checked."""
+        lo, hi = s.get(low, 0), s.get(high)
+        for word, value in ((low, lo), (high, hi)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise SchemaError(f"{where}.{word}: expected a non-negative integer")
         if hi is not None and lo > hi:
-            raise SchemaError(f"{where}: minItems ({lo}) is more than maxItems ({hi})")
+            raise SchemaError(f"{where}: {low} ({lo}) is more than {high} ({hi})")
+        return lo, hi
+
+    def _array(self, s: dict, where: str) -> int:
+        lo, hi = self._counts(s, "minItems", "maxItems", where)
         if isinstance(s.get("items"), list):
             raise SchemaError(f"{where}.items: a list of schemas (tuple validation) is not supported")
         return self._add(Node("array", items=self._compile(s.get("items", True), f"{where}.items"),
                               min_items=lo, max_items=hi))
+
+    def _string(self, s: dict, where: str) -> int:
+        lo, hi = self._counts(s, "minLength", "maxLength", where)
+        pattern, form = s.get("pattern"), s.get("format")
+        if pattern is not None and form is not None:
+            raise SchemaError(f"{where}: 'pattern' next to 'format' is not supported")
+        if form is not None:
+            if form not in FORMATS:
+                raise SchemaError(f"{where}.format: {json.dumps(form)} is not supported (supported: "
+                                  f"{', '.join(FORMATS)})")
+            pattern = f"^(?:{FORMATS[form]})$"
+        if pattern is None and lo == 0 and hi is None:
+            return self._add(Node("string"))
+        try:
+            text = ANY_TEXT if pattern is None else _regex(pattern)
+        except PatternError as e:
+            raise SchemaError(f"{where}.pattern: {e}") from None
+        if not text.can_finish(text.start, lo, hi):
+            raise SchemaError(f"{where}: no string of {lo} to {hi if hi is not None else 'any number of'} "
+                              f"characters matches {'the format' if form else 'the pattern'}")
+        return self._add(Node("string", text=text, min_len=lo, max_len=hi))
+
+    def _number(self, s: dict, t: str, where: str) -> int:
+        """A number or integer, with its bounds (the stricter where two are given on one side)."""
+        bounds = {}
+        for word in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+            value = s.get(word)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise SchemaError(f"{where}.{word}: expected a number")
+            bounds[word] = Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
+        low = max([(bounds[w], w.startswith("exclusive")) for w in ("minimum", "exclusiveMinimum") if w in bounds],
+                  default=None)
+        high = min([(bounds[w], not w.startswith("exclusive")) for w in ("maximum", "exclusiveMaximum") if w in bounds],
+                   default=None)
+        if high is not None:  # (sorted with "inclusive" so the smaller of two equal bounds is the exclusive one)
+            high = (high[0], not high[1])
+        node = Node(t, low=low, high=high)
+        if (low or high) and not _meets(node, None, False, None, False):
+            raise SchemaError(f"{where}: no {t} lies between its minimum and maximum")
+        return self._add(node) if low or high else self._add(Node(t))
 
     def _literals(self, s: dict, where: str) -> int:
         values = [s["const"]] if "const" in s else s["enum"]
@@ -351,11 +420,21 @@ class Schema:
         mode, stack, detail = state
         if mode == "string":
             return _string_step(stack, detail, b)
+        if mode == "text":
+            return self._text_step(stack, detail, b)
         if mode == "number":
             part = _number_step(detail[0], b, detail[1])
+            if len(detail) == 2:
+                if part is not None:
+                    return ("number", stack, (part, detail[1]))
+                return self._step(("after", stack, (0, None)), b) if detail[0] in NUMBER_DONE else None
+            _, integer, node, text = detail  # with bounds
             if part is not None:
-                return ("number", stack, (part, detail[1]))
-            return self._step(("after", stack, (0, None)), b) if detail[0] in NUMBER_DONE else None
+                text += bytes((b,))
+                return ("number", stack, (part, integer, node, text)) if _may_reach(self.nodes[node], text, part) else None
+            if detail[0] in NUMBER_DONE and _meets(self.nodes[node], *(Fraction(text.decode()), True) * 2):
+                return self._step(("after", stack, (0, None)), b)
+            return None
         if mode == "literal":
             rest, prop = detail
             if b != rest[0]:
@@ -444,12 +523,142 @@ class Schema:
         if n.kind == "array":
             return [("value_or_close", ("a", node, 0), (0, None))] if c == "[" else []
         if n.kind == "string":
-            return [("string", None, (None, 0, ()))] if c == '"' else []
+            if c != '"':
+                return []
+            return [("text", None, (node, 0, n.text.start, ()))] if n.text else [("string", None, (None, 0, ()))]
         if n.kind in ("number", "integer"):
             part = _number_step("start", b, n.kind == "integer")
+            if part and (n.low or n.high):
+                return [("number", None, (part, n.kind == "integer", node, bytes((b,))))] \
+                    if _may_reach(n, bytes((b,)), part) else []
             return [("number", None, (part, n.kind == "integer"))] if part else []
         return [("literal", None, (text[1:], -1)) if len(text) > 1 else ("after", None, (0, None))
                 for text in n.literals if text[0] == b]
+
+
+    def _text_step(self, stack: tuple, detail: tuple, b: int) -> Optional[State]:
+        """A string value with a pattern, format or length, byte by byte: its characters go through the
+        pattern's automaton; a character under way (escape, UTF-8) goes on only while some code point it
+        may still become fits."""
+        node, count, at, pending = detail
+        n = self.nodes[node]
+        if not pending:
+            if b == 0x22:  # the closing quote
+                return ("after", stack, (0, None)) if count >= n.min_len and n.text.accepts(at) else None
+            if b < 0x20:
+                return None
+            if b < 0x80 and b != 0x5C:
+                return self._text_char(stack, detail, b)
+            lead = UTF8_LEADS.get(b)
+            if b != 0x5C and lead is None:
+                return None
+            pending = ("\\",) if b == 0x5C else ("8", lead[0], b & (0x3F >> lead[0]), lead[1], lead[2])
+        elif pending[0] == "\\":
+            if b in ESCAPED_CHARS:
+                return self._text_char(stack, detail, ESCAPED_CHARS[b])
+            if b != 0x75:  # u
+                return None
+            pending = ("u", 4, 0)
+        elif pending[0] == "u":
+            if b not in HEX:
+                return None
+            value = pending[2] * 16 + int(chr(b), 16)
+            if pending[1] == 1:
+                return self._text_char(stack, detail, value)
+            pending = ("u", pending[1] - 1, value)
+        else:  # UTF-8
+            _, left, value, lo, hi = pending
+            if not lo <= b <= hi:
+                return None
+            value = value << 6 | (b & 0x3F)
+            if left == 1:
+                return self._text_char(stack, detail, value)
+            pending = ("8", left - 1, value, 0x80, 0xBF)
+        cp_lo, cp_hi = _code_points(pending)
+        if n.max_len is not None and count >= n.max_len:
+            return None
+        if not n.text.some_char(at, cp_lo, cp_hi, *_room(n, count + 1)):
+            return None
+        return ("text", stack, (node, count, at, pending))
+
+    def _text_char(self, stack: tuple, detail: tuple, cp: int) -> Optional[State]:
+        node, count, at, _ = detail
+        n = self.nodes[node]
+        count += 1
+        if n.max_len is not None and count > n.max_len:
+            return None
+        after = n.text.step(at, cp)
+        if not after or not n.text.can_finish(after, *_room(n, count)):
+            return None
+        # (without a maximum, counts past the minimum are alike)
+        return ("text", stack, (node, count if n.max_len is not None else min(count, n.min_len), after, ()))
+
+
+def _room(n: Node, count: int) -> tuple[int, Optional[int]]:
+    """The fewest and most characters a string of node n with `count` of them may still take."""
+    return max(0, n.min_len - count), None if n.max_len is None else n.max_len - count
+
+
+def _code_points(pending: tuple) -> tuple[int, int]:
+    """The code points a character under way may still become (contiguous: UTF8_LEADS already
+    leaves out overlong forms and surrogates)."""
+    if pending[0] == "\\":
+        return 0, 0xFFFF  # \" \\ \/ \b \f \n \r \t or any \uXXXX
+    if pending[0] == "u":
+        shift = 4 * pending[1]
+        return pending[2] << shift, ((pending[2] + 1) << shift) - 1
+    _, left, value, lo, hi = pending
+    shift = 6 * (left - 1)
+    return (value << 6 | (lo & 0x3F)) << shift, ((value << 6 | (hi & 0x3F)) << shift) | ((1 << shift) - 1)
+
+
+def _meets(n: Node, lo: Optional[Fraction], lo_in: bool, hi: Optional[Fraction], hi_in: bool) -> bool:
+    """Whether a number of node n lies in the interval lo..hi (None: unbounded; _in: inclusive)."""
+    if n.low is not None:
+        value, inclusive = n.low[0], not n.low[1]
+        if lo is None or value > lo or (value == lo and not inclusive):
+            lo, lo_in = value, inclusive
+    if n.high is not None:
+        value, inclusive = n.high[0], not n.high[1]
+        if hi is None or value < hi or (value == hi and not inclusive):
+            hi, hi_in = value, inclusive
+    if n.kind == "integer" and lo is not None:  # the smallest integer in it
+        first = math.ceil(lo)
+        lo, lo_in = (first + 1 if first == lo and not lo_in else first), True
+    if lo is None or hi is None:
+        return True
+    return lo < hi or (lo == hi and lo_in and hi_in)
+
+
+def _may_reach(n: Node, text: bytes, part: str) -> bool:
+    """Whether a number begun as `text` (no exponent: bounds are checked on plain decimals) can still
+    end within node n's bounds."""
+    if part in EXPONENT:
+        return False
+    negative = text.startswith(b"-")
+    digits = text[1:] if negative else text
+
+    def meets(a: Fraction, b: Optional[Fraction]) -> bool:  # some value of magnitude in [a, b)
+        return _meets(n, -b if b is not None else None, False, -a, True) if negative else _meets(n, a, True, b, False)
+
+    if part == "minus":
+        return meets(Fraction(0), None)
+    if part == "zero":
+        return meets(Fraction(0), Fraction(1))
+    whole, _, fraction = digits.decode().partition(".")
+    if part in ("dot", "frac"):
+        start = Fraction(int(whole)) + (Fraction(int(fraction), 10 ** len(fraction)) if fraction else 0)
+        return meets(start, start + Fraction(1, 10 ** len(fraction)))
+    # more digits may follow: magnitudes [w * 10^k, (w + 1) * 10^k) for k = 0, 1, ...
+    w, far = int(whole), n.low if negative else n.high
+    if far is None:  # unbounded on this side: long enough numbers pass any bound on the other
+        return True
+    scale = 1
+    while w * scale <= abs(far[0]):
+        if meets(Fraction(w * scale), Fraction((w + 1) * scale)):
+            return True
+        scale *= 10
+    return False
 
 
 def _branches(states: list):
@@ -534,6 +743,11 @@ def _whole_utf8(data: bytes) -> bool:
 JSON_OBJECT = Schema({"type": "object"})  # JSON mode: any object
 
 
+@lru_cache(maxsize=256)
+def _regex(pattern: str) -> Regex:
+    return Regex(pattern)
+
+
 @lru_cache(maxsize=64)
 def _compiled(text: str) -> Schema:
     return Schema(json.loads(text))
@@ -570,10 +784,12 @@ class JsonGrammar:
         self.max_closes = max(d.count(b"}") + d.count(b"]") for d in words)
         self.max_opens = max(d.count(b"{") + d.count(b"[") for d in words)
         self.max_leading_ws = max(len(d) - len(d.lstrip(b" \t\n\r")) for d in words)
+        self.max_len = max(len(d) for d in words)  # (bytes: at least as many as the characters a token writes)
         self.string_safe = torch.tensor(sorted(string_safe), dtype=torch.long)
         self.string_special = [i for i, d in enumerate(self.tokens) if d and i not in string_safe]
         self.cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.cache_size = cache_size
+        self.tries: OrderedDict[Regex, dict] = OrderedDict()  # a pattern -> its trie of the string-safe tokens
 
     def advance(self, schema: Schema, config: Config, token_id: int) -> Optional[Config]:
         """The configuration after the token (EOS leaves a closed value as it is); None where it cannot come."""
@@ -594,6 +810,12 @@ class JsonGrammar:
             stack = ("...",) + stack[-reach:]
         if mode in WHITESPACE_MODES:
             detail = (max(0, detail[0] - (MAX_WHITESPACE - min(self.max_leading_ws, MAX_WHITESPACE))), detail[1])
+        elif mode == "text" and schema.nodes[detail[0]].text is ANY_TEXT:
+            # lengths only: the count matters only near the minimum or the maximum, within a token's reach
+            node, count, at, pending = detail
+            n, far = schema.nodes[node], self.max_len + 1
+            room = None if n.max_len is None else min(n.max_len - count, far)
+            detail = (node, (min(max(n.min_len - count, 0), far), room), at, pending)
         return mode, stack, detail
 
     def mask(self, schema: Schema, config: Config, device: torch.device | str) -> torch.Tensor:
@@ -610,6 +832,9 @@ class JsonGrammar:
         if len(live) == 1 and live[0][0] == "string" and live[0][2][1:] == (0, ()):  # no escape or character under way
             allowed[self.string_safe] = True
             allowed[[i for i in self.string_special if schema.walk(live, self.tokens[i]) is not None]] = True
+        elif len(live) == 1 and live[0][0] == "text" and not live[0][2][3]:  # (no character under way)
+            allowed[self._text_tokens(schema.nodes[live[0][2][0]], *live[0][2][1:3])] = True
+            allowed[[i for i in self.string_special if schema.walk(live, self.tokens[i]) is not None]] = True
         elif live:
             allowed[self._walk_groups(schema, live)] = True
         mask = allowed.to(device)
@@ -617,6 +842,40 @@ class JsonGrammar:
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return mask
+
+    def _trie(self, regex: Regex) -> dict:
+        """The string-safe tokens as a trie over their characters' classes under the pattern (code points
+        between two of its cuts step alike): most tokens share a few paths ([a-z]+ sees 'hello' and
+        'world' as one), so a mask walks each path once. Key -1 holds the tokens ending at a node."""
+        trie = self.tries.get(regex)
+        if trie is None:
+            trie = {}
+            for i in self.string_safe.tolist():
+                node = trie
+                for ch in self.tokens[i].decode("utf-8"):
+                    node = node.setdefault(regex.class_of(ord(ch)), {})
+                node.setdefault(-1, []).append(i)
+            self.tries[regex] = trie
+            if len(self.tries) > 16:
+                self.tries.popitem(last=False)
+        self.tries.move_to_end(regex)
+        return trie
+
+    def _text_tokens(self, n: Node, count: int, at: frozenset) -> list[int]:
+        """The string-safe tokens a constrained string with `count` characters at pattern state `at`
+        takes (each of its characters steps the pattern, and the string can still be finished)."""
+        out, todo = [], [(self._trie(n.text), at, count)]
+        while todo:
+            node, state, chars = todo.pop()
+            for cls, child in node.items():
+                if cls < 0:
+                    if chars > count and n.text.can_finish(state, *_room(n, chars)):
+                        out += child
+                elif n.max_len is None or chars < n.max_len:
+                    after = n.text.step_class(state, cls)
+                    if after:
+                        todo.append((child, after, chars + 1))
+        return out
 
     def _walk_groups(self, schema: Schema, config: Config) -> list[int]:
         """The tokens the configuration takes, group by group of their first two bytes."""
