@@ -1,4 +1,5 @@
-"""tool_choice "auto": Hermes blocks parsed out of the model's text, whole and while streaming."""
+"""tool_choice "auto": Hermes blocks and Llama 3 JSON calls parsed out of the model's text, whole and
+while streaming."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -29,16 +30,36 @@ def test_parse(text, content, calls):
     assert tool_calls.parse(text) == (content, calls)
 
 
+LLAMA = '{"name": "get_weather", "parameters": {"city": "Zürich"}}'
+
+
+@pytest.mark.parametrize("text, calls", [
+    (LLAMA, [("get_weather", '{"city": "Zürich"}')]),
+    ("<|python_tag|>" + LLAMA + "; " + LLAMA.replace("Zürich", "Bern") + "\n",
+     [("get_weather", '{"city": "Zürich"}'), ("get_weather", '{"city": "Bern"}')]),
+    (' {"name": "f", "arguments": {}}', [("f", "{}")]),
+    ("It is sunny.", []), ('{"city": "Bern"}', []), (LLAMA + " and more", []), (LLAMA[:-3], []), ("", []),
+    ('{"name": "f", "parameters": [1]}', []), (LLAMA + ";", [("get_weather", '{"city": "Zürich"}')]),
+])
+def test_parse_llama3_json(text, calls):
+    assert tool_calls.parse(text, "llama3_json") == ((None, calls) if calls else (text, []))
+
+
 def test_streamable_holds_back_what_may_become_a_tag():
     assert tool_calls.streamable("Hello <tool") == len("Hello ")
     assert tool_calls.streamable("Hello <") == len("Hello ")
     assert tool_calls.streamable("a < b") == len("a < b")
     assert tool_calls.streamable("Hi " + CALL) == len("Hi ")
     assert tool_calls.detect("{% if tools %}<tool_call>{% endif %}") == "hermes" and tool_calls.detect(None) is None
+    assert tool_calls.detect("{{- '<|python_tag|>' + tool_call }}") == "llama3_json"
+    assert tool_calls.detect("{{ '<|im_start|>' }}") is None
+    for held in ("", "  ", " {", "<|pyth", "<|python_tag|>{"):
+        assert tool_calls.streamable(held, "llama3_json") == 0
+    assert tool_calls.streamable("Sunny {", "llama3_json") == len("Sunny {")
 
 
-def shaper(stream: bool) -> ChatShaper:
-    server = SimpleNamespace(config=SimpleNamespace(served_model_name="m"),
+def shaper(stream: bool, parser: str = "hermes") -> ChatShaper:
+    server = SimpleNamespace(config=SimpleNamespace(served_model_name="m"), tool_call_parser=parser,
                              usage=lambda choices: {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2})
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, stream=stream)
     return ChatShaper(server, body, "chatcmpl-1", [])
@@ -50,11 +71,13 @@ def outputs(text: str, pieces: int):
     return [SimpleNamespace(new_text=p, finished=i == len(parts) - 1, logprobs=[]) for i, p in enumerate(parts)]
 
 
-@pytest.mark.parametrize("text", ["Sunny, I think.", "Checking. " + CALL, CALL + "\n" + CALL.replace("Zürich", "Bern"),
-                                  "a <tool_ca", "<tool_call>{broken</tool_call>"])
+@pytest.mark.parametrize("parser, text", [
+    *[("hermes", text) for text in ("Sunny, I think.", "Checking. " + CALL, CALL + "\n" + CALL.replace("Zürich", "Bern"),
+                                    "a <tool_ca", "<tool_call>{broken</tool_call>")],
+    *[("llama3_json", text) for text in (LLAMA, LLAMA + ";" + LLAMA, "Sunny {ish}", '{"not": "a call"}', " " + LLAMA)]])
 @pytest.mark.parametrize("pieces", [1, 7, 200])
-def test_streamed_auto_answer_adds_up_to_the_whole_one(text, pieces):
-    whole_shaper = shaper(False)
+def test_streamed_auto_answer_adds_up_to_the_whole_one(parser, text, pieces):
+    whole_shaper = shaper(False, parser)
     c = Choice(0, "r-0", [1], None)
     for out in outputs(text, pieces):
         whole_shaper.collect(c, out)
@@ -62,7 +85,7 @@ def test_streamed_auto_answer_adds_up_to_the_whole_one(text, pieces):
     whole_content, whole_calls = whole_shaper.answer(c)
     assert whole_shaper.finish_reason(c, whole_calls) == ("tool_calls" if whole_calls else "stop")
 
-    stream_shaper, s = shaper(True), Choice(0, "r-0", [1], None)
+    stream_shaper, s = shaper(True, parser), Choice(0, "r-0", [1], None)
     content, calls, finish = "", [], None
     for out in outputs(text, pieces):
         if out.finished:

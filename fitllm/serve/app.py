@@ -55,7 +55,7 @@ class ServerConfig:
     request_timeout: float = 600.0           # seconds from arrival to the last token
     retry_after_s: int = 1
     chat_template: Optional[str] = None      # replaces the tokenizer's own (Jinja text)
-    tool_call_parser: Optional[str] = None   # tool_choice "auto": "hermes", "none", or None: from the template
+    tool_call_parser: Optional[str] = None   # "auto" tool calls: "hermes", "llama3_json", "none"; None: from the template
 
 
 class APIError(Exception):
@@ -710,13 +710,13 @@ class ChatShaper:
                         "function": {"name": self.body.called_function(), "arguments": out.new_text}}
             yield self.chunk(c, P.ChatDelta(tool_calls=[call]))
         elif self.tool_mode == "auto" and not out.finished:
-            yield from self.content_upto(c, tool_calls.streamable(c.text))
+            yield from self.content_upto(c, tool_calls.streamable(c.text, self.server.tool_call_parser))
         if not out.finished:
             return
         calls = self.answer(c)[1]
         if self.tool_mode != "named":  # the text without calls; with them, what came before the first tag
-            yield from self.content_upto(c, len(c.text) if calls is None else
-                                         tool_calls.streamable(c.text) if self.tool_mode == "auto" else 0)
+            yield from self.content_upto(c, len(c.text) if calls is None else 0 if self.tool_mode != "auto" else
+                                         tool_calls.streamable(c.text, self.server.tool_call_parser))
             if calls is not None:
                 yield self.chunk(c, P.ChatDelta(tool_calls=[{"index": i, **call.model_dump()}
                                                             for i, call in enumerate(calls)]))
@@ -740,7 +740,7 @@ class ChatShaper:
             return None, [P.ToolCall(id=self.call_id(c, 0),
                                      function=P.FunctionCall(name=self.body.called_function(), arguments=c.text))]
         if self.tool_mode == "auto":
-            content, calls = tool_calls.parse(c.text)
+            content, calls = tool_calls.parse(c.text, self.server.tool_call_parser)
         elif self.tool_mode == "required":
             try:
                 content, calls = None, [(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
@@ -813,7 +813,8 @@ async def chat_completions(server: Server, request: Request):
     if body.tool_mode() == "auto" and server.tool_call_parser is None:
         raise APIError(400, "tool_choice 'auto' (the default when tools are given) needs a way to tell tool calls "
                        "in the model's text: this model's chat template shows no known format (start the server "
-                       "with --tool-call-parser hermes if the model writes <tool_call> blocks); or use 'required', "
+                       "with --tool-call-parser hermes if the model writes <tool_call> blocks, llama3_json if it "
+                       "writes Llama 3's JSON calls); or use 'required', "
                        "a named function or 'none'.", param="tool_choice", code="invalid_value")
     ids = server.chat_prompt_ids(body)
     max_tokens = server.token_budget(ids, body.token_limit(), "messages", body.token_limit_param())

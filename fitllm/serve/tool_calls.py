@@ -1,13 +1,19 @@
-"""Tool calls in free text, for tool_choice "auto": the Hermes format, which Qwen2.5 / Qwen3, Hermes
-and many fine-tunes are trained to write after (or instead of) their answer:
+"""Tool calls in free text, for tool_choice "auto". Two formats, each a parser of whole replies
+(`parse`) and a rule for what may stream as content before the reply is whole (`streamable`):
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- "hermes", which Qwen2.5 / Qwen3, Hermes and many fine-tunes write after (or instead of) their answer:
 
-A reply whose blocks all parse is tool calls (the text before the first block is its content, as
-in vLLM's parser: text after the calls is dropped); otherwise it is text, as written. While streaming, text is sent up to the first block's tag, holding
-back a tail that might be the beginning of one.
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+  A reply whose blocks all parse is tool calls (the text before the first block is its content, as
+  in vLLM's parser: text after the calls is dropped); otherwise it is text, as written. Text streams
+  up to the first block's tag, holding back a tail that might be the beginning of one.
+
+- "llama3_json", Llama 3.1 / 3.2 / 3.3's: the whole reply is one call or several joined by ";", each
+  `{"name": ..., "parameters": {...}}`, after an optional <|python_tag|> (a special token, usually
+  already dropped from the text). A reply that begins with "{" is held back until it is whole.
 """
 from __future__ import annotations
 
@@ -18,36 +24,44 @@ from typing import Optional
 OPEN = "<tool_call>"
 # a block, or the last one left open (a model may stop right after its JSON, as vLLM's parser allows)
 BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*?)\s*$", re.S)
+PYTHON_TAG = "<|python_tag|>"
+# what Llama 3.x templates tell the model when they show it tools
+LLAMA3_MARKS = (PYTHON_TAG, "respond with a JSON for a function call")
+
+Calls = list[tuple[str, str]]  # (name, arguments as JSON text)
 
 
 def detect(chat_template: Optional[str]) -> Optional[str]:
-    """The parser a chat template implies: "hermes" where it shows the model the tag."""
-    return "hermes" if chat_template and OPEN in chat_template else None
+    """The parser a chat template implies: "hermes" where it shows the model the tag, "llama3_json"
+    where it speaks as Llama 3.x's templates do, else None."""
+    if not chat_template:
+        return None
+    if OPEN in chat_template:
+        return "hermes"
+    return "llama3_json" if any(mark in chat_template for mark in LLAMA3_MARKS) else None
 
 
-def parse(text: str) -> tuple[Optional[str], list[tuple[str, str]]]:
-    """(content, [(name, arguments as JSON text)]): no calls unless every block is one."""
-    start = text.find(OPEN)
-    blocks = [closed or left_open for closed, left_open in BLOCK.findall(text, start)] if start >= 0 else []
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block)
-        except ValueError:
-            return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return text, []
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append((call["name"], arguments if isinstance(arguments, str) else
-                      json.dumps(arguments, ensure_ascii=False)))
-    if not calls:
-        return text, []
-    return text[:start].strip() or None, calls
+def _call(value) -> Optional[tuple[str, str]]:
+    """A parsed {"name", "arguments" or "parameters"} object as (name, arguments' JSON text); None if not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, (dict, str)):
+        return None
+    return value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def streamable(text: str) -> int:
-    """How many characters of text may go out as content now: up to a block's tag, less a tail
-    that could still become one."""
+def parse(text: str, parser: str = "hermes") -> tuple[Optional[str], Calls]:
+    """(content, calls): no calls unless the whole reply reads as calls in that format."""
+    return _parse_llama3(text) if parser == "llama3_json" else _parse_hermes(text)
+
+
+def streamable(text: str, parser: str = "hermes") -> int:
+    """How many characters of text may go out as content now."""
+    if parser == "llama3_json":
+        body = text.lstrip()
+        may_be_call = not body or body.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(body)
+        return 0 if may_be_call else len(text)
     start = text.find(OPEN)
     if start >= 0:
         return start
@@ -55,3 +69,41 @@ def streamable(text: str) -> int:
         if text.endswith(OPEN[:k]):
             return len(text) - k
     return len(text)
+
+
+def _parse_hermes(text: str) -> tuple[Optional[str], Calls]:
+    start = text.find(OPEN)
+    blocks = [closed or left_open for closed, left_open in BLOCK.findall(text, start)] if start >= 0 else []
+    calls = []
+    for block in blocks:
+        try:
+            call = _call(json.loads(block))
+        except ValueError:
+            call = None
+        if call is None:
+            return text, []
+        calls.append(call)
+    if not calls:
+        return text, []
+    return text[:start].strip() or None, calls
+
+
+def _parse_llama3(text: str) -> tuple[Optional[str], Calls]:
+    body = text.strip()
+    body = body[len(PYTHON_TAG):].lstrip() if body.startswith(PYTHON_TAG) else body
+    calls, at, decoder = [], 0, json.JSONDecoder()
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _call(value)
+        if call is None:
+            return text, []
+        calls.append(call)
+        rest = body[at:].lstrip()
+        if rest and not rest.startswith(";"):
+            return text, []  # something after a call that is not another one: the reply is text
+        at = len(body) - len(rest) + (1 if rest else 0)
+        at = len(body) - len(body[at:].lstrip())
+    return (None, calls) if calls else (text, [])
