@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -41,6 +43,17 @@ TOOLS = {"type": "array", "minItems": 1, "maxItems": 2, "items": {"anyOf": [
     {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": {"type": "object",
                                                                                     "additionalProperties": False}},
      "required": ["name", "parameters"]}]}}
+RULES = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                                          "day": {"type": "string", "format": "date"},
+                                          "p": {"type": "number", "minimum": 0, "maximum": 1},
+                                          "name": {"type": "string", "minLength": 2, "maxLength": 8}},
+         "required": ["code", "day", "p", "name"]}
+
+
+def follows_rules(value: dict) -> bool:
+    """RULES checked by Python itself (re, datetime, comparisons), not by the automaton."""
+    return (re.fullmatch("[A-Z]{2}-[0-9]{3}", value["code"]) is not None and bool(date.fromisoformat(value["day"]))
+            and 0 <= value["p"] <= 1 and 2 <= len(value["name"]) <= 8)
 
 
 def engine(model, tokenizer, device: str, graphs: bool = True) -> LLMEngine:
@@ -53,11 +66,12 @@ def check_outputs(eng: LLMEngine, prompts, length: int) -> bool:
     plain = [SamplingParams(max_tokens=length // 3, temperature=0.0) for _ in range(6)]
     structured = ([SamplingParams(max_tokens=length, temperature=1.0, seed=s, json_object=True) for s in range(6)]
                   + [SamplingParams(max_tokens=length, temperature=1.0, seed=s, json_schema=PERSON) for s in range(6)]
-                  + [SamplingParams(max_tokens=length, temperature=0.7, seed=s, json_schema=TOOLS) for s in range(6)])
+                  + [SamplingParams(max_tokens=length, temperature=0.7, seed=s, json_schema=TOOLS) for s in range(6)]
+                  + [SamplingParams(max_tokens=length, temperature=0.7, seed=s, json_schema=RULES) for s in range(6)])
     alone = eng.generate(prompts[:6], plain)
-    mixed = eng.generate(prompts[:6] + prompts[6:24], plain + structured)
+    mixed = eng.generate(prompts[:6] + prompts[6:30], plain + structured)
     ok = [a.new_token_ids for a in alone] == [m.new_token_ids for m in mixed[:6]]
-    print(f"  plain greedy requests unchanged beside 18 structured ones: {'PASS' if ok else 'FAIL'}")
+    print(f"  plain greedy requests unchanged beside 24 structured ones: {'PASS' if ok else 'FAIL'}")
     finished = 0
     for params, out in zip(structured, mixed[6:]):
         schema = json_mode.schema_for(params.json_schema)
@@ -66,15 +80,17 @@ def check_outputs(eng: LLMEngine, prompts, length: int) -> bool:
         if out.finish_reason == "stop":
             finished += 1
             try:
-                json.loads(out.new_text)
-            except ValueError:
+                value = json.loads(out.new_text)
+                good = good and (params.json_schema is not RULES or follows_rules(value))
+            except (ValueError, KeyError, TypeError):
                 good = False
             good = good and schema.done(config)
         if not good:
             print(f"  FAIL: {out.finish_reason} {out.new_text[:200]!r}")
         ok = ok and good
-    print(f"  18 structured answers valid prefixes, the {finished} finished ones whole values: "
-          f"{'PASS' if ok else 'FAIL'}; e.g. {mixed[12].new_text[:80]!r}, {mixed[18].new_text[:100]!r}")
+    print(f"  24 structured answers valid prefixes, the {finished} finished ones whole values: "
+          f"{'PASS' if ok else 'FAIL'}; e.g. {mixed[12].new_text[:80]!r}, {mixed[18].new_text[:100]!r}, "
+          f"{mixed[24].new_text[:100]!r}")
     return ok
 
 
@@ -107,7 +123,7 @@ def main() -> int:
     dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
     model = random_model("smollm2-135m", args.device, dtype)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in torch.randint(8, 64, (24,), generator=g)]
+    prompts = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in torch.randint(8, 64, (30,), generator=g)]
     t = time.perf_counter()
     eng = engine(model, tokenizer, args.device)
     print(f"engine up in {time.perf_counter() - t:.1f} s (graphs {eng.cuda_graphs}, JSON vocabulary read in warm-up)")

@@ -86,6 +86,14 @@ def near_json(draw):
     return bytes(data)
 
 
+def whitespace_fits(data: bytes) -> bool:
+    """The whitespace the automaton takes between tokens (outside strings): one space, or a newline
+    and at most MAX_WHITESPACE - 1 spaces or tabs."""
+    outside = re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', data)
+    run = re.compile(rb" |\n[ \t]{0,%d}" % (jm.MAX_WHITESPACE - 1))
+    return all(run.fullmatch(r) for r in re.findall(rb"[ \t\n\r]+", outside))
+
+
 @settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(near_json() | st.lists(BYTES, max_size=16).map(bytes))
 def test_accepted_bytes_are_exactly_json_objects(data):
@@ -94,8 +102,7 @@ def test_accepted_bytes_are_exactly_json_objects(data):
     byte only where no continuation could make the bytes so far valid (checked: the prefix before
     a rejected byte was accepted)."""
     valid = is_json_object(data)
-    ws_runs = max((len(r) for r in re.findall(rb"[ \t\n\r]+", data)), default=0)
-    if valid and ws_runs <= jm.MAX_WHITESPACE:
+    if valid and whitespace_fits(data):
         assert is_done(OBJ.walk(OBJ.start, data)), data
     elif not valid:
         assert not is_done(OBJ.walk(OBJ.start, data)), data
@@ -107,17 +114,19 @@ EDGE_CASES = [b'{"a\nb": 1}', b'{"a": 1,}', b'{"a": [1,]}', b'{,}', b'{"a" 1}', 
               b'{"a": "\\u00e9\\n"}', b'{"\xc3\xa9": 1}', b'{"\xc3": 1}', b'{"\xed\xa0\x80": 1}',
               b'{"\xf0\x9f\x98\x80": []}', b'{"a": {}}', b'{"a": [[], {}]}', b'{} ', b'{}{}', b'[]', b'"a"',
               b'{"a": 1 }',
-              b'{"a": "\t"}', b'{\t"a":1}', b'{"a": NaN}', b'{"a": Infinity}']
+              b'{"a": "\t"}', b'{\t"a":1}', b'{"a": NaN}', b'{"a": Infinity}', b'{"a":  1}', b'{\n\n"a": 1}',
+              b'{\r\n"a": 1}', b'{\n\t "a": 1}', b'{"a": 1 \n}', b'{"a b": 1}']
 
 
 @pytest.mark.parametrize("data", EDGE_CASES)
 def test_edge_cases_agree_with_json_loads(data):
-    assert is_done(OBJ.walk(OBJ.start, data)) == is_json_object(data)
+    assert is_done(OBJ.walk(OBJ.start, data)) == (is_json_object(data) and whitespace_fits(data))
 
 
 def test_limits_on_whitespace_and_depth():
-    assert OBJ.walk(OBJ.start, b"{" + b" " * jm.MAX_WHITESPACE + b"}") is not None
-    assert OBJ.walk(OBJ.start, b"{" + b" " * (jm.MAX_WHITESPACE + 1)) is None
+    assert OBJ.walk(OBJ.start, b"{\n" + b" " * (jm.MAX_WHITESPACE - 1) + b"}") is not None
+    assert OBJ.walk(OBJ.start, b"{\n" + b" " * jm.MAX_WHITESPACE) is None
+    assert OBJ.walk(OBJ.start, b"{  ") is None and OBJ.walk(OBJ.start, b"{\n\n") is None
     assert OBJ.walk(OBJ.start, b'{"a":' + b"[" * (jm.MAX_DEPTH - 1)) is not None
     assert OBJ.walk(OBJ.start, b'{"a":' + b"[" * jm.MAX_DEPTH) is None
 

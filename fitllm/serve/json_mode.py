@@ -12,9 +12,10 @@ A mask is found without walking the whole vocabulary: inside a string every toke
 characters free of `"`, `\\` and control bytes keeps the string going (a precomputed set);
 elsewhere tokens are grouped by their first two bytes, so a group the state refuses costs one
 step. Tokens are byte strings (byte-level BPE and SentencePiece's byte fallback alike); special
-tokens never appear inside the value, and the output ends when it closes. Whitespace runs are
-capped so a model cannot idle forever (64 bytes: a newline and 15 levels of 4-space indent), and
-so is nesting.
+tokens never appear inside the value, and the output ends when it closes. Whitespace between
+tokens of the JSON text is one space, or one newline and its indentation (spaces or tabs, 64 bytes
+at most: 15 levels of 4-space indent), so compact, `json.dumps` and pretty-printed JSON all fit but
+a model cannot idle on blank lines or trailing spaces (weak models do); nesting is capped too.
 
 What a schema means here (a strict reading, as OpenAI's structured outputs and xgrammar's):
 properties come in the order the schema lists them, optional ones may be left out, and an object
@@ -39,7 +40,7 @@ import torch
 
 from fitllm.serve.json_regex import ANY_TEXT, FORMATS, PatternError, Regex
 
-MAX_WHITESPACE = 64  # consecutive whitespace bytes between two tokens of the JSON text
+MAX_WHITESPACE = 64  # a newline and its indentation between two tokens of the JSON text
 MAX_DEPTH = 32
 WHITESPACE = frozenset(b" \t\n\r")
 DIGITS = frozenset(b"0123456789")
@@ -66,7 +67,8 @@ TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
 
 # Modes: "value" (a value of detail's node), "key_or_close" (after "{"), "key" (after "," in an object),
 # "value_or_close" (after "["), "colon", "after" (a value ended: "," or a close), "string", "text",
-# "number", "literal", "done" (only EOS). Detail: (whitespace run, node) in the whitespace modes; in a string
+# "number", "literal", "done" (only EOS). Detail: (whitespace, node) in the whitespace modes (0: none yet, -1:
+# one space, no more; k > 0: a newline and k - 1 bytes of indentation); in a string
 # (key_node: the value's node after an object key, else None; escape; utf8); (part, integer only) in a
 # number, (part, integer only, node, text so far) in a number with bounds; (bytes left, property index
 # or -1) in a literal. In "text", a string value with a pattern, format or length: (node, characters
@@ -150,7 +152,7 @@ class Schema:
         if any(self.nodes[i].kind not in ("object", "array") for i in self._alternatives(self.root)):
             raise SchemaError("schema: the top-level value must be an object or an array")
         self.key = json.dumps(schema)  # (not sorted: the order of properties is the order of the output)
-        self.start: Config = (("value", (), (MAX_WHITESPACE, self.root)),)  # no whitespace before the value
+        self.start: Config = (("value", (), (-1, self.root)),)  # no whitespace before the value
 
     # --- compiling ---
     def _add(self, node: Optional[Node]) -> int:
@@ -444,7 +446,8 @@ class Schema:
             return None
         ws, node = detail
         if b in WHITESPACE:
-            return (mode, stack, (ws + 1, node)) if ws < MAX_WHITESPACE else None
+            ws = _whitespace(ws, b)
+            return None if ws is None else (mode, stack, (ws, node))
         if mode == "value":
             return _branches(self._value_start(stack, node, b))
         if mode == "colon":
@@ -661,6 +664,13 @@ def _may_reach(n: Node, text: bytes, part: str) -> bool:
     return False
 
 
+def _whitespace(ws: int, b: int) -> Optional[int]:
+    """The whitespace state after byte b: one space, or a newline then spaces and tabs (capped)."""
+    if ws == 0:
+        return -1 if b == 0x20 else 1 if b == 0x0A else None
+    return ws + 1 if ws > 0 and b in (0x20, 0x09) and ws < MAX_WHITESPACE else None
+
+
 def _branches(states: list):
     """_step's return for a list of states: None, the one state, or the list."""
     return None if not states else states[0] if len(states) == 1 else states
@@ -809,7 +819,8 @@ class JsonGrammar:
         if reach < len(stack) and len(stack) + self.max_opens + schema.deepest <= MAX_DEPTH:
             stack = ("...",) + stack[-reach:]
         if mode in WHITESPACE_MODES:
-            detail = (max(0, detail[0] - (MAX_WHITESPACE - min(self.max_leading_ws, MAX_WHITESPACE))), detail[1])
+            ws = detail[0]  # (runs of indentation alike while a token's leading whitespace cannot reach the cap)
+            detail = (ws if ws <= 0 else 1 + max(0, ws - (MAX_WHITESPACE - self.max_leading_ws)), detail[1])
         elif mode == "text" and schema.nodes[detail[0]].text is ANY_TEXT:
             # lengths only: the count matters only near the minimum or the maximum, within a token's reach
             node, count, at, pending = detail
