@@ -242,7 +242,13 @@ def objects(draw, inner):
 def arrays(draw, inner):
     lo = draw(st.integers(0, 2))
     hi = draw(st.none() | st.integers(lo, lo + 3))
-    return {"type": "array", "items": draw(inner), "minItems": lo, **({} if hi is None else {"maxItems": hi})}
+    schema = {"type": "array", "items": draw(inner), "minItems": lo, **({} if hi is None else {"maxItems": hi})}
+    if draw(st.booleans()):  # a tuple: the first items' own schemas, then items (or none: items false)
+        schema["prefixItems"] = draw(st.lists(inner, min_size=1, max_size=3))
+        if draw(st.booleans()):
+            schema["items"] = False
+            schema["minItems"] = min(lo, len(schema["prefixItems"]))
+    return schema
 
 
 def containers(inner):
@@ -273,8 +279,12 @@ def instances(draw, schema):
     if kind == "object":
         return draw(st.dictionaries(NAMES, instances(schema.get("additionalProperties", {})), max_size=3))
     if kind == "array":
-        lo = schema.get("minItems", 0)
-        return draw(st.lists(instances(schema["items"]), min_size=lo, max_size=schema.get("maxItems", lo + 3)))
+        lo, prefix, rest = schema.get("minItems", 0), schema.get("prefixItems", []), schema["items"]
+        hi = schema.get("maxItems", lo + 3)
+        if rest is False:
+            hi = min(hi, len(prefix))
+        size = draw(st.integers(lo, hi))
+        return [draw(instances(prefix[i] if i < len(prefix) else rest)) for i in range(size)]
     if kind == "string" and len(schema) > 1:
         return draw(text_of(schema))
     if kind in ("integer", "number") and len(schema) > 1:
@@ -421,7 +431,8 @@ def test_pydantic_schemas_with_refs_enums_and_recursion():
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b' is not among the properties"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}}, "does not point into the schema"),
     ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "only references inside the schema"),
-    ({"type": "array", "items": [{}, {}]}, "tuple validation"),
+    ({"type": "array", "items": [{}, {}]}, "use prefixItems"),
+    ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "more than the 1 items"),
     ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems (3) is more than maxItems (2)"),
     ({"type": "object", "properties": {"a": {"enum": []}}}, "expected a non-empty list"),
     ({"type": "object", "properties": {"a": {"allOf": [{}, {}]}}}, "only one schema"),
@@ -530,12 +541,13 @@ class Reading(pydantic.BaseModel):
     value: float = pydantic.Field(ge=-40, lt=125)
     count: int = pydantic.Field(gt=0, le=1000)
     note: str = pydantic.Field(min_length=1, max_length=12)
+    where: tuple[float, float, Optional[str]]  # prefixItems
 
 
 def test_pydantic_constraints_and_formats():
     compiled = jm.Schema(Reading.model_json_schema())
     sample = Reading(sensor="hall-07", taken="2026-12-06", at="2026-12-06T23:05:09Z", id=uuid.uuid4(), value=21.5,
-                     count=3, note="ok")
+                     count=3, note="ok", where=(1.5, -2, None))
     assert compiled.done(compiled.walk(compiled.start, sample.model_dump_json().encode()))
     rng = random.Random(2)
     finished = 0

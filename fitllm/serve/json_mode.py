@@ -60,7 +60,7 @@ EXPONENT = frozenset({"e", "esign", "exp"})
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                          "readOnly", "writeOnly", "$defs", "definitions"})
 TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
-                 "array": {"items", "minItems", "maxItems"}, "string": {"pattern", "format", "minLength", "maxLength"},
+                 "array": {"items", "prefixItems", "minItems", "maxItems"}, "string": {"pattern", "format", "minLength", "maxLength"},
                  "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
                  "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
                  "boolean": set(), "null": set()}
@@ -94,7 +94,8 @@ class Node:
     kind: str  # object, array, string, number, integer, literals, union
     props: tuple = ()  # objects: ((key's JSON text with its quotes, value node, required), ...) in schema order
     extra: Optional[int] = None  # objects without props: the values' node (any key may come)
-    items: Optional[int] = None
+    items: Optional[int] = None  # arrays: the items' node (past the prefix; None: no more items)
+    prefix: tuple = ()  # arrays: the nodes of the first items, in order (prefixItems)
     min_items: int = 0
     max_items: Optional[int] = None
     literals: tuple = ()  # the JSON texts (bytes) of enum / const values, true, false and null
@@ -117,6 +118,10 @@ class Node:
 
     def may_close(self, index: int) -> bool:
         return not any(required for _, _, required in self.props[index:])
+
+    def item(self, index: int) -> int:
+        """An array's node for its item at `index`."""
+        return self.prefix[index] if index < len(self.prefix) else self.items
 
 
 def _is_type(value, t: str) -> bool:
@@ -199,7 +204,7 @@ class Schema:
                 elif n.kind == "object":
                     d = 1 + max([depth[node] for _, node, required in n.props if required], default=0)
                 elif n.kind == "array":
-                    d = 1 + (depth[n.items] if n.min_items else 0)
+                    d = 1 + max([depth[n.item(i)] for i in range(min(n.min_items, len(n.prefix) + 1))], default=0)
                 else:
                     d = 0
                 if d < depth[i]:
@@ -235,7 +240,7 @@ class Schema:
         types = s.get("type")
         if types is None:  # untyped: what its keywords imply, else any value
             types = "object" if {"properties", "required", "additionalProperties"} & set(s) else \
-                "array" if {"items", "minItems", "maxItems"} & set(s) else None
+                "array" if {"items", "prefixItems", "minItems", "maxItems"} & set(s) else None
             if types is None:
                 return self.any_value()
         if isinstance(types, str):
@@ -298,8 +303,17 @@ class Schema:
     def _array(self, s: dict, where: str) -> int:
         lo, hi = self._counts(s, "minItems", "maxItems", where)
         if isinstance(s.get("items"), list):
-            raise SchemaError(f"{where}.items: a list of schemas (tuple validation) is not supported")
-        return self._add(Node("array", items=self._compile(s.get("items", True), f"{where}.items"),
+            raise SchemaError(f"{where}.items: a list of schemas (draft 4's tuples) is not supported: use prefixItems")
+        prefix = s.get("prefixItems", [])
+        if not isinstance(prefix, list):
+            raise SchemaError(f"{where}.prefixItems: expected a list of schemas")
+        prefix = tuple(self._compile(sub, f"{where}.prefixItems.{i}") for i, sub in enumerate(prefix))
+        if s.get("items") is False:  # nothing past the prefix
+            hi = len(prefix) if hi is None else min(hi, len(prefix))
+            if lo > hi:
+                raise SchemaError(f"{where}: minItems ({lo}) is more than the {hi} items 'items: false' allows")
+            return self._add(Node("array", prefix=prefix, min_items=lo, max_items=hi))
+        return self._add(Node("array", items=self._compile(s.get("items", True), f"{where}.items"), prefix=prefix,
                               min_items=lo, max_items=hi))
 
     def _string(self, s: dict, where: str) -> int:
@@ -466,14 +480,14 @@ class Schema:
                 return _close(stack) if n.min_items == 0 else None
             if n.max_items == 0:
                 return None
-            return _branches(self._value_start(self._item_begun(stack), n.items, b))
+            return _branches(self._value_start(self._item_begun(stack), n.item(0), b))
         # after a value
         if c == ",":
             if kind == "o":
                 return ("key", stack, (0, None)) if self._next_keys(stack) else None
             if n.max_items is not None and count >= n.max_items:
                 return None
-            return ("value", self._item_begun(stack), (0, n.items))
+            return ("value", self._item_begun(stack), (0, n.item(count)))
         if c == "}" and kind == "o" and n.may_close(count):
             return _close(stack)
         if c == "]" and kind == "a" and count >= n.min_items:
@@ -483,7 +497,8 @@ class Schema:
     def _item_begun(self, stack: tuple) -> tuple:
         _, node, count = stack[-1]
         n = self.nodes[node]
-        cap = n.max_items if n.max_items is not None else n.min_items  # counts past it are alike
+        # counts past the minimum (or the maximum) and the prefix are alike
+        cap = max(n.max_items if n.max_items is not None else n.min_items, len(n.prefix))
         return stack[:-1] + (("a", node, min(count + 1, cap)),)
 
     def _next_keys(self, stack: tuple) -> list[int]:
