@@ -135,3 +135,28 @@ def test_formats_take_common_values():
             assert accepts(regex, value), (form, value)
         for value in refused.get(form, []):
             assert not accepts(regex, value), (form, value)
+
+
+@st.composite
+def regexes(draw, depth: int = 0) -> str:
+    """Random patterns of the supported kind (ASCII: where the dialects agree)."""
+    atoms = st.sampled_from(["a", "b", "x", "0", "\\.", "-", "[ab]", "[^a]", "[a-c0-9]", "\\d", "\\w", "\\s", ".",
+                             "\\-", "[\\-x]", "\\\\"])
+    if depth >= 2 or draw(st.booleans()):
+        item = draw(atoms)
+    else:
+        inner = draw(st.lists(regexes(depth + 1), min_size=1, max_size=3))
+        item = "(" + draw(st.sampled_from(["", "?:"])) + "|".join(inner) + ")"
+    quantifier = draw(st.sampled_from(["", "", "*", "+", "?", "{2}", "{0,2}", "{1,}", "*?"]))
+    more = draw(st.lists(regexes(depth + 1), max_size=2)) if depth < 2 else []
+    return item + quantifier + "".join(more)
+
+
+@settings(max_examples=300, deadline=None)
+@given(regexes(), st.booleans(), st.booleans(), st.lists(st.text(alphabet="abx0.- _\\9c", max_size=6), min_size=4,
+                                                          max_size=4))
+def test_random_patterns_agree_with_python_re(body, start, end, texts):
+    pattern = ("^" if start else "") + body + ("$" if end else "")
+    regex = Regex(pattern)
+    for text in texts:
+        assert accepts(regex, text) == (re.search(pattern, text) is not None), (pattern, text)
