@@ -8,8 +8,9 @@ a copy of ~/.cache/fitllm/gguf-SmolLM2-*/ without model.safetensors. The model h
 shapes and random weights (bf16): what it writes means nothing, but every structured answer must
 still be a prefix of a value of its schema, a finished one a whole value, and the plain requests
 of the batch must come out exactly as they do in a batch without the structured ones.
-Then the cost: decode tokens/s of 16 plain requests alone, and beside one JSON-mode request
-(which keeps the batch from being queued a step ahead), and how long the masks took.
+Then the cost: decode tokens/s of 16 plain requests alone, and beside one JSON-mode request (the
+next step's forward is still queued ahead; its sampling waits for the host's mask), and the number
+of look-ahead steps.
 Exit status 1 if a check fails.
 """
 from __future__ import annotations

@@ -297,6 +297,28 @@ def test_look_ahead_steps_change_no_output(embedded_model, embedded_tokenizer, p
             assert [lp.logprob for lp in o.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
 
 
+def test_look_ahead_with_masks_and_penalties(embedded_model, embedded_tokenizer, prompts):
+    """Requests whose sampling follows their output (a JSON schema's mask, penalties) run ahead too:
+    the forward of step N + 1 is queued first, its sampling once step N's tokens are applied.
+    Outputs equal the engine without look-ahead, JSON answers included (one finishes early: its
+    look-ahead row is wasted)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}
+    params = [SamplingParams(max_tokens=14, temperature=0.0, json_schema=schema),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=5, json_object=True, logprobs=1),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, presence_penalty=0.5, seed=1)]
+    results = {}
+    for ahead in (False, True):
+        eng = make_engine(embedded_model, embedded_tokenizer, max_num_seqs=8, max_model_len=128,
+                          max_num_batched_tokens=256, async_scheduling=ahead)
+        results[ahead] = eng.generate(prompts[:4], params)
+        assert (eng.num_look_ahead_steps > 5) == ahead, eng.num_look_ahead_steps
+        assert eng.stats()["kv_blocks_used"] == 0 and not eng.has_unfinished_requests()
+    for o, b in zip(results[True], results[False]):
+        assert (o.new_token_ids, o.finish_reason, o.error) == (b.new_token_ids, b.finish_reason, b.error)
+    assert results[False][0].finish_reason == "stop" and len(results[False][0].new_token_ids) < 14
+
+
 def test_abort_while_a_look_ahead_step_is_queued(embedded_model, embedded_tokenizer, prompts, reference):
     eng = make_engine(embedded_model, embedded_tokenizer, max_num_batched_tokens=256)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -16,7 +16,10 @@ before this step's tokens are: the same requests, one token each, one position f
 `step` queues step N + 1 on the GPU (input ids: step N's sampled tokens, still on the device)
 before waiting for step N, so the GPU runs step N + 1 while the host applies step N's outputs and
 returns them. Whatever the host does per step is hidden behind the GPU as long as it takes less.
-A request that step N finishes by EOS or a stop string wastes its row in step N + 1.
+A request that step N finishes by EOS or a stop string wastes its row in step N + 1. Where a
+request's sampling follows its output (a JSON grammar's mask, penalties), step N + 1's forward is
+queued ahead all the same, and its sampling once step N's tokens are applied (`_Deferred`): the
+host builds the masks while the GPU runs the forward.
 
 Speculative decoding (`EngineConfig.speculative`, see spec_decode.py) fits this loop without new
 machinery: before scheduling, each request about to decode gets up to k draft tokens appended to
@@ -288,6 +291,9 @@ class LLMEngine:
         self._inflight = self._look_ahead(pending) if self.config.async_scheduling else None
         outputs += self._apply_outputs(pending)  # the step's one wait for the GPU
         if self._inflight is not None:  # the next step's bookkeeping, now that this step's tokens are in
+            sched, queued = self._inflight
+            if isinstance(queued, _Deferred):  # its sampling, now that the masks / penalties can see them
+                self._inflight = sched, self._queue_outputs(sched, queued.seqs, queued.logits)
             ahead = {r: n for r, n in self._inflight[0].num_tokens.items() if r.status == "running"}
             self.scheduler.update_after_step(SchedulerOutput(ahead, []))
         return outputs
@@ -318,7 +324,7 @@ class LLMEngine:
         self.scheduler.update_after_step(sched)  # host bookkeeping while the GPU works
         return sched, pending
 
-    def _look_ahead(self, pending: "_Pending") -> Optional[tuple[SchedulerOutput, "_Pending"]]:
+    def _look_ahead(self, pending: "_Pending") -> Optional[tuple[SchedulerOutput, Union["_Pending", "_Deferred"]]]:
         """Queue step N + 1 behind step N on the GPU, before step N's tokens reach the host, when
         it can only be a decode of the same requests (`_look_ahead_batch`). Its input ids are step
         N's sampled tokens, on the device. A request that step N finishes (EOS, a stop string)
@@ -340,14 +346,16 @@ class LLMEngine:
             log.exception("queuing the next decode step ahead failed")
             return None
         self.num_look_ahead_steps += 1
+        if any(req.params.follows_output for req in reqs):
+            return sched, _Deferred(seqs, logits)
         return sched, self._queue_outputs(sched, seqs, logits, ahead=1)
 
     def _look_ahead_batch(self, pending: "_Pending") -> Optional[list[Request]]:
         """The requests of step N + 1 if they are certain now: every running request sampled one
         token in step N and none can finish by length with it, no waiting request can be admitted
         (none waits, or the batch is full: a request that step N finishes by EOS lets the next one
-        in a step later), no speculation, no penalties (they read the output tokens on the host),
-        and the pool has a block for each. Else None: the next step is scheduled after step N's tokens."""
+        in a step later), no speculation, and the pool has a block for each. Else None: the next
+        step is scheduled after step N's tokens."""
         running = self.scheduler.running
         admits = self.scheduler.waiting and len(running) < self.config.max_num_seqs
         if (self.drafter is not None or admits or pending.fetch or pending.sampled is None
@@ -356,7 +364,7 @@ class LLMEngine:
         reqs = []
         for kind, req, _ in pending.todo:
             p = req.params
-            if (kind != "sample" or req.status != "running" or p.follows_output
+            if (kind != "sample" or req.status != "running"
                     or req.num_computed != len(req.token_ids) or len(req.token_ids) + 1 >= self.max_model_len
                     or (p.max_tokens is not None and req.num_output + 1 >= p.max_tokens)):
                 return None
@@ -534,6 +542,8 @@ class LLMEngine:
         fixed = req.state.get("sample_input")  # the same every step unless its sampling follows the output
         if fixed is not None and not banned:
             return fixed
+        if req.status == "finished":  # a look-ahead row of a request the step before finished: wasted
+            return SampleInput(p, req.state["generator"])
         allowed = None
         if p.structured:
             allowed = self.json_grammar().mask(req.state["schema"], req.state["json"], self.device)
@@ -634,6 +644,15 @@ class LLMEngine:
             **dict(zip(("spec_acceptance_rate", "spec_mean_accepted_len"),
                        spec_rates(**self.spec_counts) if self.drafter is not None else (None, None))),
         }
+
+
+@dataclass
+class _Deferred:
+    """A look-ahead step whose forward is queued and whose sampling waits for the step before's
+    tokens (a request in it samples by its output: a grammar's mask, penalties)."""
+
+    seqs: list
+    logits: torch.Tensor
 
 
 @dataclass

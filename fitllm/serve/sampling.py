@@ -62,7 +62,8 @@ class SamplingParams:
     @property
     def follows_output(self) -> bool:
         """Whether a row's sampling depends on the tokens sampled before it (penalties count them,
-        a JSON grammar follows them): such a request is neither run ahead nor drafted for."""
+        a JSON grammar follows them): no drafts for such a request, and a step run ahead samples it only
+        once the step before's tokens are applied."""
         return self.has_penalties or self.structured
 
     @property
