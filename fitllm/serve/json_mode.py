@@ -60,7 +60,8 @@ EXPONENT = frozenset({"e", "esign", "exp"})
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                          "readOnly", "writeOnly", "$defs", "definitions"})
 TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
-                 "array": {"items", "prefixItems", "minItems", "maxItems"}, "string": {"pattern", "format", "minLength", "maxLength"},
+                 "array": {"items", "prefixItems", "minItems", "maxItems"},
+                 "string": {"pattern", "format", "minLength", "maxLength"},
                  "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
                  "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
                  "boolean": set(), "null": set()}
@@ -339,24 +340,23 @@ class Schema:
 
     def _number(self, s: dict, t: str, where: str) -> int:
         """A number or integer, with its bounds (the stricter where two are given on one side)."""
-        bounds = {}
+        low = high = None  # (value, exclusive)
         for word in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
             value = s.get(word)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise SchemaError(f"{where}.{word}: expected a number")
-            bounds[word] = Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
-        low = max([(bounds[w], w.startswith("exclusive")) for w in ("minimum", "exclusiveMinimum") if w in bounds],
-                  default=None)
-        high = min([(bounds[w], not w.startswith("exclusive")) for w in ("maximum", "exclusiveMaximum") if w in bounds],
-                   default=None)
-        if high is not None:  # (sorted with "inclusive" so the smaller of two equal bounds is the exclusive one)
-            high = (high[0], not high[1])
+            value = Fraction(repr(value)) if isinstance(value, float) else Fraction(value)  # (0.1 is 1/10)
+            exclusive = word.startswith("exclusive")
+            if word.endswith("inimum") and (low is None or value > low[0] or (value == low[0] and exclusive)):
+                low = (value, exclusive)
+            if word.endswith("aximum") and (high is None or value < high[0] or (value == high[0] and exclusive)):
+                high = (value, exclusive)
         node = Node(t, low=low, high=high)
-        if (low or high) and not _meets(node, None, False, None, False):
+        if not _meets(node, None, False, None, False):
             raise SchemaError(f"{where}: no {t} lies between its minimum and maximum")
-        return self._add(node) if low or high else self._add(Node(t))
+        return self._add(node)
 
     def _literals(self, s: dict, where: str) -> int:
         values = [s["const"]] if "const" in s else s["enum"]
@@ -447,7 +447,9 @@ class Schema:
             _, integer, node, text = detail  # with bounds
             if part is not None:
                 text += bytes((b,))
-                return ("number", stack, (part, integer, node, text)) if _may_reach(self.nodes[node], text, part) else None
+                if not _may_reach(self.nodes[node], text, part):
+                    return None
+                return ("number", stack, (part, integer, node, text))
             if detail[0] in NUMBER_DONE and _meets(self.nodes[node], *(Fraction(text.decode()), True) * 2):
                 return self._step(("after", stack, (0, None)), b)
             return None
@@ -552,7 +554,6 @@ class Schema:
             return [("number", None, (part, n.kind == "integer"))] if part else []
         return [("literal", None, (text[1:], -1)) if len(text) > 1 else ("after", None, (0, None))
                 for text in n.literals if text[0] == b]
-
 
     def _text_step(self, stack: tuple, detail: tuple, b: int) -> Optional[State]:
         """A string value with a pattern, format or length, byte by byte: its characters go through the

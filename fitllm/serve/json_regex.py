@@ -36,7 +36,8 @@ SYNTAX = set("^$\\.*+?()[]{}|/-")
 
 # `format` as patterns: each accepts only values that Python's checks take (jsonschema's FormatChecker,
 # pydantic): dates up to the 28th of February (a pattern cannot know leap years), URIs of http(s) only.
-_DAY = r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+        r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
 _DATE = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-" + _DAY
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -167,7 +168,8 @@ class _Parser:
         if self.peek() == "?":
             if self.text.startswith("?:", self.i):
                 self.i += 2
-            elif self.text.startswith("?P<", self.i) or (self.text.startswith("?<", self.i) and self.peek(2) not in "=!"):
+            elif self.text.startswith("?P<", self.i) or (self.text.startswith("?<", self.i)
+                                                          and self.peek(2) not in "=!"):
                 close = self.text.find(">", self.i)
                 if close < 0:
                     self.fail("unterminated group name")
