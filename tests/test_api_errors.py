@@ -204,6 +204,9 @@ BAD_CHATS = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "n": {"type": "integer", "multipleOf": 2}}}}}], "tool_choice": "required"}, "tools.0.function.parameters.properties.n",
      None),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object",
+        "properties": {"n": {"type": "integer", "multipleOf": 2}}}}}], "tool_choice": "auto"},
+     "tools.0.function.parameters.properties.n", None),  # a strict tool's arguments are enforced under 'auto' too
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.0.function.parameters", None),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],

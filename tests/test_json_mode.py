@@ -559,6 +559,36 @@ def test_pydantic_constraints_and_formats():
     assert finished >= 5
 
 
+def test_tagged_values_follow_their_schema(embedded_model, embedded_tokenizer):
+    """tagged_json (strict tools under tool_choice 'auto'): text is free, but after the open tag
+    comes one value of the schema and then the close tag. Here '<' and '>' stand for the tags and
+    a logit bias makes the model open one whenever it is free to."""
+    schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": "add"}, "arguments": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}},
+        "required": ["name", "arguments"]}, {"type": "object", "properties": {"name": {"const": "now"}, "arguments": {
+            "type": "object", "additionalProperties": False}}, "required": ["name", "arguments"]}]}
+    open_, close = (embedded_tokenizer.encode(t, add_special_tokens=False)[0] for t in ("<", ">"))
+    eng, prompt = engine_and_prompt(embedded_model, embedded_tokenizer, "Add 2 and 3.")
+    params = [SamplingParams(max_tokens=60, temperature=t, seed=s, tagged_json=(schema, open_, close),
+                             logit_bias={open_: 100.0}, ignore_eos=True) for t, s in ((0.0, 0), (1.0, 1), (1.0, 2))]
+    params.append(SamplingParams(max_tokens=20, temperature=0.0, tagged_json=(schema, open_, close)))  # no bias
+    outs = eng.generate([prompt] * len(params), params)
+    closed = 0
+    for out in outs[:3]:
+        ids = out.new_token_ids
+        assert out.error is None and ids[0] == open_
+        for start in [i for i, t in enumerate(ids) if t == open_]:
+            end = ids.index(close, start) if close in ids[start:] else len(ids)
+            text = embedded_tokenizer.decode(ids[start + 1:end])
+            if end < len(ids):  # a closed call: one whole value of the schema
+                jsonschema.validate(json.loads(text), schema)
+                closed += 1
+    assert closed >= 3
+    plain = eng.generate([prompt], [SamplingParams(max_tokens=20, temperature=0.0)])[0]
+    assert outs[3].new_token_ids == plain.new_token_ids or open_ in outs[3].new_token_ids  # free until a tag
+    assert eng.stats()["kv_blocks_used"] == 0
+
+
 def test_engine_output_follows_the_schema(embedded_model, embedded_tokenizer):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 30},

@@ -115,3 +115,35 @@ def test_required_calls_cut_short_finish_as_text():
         content, tool_calls_ = shaper_.answer(c)
         assert shaper_.finish_reason(c, tool_calls_) == finish and len(tool_calls_ or []) == (calls or 0)
         assert content == (None if calls else text)
+
+
+def test_strict_tools_under_auto_are_enforced_where_the_tags_are_tokens():
+    """Server.strict_calls: the Hermes call schema and the tags' ids, only for 'auto' with a strict
+    tool, the Hermes parser and tags the tokenizer writes as one token each."""
+    from fitllm.serve import json_mode
+    from fitllm.serve.app import Server
+    from fitllm.serve.protocol import hermes_call_schema
+
+    tools = [{"type": "function", "function": {"name": "add", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"]}}},
+             {"type": "function", "function": {"name": "free", "parameters": {"type": "object"}}}]
+    single = {"<tool_call>": [7], "</tool_call>": [8]}
+    server = SimpleNamespace(tool_call_parser="hermes", vocab_size=100, tokenizer=SimpleNamespace(
+        encode=lambda text, add_special_tokens: single.get(text, [1, 2])))
+
+    def calls(**kw):
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": "2+3?"}], **{"tools": tools, **kw})
+        return Server.strict_calls(server, body)
+    schema, open_, close = calls()
+    assert (open_, close) == (7, 8) and schema == hermes_call_schema(ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}], tools=tools).tools)
+    compiled = json_mode.schema_for(schema)
+    for text, ok in (('{"name": "add", "arguments": {"a": 3}}', True), ('{"name": "add", "arguments": {"a": 12}}', False),
+                     ('{"name": "free", "arguments": {"x": [1]}}', True), ('{"name": "sub", "arguments": {}}', False)):
+        assert compiled.done(compiled.walk(compiled.start, text.encode())) == ok, text
+    assert calls(tool_choice="required") is None and calls(tool_choice="none") is None
+    assert calls(tools=[{**tools[0], "function": {**tools[0]["function"], "strict": False}}]) is None
+    server.tool_call_parser = "llama3_json"
+    assert calls() is None
+    server.tool_call_parser, single = "hermes", {}
+    assert calls() is None  # the tags are several tokens: strict is not enforced under 'auto'

@@ -20,7 +20,7 @@ import re
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -303,6 +303,18 @@ class Server:
             skip_special_tokens=_or(body.skip_special_tokens, True),
             include_stop_str_in_output=bool(body.include_stop_str_in_output), min_tokens=min_tokens,
             json_object=body.json_object(), json_schema=body.json_schema())
+
+    def strict_calls(self, body: P.ChatCompletionRequest) -> Optional[tuple[dict, int, int]]:
+        """tool_choice 'auto' with strict tools, in the Hermes format, where the model writes each tag
+        as one token: the calls it writes between the tags follow the tools' schemas (the engine's
+        tagged_json). Elsewhere strict is not enforced in 'auto' (the calls are parsed as written)."""
+        if body.tool_mode() != "auto" or self.tool_call_parser != "hermes" or \
+                not any(t.function.strict for t in body.tools):
+            return None
+        tags = [self.tokenizer.encode(tag, add_special_tokens=False) for tag in (tool_calls.OPEN, tool_calls.CLOSE)]
+        if any(len(ids) != 1 or ids[0] >= self.vocab_size for ids in tags):
+            return None
+        return P.hermes_call_schema(body.tools), tags[0][0], tags[1][0]
 
     def chat_prompt_ids(self, body: P.ChatTemplateFields, check_length: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -820,7 +832,9 @@ async def chat_completions(server: Server, request: Request):
     max_tokens = server.token_budget(ids, body.token_limit(), "messages", body.token_limit_param())
     rid = P.new_id("chatcmpl")
     top = (body.top_logprobs or 0) if body.logprobs else None
-    choices = [Choice(j, f"{rid}-{j}", ids, server.sampling_params(body, max_tokens, j, top)) for j in range(n)]
+    tagged = server.strict_calls(body)
+    choices = [Choice(j, f"{rid}-{j}", ids, replace(server.sampling_params(body, max_tokens, j, top), tagged_json=tagged))
+               for j in range(n)]
     shaper = ChatShaper(server, body, rid, choices)
     streamed = await server.respond(request, choices, bool(body.stream), arrival, shaper.collect, shaper.chunks)
     return streamed or _json(shaper.final())

@@ -236,7 +236,7 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
         params.validate(vocab)
-        if (params.stop or params.structured) and self.tokenizer is None:
+        if (params.stop or params.structured or params.tagged_json) and self.tokenizer is None:
             raise ValueError("stop strings and structured output (JSON) need a tokenizer; this engine has none")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -252,11 +252,13 @@ class LLMEngine:
                       cache_salt=1 if long_from is not None and len(prompt_token_ids) > long_from else None)
         generator = make_generator(params.seed, self.device)
         schema = json_mode.schema_for(params.json_schema) if params.structured else None
+        if params.tagged_json is not None:
+            schema = json_mode.schema_for(params.tagged_json[0])
         req.state.update(
             generator=generator,
             sample_input=None if params.follows_output else SampleInput(params, generator),
             schema=schema,
-            json=schema.start if schema is not None else None,  # the automaton's configuration
+            json=schema.start if params.structured else None,  # the automaton's configuration (tagged: in a value)
             needs_prompt_logits=params.prompt_logprobs is not None,
             prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None,
             detok=None if self.tokenizer is None else IncrementalDetokenizer(
@@ -547,9 +549,40 @@ class LLMEngine:
         allowed = None
         if p.structured:
             allowed = self.json_grammar().mask(req.state["schema"], req.state["json"], self.device)
+        elif p.tagged_json is not None and req.state["json"] is not None:  # inside a tagged value
+            allowed = self._tagged_mask(req)
         if p.has_penalties:
             return SampleInput(p, req.state["generator"], req.prompt_ids, req.output_ids, banned, allowed)
         return SampleInput(p, req.state["generator"], banned=banned, allowed=allowed)
+
+    def _tagged_mask(self, req: Request) -> torch.Tensor:
+        """The value's mask, with the close tag where the value may end (in place of EOS)."""
+        config, close = req.state["json"], req.params.tagged_json[2]
+        allowed = self.json_grammar().mask(req.state["schema"], config, self.device)
+        if json_mode.Schema.done(config):
+            allowed = allowed.clone()
+            allowed[sorted(self.eos_ids)] = False
+            allowed[close] = True
+        return allowed
+
+    def _follow_grammar(self, req: Request, token: int) -> bool:
+        """Advance the request's automaton by its new token; False where the token cannot come (the
+        sampler's mask keeps such tokens out). Tagged: the open tag begins a value, the close tag
+        ends it, text outside the tags is free."""
+        p, config = req.params, req.state["json"]
+        if p.structured:
+            req.state["json"] = self.json_grammar().advance(req.state["schema"], config, token)
+            return req.state["json"] is not None
+        _, open_, close = p.tagged_json
+        if config is None:
+            if token == open_:
+                req.state["json"] = req.state["schema"].start_spaced
+            return True
+        if token == close and json_mode.Schema.done(config):
+            req.state["json"] = None
+            return True
+        req.state["json"] = self.json_grammar().advance(req.state["schema"], config, token)
+        return req.state["json"] is not None and token not in self.eos_ids
 
     def json_grammar(self) -> json_mode.JsonGrammar:
         if self._json_grammar is None:
@@ -568,12 +601,10 @@ class LLMEngine:
         req.token_ids.append(token)
         self.num_generated_tokens += 1
         p, detok = req.params, req.state["detok"]
-        if p.structured:  # the sampler allowed only tokens the grammar takes
-            req.state["json"] = self.json_grammar().advance(req.state["schema"], req.state["json"], token)
-            if req.state["json"] is None:
-                self._finish(req, "error")
-                return self._output(req, [], "", [], error=f"structured output: token {token} does not continue "
-                                    "the JSON value")
+        if (p.structured or p.tagged_json is not None) and not self._follow_grammar(req, token):
+            self._finish(req, "error")
+            return self._output(req, [], "", [], error=f"structured output: token {token} does not continue "
+                                "the JSON value")
         reason, text = None, ""
         eos = not p.ignore_eos and token in self.eos_ids
         if eos or token in p.stop_token_ids:

@@ -159,6 +159,7 @@ class Schema:
             raise SchemaError("schema: the top-level value must be an object or an array")
         self.key = json.dumps(schema)  # (not sorted: the order of properties is the order of the output)
         self.start: Config = (("value", (), (-1, self.root)),)  # no whitespace before the value
+        self.start_spaced: Config = (("value", (), (0, self.root)),)  # a space or a newline may come first
 
     # --- compiling ---
     def _add(self, node: Optional[Node]) -> int:

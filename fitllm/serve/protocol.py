@@ -333,13 +333,27 @@ class ChatTemplateFields(Request):
 
 def tool_calls_schema(tools: list[Tool], parallel: bool) -> dict:
     """tool_choice 'required': a list of calls, each {"name": one of the tools, "parameters": its
-    arguments} (vLLM's form). Each tool's schema moves under $defs, its own $refs re-rooted there."""
-    defs = {f"tool{i}": _rerooted(t.function.arguments_schema(), f"#/$defs/tool{i}") for i, t in enumerate(tools)}
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                               "parameters": {"$ref": f"#/$defs/tool{i}"}},
-              "required": ["name", "parameters"]} for i, t in enumerate(tools)]
+    arguments} (vLLM's form)."""
+    calls, defs = _call_schemas(tools, "parameters", strict_only=False)
     return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1}),
             "$defs": defs}
+
+
+def hermes_call_schema(tools: list[Tool]) -> dict:
+    """tool_choice 'auto' with strict tools: one Hermes call, {"name": one of the tools, "arguments":
+    its arguments}; a tool that is not strict takes any arguments object."""
+    calls, defs = _call_schemas(tools, "arguments", strict_only=True)
+    return {"anyOf": calls, "$defs": defs}
+
+
+def _call_schemas(tools: list[Tool], key: str, strict_only: bool) -> tuple[list[dict], dict]:
+    """Each tool's call object, {"name": const, key: its arguments}; the arguments' schemas move
+    under $defs, their own $refs re-rooted there."""
+    defs = {f"tool{i}": _rerooted(t.function.arguments_schema(), f"#/$defs/tool{i}") if t.function.strict
+            or not strict_only else {"type": "object"} for i, t in enumerate(tools)}
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, key: {"$ref": f"#/$defs/tool{i}"}},
+              "required": ["name", key]} for i, t in enumerate(tools)]
+    return calls, defs
 
 
 def _rerooted(schema: Any, root: str) -> Any:
@@ -393,9 +407,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise ParamError("tool_choice", "tool_choice other than 'none' needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in [t.function.name for t in self.tools]:
             raise ParamError("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among tools")
-        if self.tool_mode() in ("named", "required"):  # the calls' arguments are then enforced: their schemas must be
-            for i, tool in enumerate(self.tools):      # (for 'none' and 'auto' they are only shown to the model)
-                if self.tool_mode() == "required" or tool.function.name == self.called_function():
+        mode = self.tool_mode()
+        if mode in ("named", "required", "auto"):  # arguments that are enforced need schemas the automaton reads
+            for i, tool in enumerate(self.tools):  # (with 'auto' a strict tool's; with 'none' none: only shown)
+                if mode == "required" or tool.function.name == self.called_function() or (
+                        mode == "auto" and tool.function.strict):
                     try:
                         json_mode.schema_for(tool.function.arguments_schema())
                     except json_mode.SchemaError as e:

@@ -50,6 +50,9 @@ class SamplingParams:
     min_tokens: int = 0  # no stop token, EOS or stop string ends the output before this many tokens (vLLM)
     json_object: bool = False  # the output is one JSON object (OpenAI's response_format json_object)
     json_schema: Optional[dict] = None  # the output is one JSON value of this schema (response_format json_schema)
+    # free text, but what comes between an open and a close tag token is one JSON value of this schema, then the
+    # close tag: (schema, open id, close id); tool calls of 'auto' with strict tools (<tool_call> ... </tool_call>)
+    tagged_json: Optional[tuple[dict, int, int]] = None
 
     @property
     def greedy(self) -> bool:
@@ -64,7 +67,7 @@ class SamplingParams:
         """Whether a row's sampling depends on the tokens sampled before it (penalties count them,
         a JSON grammar follows them): no drafts for such a request, and a step run ahead samples it only
         once the step before's tokens are applied."""
-        return self.has_penalties or self.structured
+        return self.has_penalties or self.structured or self.tagged_json is not None
 
     @property
     def structured(self) -> bool:
@@ -102,11 +105,17 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary (0..{vocab_size - 1})")
         if self.structured and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with structured output (the JSON value may close before it)")
-        if self.json_schema is not None:
+        if self.tagged_json is not None:
+            if self.structured:
+                raise ValueError("tagged_json cannot be combined with json_object / json_schema")
+            if not all(0 <= tok < vocab_size for tok in self.tagged_json[1:]) or len(set(self.tagged_json[1:])) < 2:
+                raise ValueError(f"tagged_json: the tags {self.tagged_json[1:]} must be two token ids of the vocabulary")
+        for name, schema in (("json_schema", self.json_schema), ("tagged_json", (self.tagged_json or [None])[0])):
             try:
-                json_mode.schema_for(self.json_schema)
+                if schema is not None:
+                    json_mode.schema_for(schema)
             except json_mode.SchemaError as e:
-                raise ValueError(f"json_schema: {e}") from None
+                raise ValueError(f"{name}: {e}") from None
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 

@@ -21,7 +21,7 @@ import json
 import re
 from typing import Optional
 
-OPEN = "<tool_call>"
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # a block, or the last one left open (a model may stop right after its JSON, as vLLM's parser allows)
 BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*?)\s*$", re.S)
 PYTHON_TAG = "<|python_tag|>"
