@@ -55,7 +55,7 @@ class ServerConfig:
     request_timeout: float = 600.0           # seconds from arrival to the last token
     retry_after_s: int = 1
     chat_template: Optional[str] = None      # replaces the tokenizer's own (Jinja text)
-    tool_call_parser: Optional[str] = None   # "auto" tool calls: "hermes", "llama3_json", "none"; None: from the template
+    tool_call_parser: Optional[str] = None   # "auto" tool calls: hermes, llama3_json, none; None: from the template
 
 
 class APIError(Exception):
@@ -833,8 +833,8 @@ async def chat_completions(server: Server, request: Request):
     rid = P.new_id("chatcmpl")
     top = (body.top_logprobs or 0) if body.logprobs else None
     tagged = server.strict_calls(body)
-    choices = [Choice(j, f"{rid}-{j}", ids, replace(server.sampling_params(body, max_tokens, j, top), tagged_json=tagged))
-               for j in range(n)]
+    choices = [Choice(j, f"{rid}-{j}", ids,
+                      replace(server.sampling_params(body, max_tokens, j, top), tagged_json=tagged)) for j in range(n)]
     shaper = ChatShaper(server, body, rid, choices)
     streamed = await server.respond(request, choices, bool(body.stream), arrival, shaper.collect, shaper.chunks)
     return streamed or _json(shaper.final())

@@ -109,7 +109,8 @@ class SamplingParams:
             if self.structured:
                 raise ValueError("tagged_json cannot be combined with json_object / json_schema")
             if not all(0 <= tok < vocab_size for tok in self.tagged_json[1:]) or len(set(self.tagged_json[1:])) < 2:
-                raise ValueError(f"tagged_json: the tags {self.tagged_json[1:]} must be two token ids of the vocabulary")
+                raise ValueError(f"tagged_json: the tags {self.tagged_json[1:]} must be two distinct token ids of "
+                                 "the vocabulary")
         for name, schema in (("json_schema", self.json_schema), ("tagged_json", (self.tagged_json or [None])[0])):
             try:
                 if schema is not None:
