@@ -121,15 +121,16 @@ def test_strict_tools_under_auto_are_enforced_where_the_tags_are_tokens():
     """Server.strict_calls: the Hermes call schema and the tags' ids, only for 'auto' with a strict
     tool, the Hermes parser and tags the tokenizer writes as one token each."""
     from fitllm.serve import json_mode
-    from fitllm.serve.app import Server
+    from fitllm.serve.app import Server, single_token_ids
     from fitllm.serve.protocol import hermes_call_schema
 
     tools = [{"type": "function", "function": {"name": "add", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"]}}},
              {"type": "function", "function": {"name": "free", "parameters": {"type": "object"}}}]
     single = {"<tool_call>": [7], "</tool_call>": [8]}
-    server = SimpleNamespace(tool_call_parser="hermes", vocab_size=100, tokenizer=SimpleNamespace(
-        encode=lambda text, add_special_tokens: single.get(text, [1, 2])))
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: single.get(text, [1, 2]))
+    tags = (tool_calls.OPEN, tool_calls.CLOSE)
+    server = SimpleNamespace(tool_call_parser="hermes", hermes_tags=single_token_ids(tokenizer, 100, tags))
 
     def calls(**kw):
         body = ChatCompletionRequest(messages=[{"role": "user", "content": "2+3?"}], **{"tools": tools, **kw})
@@ -145,5 +146,6 @@ def test_strict_tools_under_auto_are_enforced_where_the_tags_are_tokens():
     assert calls(tools=[{**tools[0], "function": {**tools[0]["function"], "strict": False}}]) is None
     server.tool_call_parser = "llama3_json"
     assert calls() is None
-    server.tool_call_parser, single = "hermes", {}
+    single = {}
+    server.tool_call_parser, server.hermes_tags = "hermes", single_token_ids(tokenizer, 100, tags)
     assert calls() is None  # the tags are several tokens: strict is not enforced under 'auto'

@@ -223,6 +223,7 @@ class Server:
         # SentencePiece pieces are at least as long as their text): a text longer than this many
         # characters per token of context cannot fit, whatever it tokenizes to.
         self.max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.hermes_tags = single_token_ids(self.tokenizer, self.vocab_size, (tool_calls.OPEN, tool_calls.CLOSE))
         self.metrics = ServerMetrics(self.engine.stats)
         self._token_text: dict[int, str] = {}
         self._token_bytes: Optional[TokenBytes] = None  # made on first use (it reads the tokenizer's decoder)
@@ -308,13 +309,10 @@ class Server:
         """tool_choice 'auto' with strict tools, in the Hermes format, where the model writes each tag
         as one token: the calls it writes between the tags follow the tools' schemas (the engine's
         tagged_json). Elsewhere strict is not enforced in 'auto' (the calls are parsed as written)."""
-        if body.tool_mode() != "auto" or self.tool_call_parser != "hermes" or \
+        if body.tool_mode() != "auto" or self.tool_call_parser != "hermes" or self.hermes_tags is None or \
                 not any(t.function.strict for t in body.tools):
             return None
-        tags = [self.tokenizer.encode(tag, add_special_tokens=False) for tag in (tool_calls.OPEN, tool_calls.CLOSE)]
-        if any(len(ids) != 1 or ids[0] >= self.vocab_size for ids in tags):
-            return None
-        return P.hermes_call_schema(body.tools), tags[0][0], tags[1][0]
+        return P.hermes_call_schema(body.tools), *self.hermes_tags
 
     def chat_prompt_ids(self, body: P.ChatTemplateFields, check_length: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -504,6 +502,12 @@ class Server:
         finally:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
+
+
+def single_token_ids(tokenizer, vocab_size: int, texts) -> Optional[tuple[int, ...]]:
+    """Each text's token id where each is one token of the model's vocabulary, else None."""
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    return tuple(i[0] for i in ids) if all(len(i) == 1 and i[0] < vocab_size for i in ids) else None
 
 
 def _or(value, default):

@@ -857,11 +857,9 @@ class JsonGrammar:
         if DONE in config:
             allowed[self.eos_ids] = True
         live = tuple(s for s in config if s != DONE)
-        if len(live) == 1 and live[0][0] == "string" and live[0][2][1:] == (0, ()):  # no escape or character under way
-            allowed[self.string_safe] = True
-            allowed[[i for i in self.string_special if schema.walk(live, self.tokens[i]) is not None]] = True
-        elif len(live) == 1 and live[0][0] == "text" and not live[0][2][3]:  # (no character under way)
-            allowed[self._text_tokens(schema.nodes[live[0][2][0]], *live[0][2][1:3])] = True
+        plain = self._plain_text_tokens(schema, live[0]) if len(live) == 1 else None
+        if plain is not None:  # inside a string: the string-safe tokens by rule, the others walked
+            allowed[plain] = True
             allowed[[i for i in self.string_special if schema.walk(live, self.tokens[i]) is not None]] = True
         elif live:
             allowed[self._walk_groups(schema, live)] = True
@@ -870,6 +868,16 @@ class JsonGrammar:
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return mask
+
+    def _plain_text_tokens(self, schema: Schema, state: State):
+        """Inside a string, with no escape or character under way: the string-safe tokens the string
+        takes (all of them, or those its pattern and lengths allow). None elsewhere."""
+        mode, _, detail = state
+        if mode == "string" and detail[1:] == (0, ()):
+            return self.string_safe
+        if mode == "text" and not detail[3]:
+            return self._text_tokens(schema.nodes[detail[0]], detail[1], detail[2])
+        return None
 
     def _trie(self, regex: Regex) -> dict:
         """The string-safe tokens as a trie over their characters' classes under the pattern (code points

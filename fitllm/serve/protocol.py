@@ -349,8 +349,11 @@ def hermes_call_schema(tools: list[Tool]) -> dict:
 def _call_schemas(tools: list[Tool], key: str, strict_only: bool) -> tuple[list[dict], dict]:
     """Each tool's call object, {"name": const, key: its arguments}; the arguments' schemas move
     under $defs, their own $refs re-rooted there."""
-    defs = {f"tool{i}": _rerooted(t.function.arguments_schema(), f"#/$defs/tool{i}") if t.function.strict
-            or not strict_only else {"type": "object"} for i, t in enumerate(tools)}
+    defs = {}
+    for i, t in enumerate(tools):
+        enforced = t.function.strict or not strict_only
+        defs[f"tool{i}"] = _rerooted(t.function.arguments_schema(), f"#/$defs/tool{i}") if enforced \
+            else {"type": "object"}
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, key: {"$ref": f"#/$defs/tool{i}"}},
               "required": ["name", key]} for i, t in enumerate(tools)]
     return calls, defs
@@ -416,7 +419,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
                         json_mode.schema_for(tool.function.arguments_schema())
                     except json_mode.SchemaError as e:
                         raise _schema_error(f"tools.{i}.function.parameters", e) from None
-        if self.tool_mode() and self.response_format is not None and self.response_format.type != "text":
+        if mode and self.response_format is not None and self.response_format.type != "text":
             raise ParamError("response_format", "response_format cannot be combined with tool calls (tool_choice "
                              "other than 'none'): the tools' parameters give the calls' schemas")
 

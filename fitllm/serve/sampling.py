@@ -111,7 +111,8 @@ class SamplingParams:
             if not all(0 <= tok < vocab_size for tok in self.tagged_json[1:]) or len(set(self.tagged_json[1:])) < 2:
                 raise ValueError(f"tagged_json: the tags {self.tagged_json[1:]} must be two distinct token ids of "
                                  "the vocabulary")
-        for name, schema in (("json_schema", self.json_schema), ("tagged_json", (self.tagged_json or [None])[0])):
+        tagged_schema = self.tagged_json[0] if self.tagged_json is not None else None
+        for name, schema in (("json_schema", self.json_schema), ("tagged_json", tagged_schema)):
             try:
                 if schema is not None:
                     json_mode.schema_for(schema)

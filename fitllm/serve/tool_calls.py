@@ -104,6 +104,5 @@ def _parse_llama3(text: str) -> tuple[Optional[str], Calls]:
         rest = body[at:].lstrip()
         if rest and not rest.startswith(";"):
             return text, []  # something after a call that is not another one: the reply is text
-        at = len(body) - len(rest) + (1 if rest else 0)
-        at = len(body) - len(body[at:].lstrip())
+        at = len(body) - len(rest[1:].lstrip())  # past the ";" and the space after it
     return (None, calls) if calls else (text, [])
