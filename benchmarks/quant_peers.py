@@ -35,6 +35,7 @@ CONFIGS = {  # name -> quantize_model kwargs
     "gptq-asym": dict(method="gptq", sym=False),  # defaults: act-order (static groups in
     "gptq-sym": dict(method="gptq", sym=True),  # compressed-tensors), MSE-clipped grids, damp 0.3
     "fp8": dict(method="fp8"),
+    "nf4": dict(method="nf4"),  # bitsandbytes NF4, blocks of 64 (its default), data-free
     "gptq-asym-gptqfmt": dict(method="gptq", sym=False, fmt="gptq"),  # the GPTQ v1 format (zero >= 1)
     "gptq-asym-gptqfmt+head": dict(method="gptq", sym=False, fmt="gptq", lm_head_bits=4),  # --quantize-lm-head
     "gptq-asym-gptqfmt+head8": dict(method="gptq", sym=False, fmt="gptq", lm_head_bits=8),  # + --lm-head-bits 8

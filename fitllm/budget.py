@@ -57,7 +57,7 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 # ---------------------------------------------------------------- weights
 SCHEMES = ("bf16", "fp16", "awq", "gptq", "fp8", "nf4")
-NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize: one fp32 absmax per 64 weights (no double quant)
+NF4_BLOCK = 64  # bitsandbytes' default 4-bit blocksize: one absmax per 64 weights (fp16 once fitllm serves it)
 
 
 def linear_shapes(config: ModelConfig) -> list[tuple[str, int, int]]:
@@ -90,8 +90,8 @@ def linear_bytes(k: int, n: int, scheme: str, group_size: int = 128, bits: int =
         return k_words * n * bits // 8 + 2 * groups * n * 2  # int4 or int8 + bf16 scales and zeros
     if scheme == "fp8":
         return k * n + 4 * n  # e4m3 weights + one fp32 scale per output channel
-    if scheme == "nf4":
-        return k * n // 2 + 4 * math.ceil(k * n / NF4_BLOCK)
+    if scheme == "nf4":  # fitllm.quant.scheme.CodebookWeight: 4-bit codes + fp16 absmax per block
+        return k * n // 2 + 2 * math.ceil(k * n / NF4_BLOCK)
     raise FitLLMError(f"unknown weight scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
 
 
@@ -164,8 +164,10 @@ def detect_scheme(config: ModelConfig) -> str:
     method = str(q.get("quant_method") or q.get("format") or "").lower()
     if method in ("awq", "gptq", "fp8"):
         return method
-    if method == "bitsandbytes":
-        return "nf4"
+    if method == "bitsandbytes":  # 8-bit: LLM.int8() rows, served as fitllm's int8 layout (one group per row)
+        from fitllm.quant.formats.bitsandbytes import bits_of
+
+        return "nf4" if bits_of(q) == 4 else "gptq"
     if method == "compressed-tensors":
         for w in _weight_args(q):
             if w.get("num_bits") == 8 and w.get("type") == "float":
@@ -181,6 +183,10 @@ def checkpoint_bits(config: ModelConfig) -> int:
     q = config.quantization_config or {}
     if q.get("bits") is not None:
         return int(q["bits"])
+    if q.get("quant_method") == "bitsandbytes":
+        from fitllm.quant.formats.bitsandbytes import bits_of
+
+        return bits_of(q)
     return next((bits for w in _weight_args(q) if (bits := _int_bits(w))), 4)
 
 
@@ -200,6 +206,8 @@ def checkpoint_group_size(config: ModelConfig) -> Optional[int]:
     q = config.quantization_config or {}
     if q.get("group_size") is not None:
         return q["group_size"]
+    if q.get("quant_method") == "bitsandbytes":
+        return -1  # 8-bit rows; NF4's blocks are NF4_BLOCK
     sizes = [-1 if w.get("strategy") == "channel" else w.get("group_size") for w in _weight_args(q)]
     return min((s for s in sizes if s is not None), default=None)
 
@@ -317,10 +325,10 @@ def activation_bytes(config: ModelConfig, tokens: int, sampled_rows: int, scheme
         mlp += t * c.intermediate_size  # activations quantized to e4m3 for the W8A8 GEMM
     if scheme in ("awq", "gptq") and dequant_from is None:
         dequant_from = dequant_min_tokens(config)
-    if scheme == "nf4" and t > 1 or scheme in ("awq", "gptq") and t >= dequant_from:
-        # bitsandbytes (always) and fitllm's "dequant" W4A16 backend (large M, when its tile
-        # table picks it) dequantize the whole weight to bf16, then call cuBLAS; counted as the
-        # largest weight, the fused gate|up.
+    if scheme in ("awq", "gptq") and t >= dequant_from:
+        # fitllm's "dequant" W4A16 backend (large M, when its tile table picks it) dequantizes the
+        # whole weight to bf16, then calls cuBLAS; counted as the largest weight, the fused gate|up.
+        # (NF4's codebook kernel dequantizes tile by tile at every M.)
         mlp += 2 * c.hidden_size * 2 * c.intermediate_size
     layers = residual + rope_tables + max(attention, mlp)
     if not sampled_rows:

@@ -88,8 +88,8 @@ def test_other_schemes_by_hand():
     # fp8 per channel: 1 byte per weight + an fp32 scale per output row of each checkpoint matrix
     rows = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)
     assert bm.weight_bytes(LLAMA3, "fp8").linears == p + 4 * rows
-    # nf4: half a byte per weight + one fp32 absmax per 64 weights
-    assert bm.weight_bytes(LLAMA3, "nf4").linears == p // 2 + 4 * p // 64
+    # nf4: half a byte per weight + one fp16 absmax per 64 weights (CodebookWeight as served)
+    assert bm.weight_bytes(LLAMA3, "nf4").linears == p // 2 + 2 * p // 64
     # gptq = awq + an int32 g_idx per input row of each fused GEMM: qkv, o, gate|up (4096 each), down (14336)
     in_rows = 32 * (4096 * 3 + 14336)
     assert bm.weight_bytes(LLAMA3, "gptq").linears == bm.weight_bytes(LLAMA3, "awq").linears + 4 * in_rows

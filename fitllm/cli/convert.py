@@ -1,4 +1,4 @@
-"""`quant convert`: quantize a checkpoint to AWQ, GPTQ, FP8 or RTN."""
+"""`quant convert`: quantize a checkpoint to AWQ, GPTQ, FP8, RTN or NF4."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,12 +11,15 @@ from fitllm.cli.common import MODEL_HELP, console, fail
 
 def convert(
     model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
-    method: str = typer.Option(..., "--method", help="rtn | awq | gptq | fp8"),
+    method: str = typer.Option(..., "--method", help="rtn | awq | gptq | fp8 | nf4 (bitsandbytes' 4-bit NormalFloat, "
+                                                      "data-free, the QLoRA baseline)"),
     bits: int = typer.Option(4, "--bits", help="Weight bits for rtn/awq/gptq: 4 or 8."),
     group_size: Optional[int] = typer.Option(None, "--group-size",
                                              help="Input channels per scale; -1 = per channel. "
-                                                  "Default: 128, else 64, else 32 (whichever divides every input size)."),
-    format: str = typer.Option("compressed-tensors", "--format", help="compressed-tensors | autoawq | gptq"),
+                                                  "Default: 128, else 64, else 32 (whichever divides every input size); "
+                                                  "nf4: weights per absmax, 64 (64..4096)."),
+    format: Optional[str] = typer.Option(None, "--format", help="compressed-tensors | autoawq | gptq | bitsandbytes "
+                                                                "(default: bitsandbytes for nf4, else compressed-tensors)"),
     calib: Optional[str] = typer.Option(None, "--calib",
                                         help="Calibration text: .txt or .jsonl ({'text': ...} per line), or "
                                              "hf:DATASET[:CONFIG[:SPLIT]]. Default: built-in text the model writes itself."),

@@ -1,5 +1,5 @@
 """Quantized linear layers for the decoder, and the factory that picks them from a checkpoint's
-`quantization_config` (compressed-tensors, AutoAWQ GEMM, GPTQ v1/v2).
+`quantization_config` (compressed-tensors, AutoAWQ GEMM, GPTQ v1/v2, bitsandbytes).
 
 Every 4/8-bit layout is repacked at load time into fitllm's one kernel layout (KernelWeight),
 so one GEMM serves them all: fitllm.kernels.w4a16 on a GPU, a torch dequantize + matmul on CPU.
@@ -27,7 +27,7 @@ from fitllm.models.errors import ModelLoadError
 from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
 from fitllm.models.loader import FUSED_SHARDS, load_model
 from fitllm.quant.formats.packing import KernelWeight, TiledWeight
-from fitllm.quant.scheme import FP8Weight
+from fitllm.quant.scheme import CodebookWeight, FP8Weight
 
 FP8_MAX = 448.0
 # fused module -> its checkpoint matrices, in shard order
@@ -118,7 +118,7 @@ class QuantLinear(FusedLinear):
             local = idx[start:start + n] - start
             if local.numel() != n or bool(((local < 0) | (local >= n)).any()):
                 return False
-            new.append(p.rows(local) if isinstance(p, FP8Weight) else p.permute_outputs(local))
+            new.append(p.rows(local) if isinstance(p, (FP8Weight, CodebookWeight)) else p.permute_outputs(local))
             start += n
         self.parts = new
         if self.bias is not None:
@@ -140,6 +140,8 @@ class QuantLinear(FusedLinear):
             raise ValueError(f"{self.prefix}: x was gathered for another weight")
         if isinstance(p, FP8Weight):
             return fp8_linear(x, p, self.fp8_mode, defer)
+        if isinstance(p, CodebookWeight):
+            return codebook_linear(x, p)
         shape = x.shape
         x2 = _in_stored_order(x, p.perm)
         if isinstance(p, TiledWeight):
@@ -172,19 +174,23 @@ class QuantLinear(FusedLinear):
 _KEPT = {"bytes": 0, "lock": threading.Lock()}
 
 
-def _kept_dense(p: KernelWeight, dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _kept_dense(p: KernelWeight | CodebookWeight, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """p's dequantized weight, [K, N] (KernelWeight, as its reference makes it) or [N, K] (CodebookWeight)."""
     w = getattr(p, "kept_dense", None)
     if w is not None:
         return w if w.dtype == dtype else None
-    nbytes = p.in_features * p.scales.shape[1] * dtype.itemsize
+    nbytes = p.in_features * _out_features(p) * dtype.itemsize
     budget = float(os.environ.get("FITLLM_CPU_DEQUANT_CACHE_MB", "4096")) * 2**20
     with _KEPT["lock"]:
         if _KEPT["bytes"] + nbytes > budget:
             return None
         _KEPT["bytes"] += nbytes
-    from fitllm.kernels.w4a16 import dequantize_packed
+    if isinstance(p, CodebookWeight):
+        p.kept_dense = p.dequantize(dtype)
+    else:
+        from fitllm.kernels.w4a16 import dequantize_packed
 
-    p.kept_dense = dequantize_packed(p.qweight, p.scales, p.zeros, p.group_size, p.bits, p.g_idx, dtype=dtype)
+        p.kept_dense = dequantize_packed(p.qweight, p.scales, p.zeros, p.group_size, p.bits, p.g_idx, dtype=dtype)
     weakref.finalize(p, _release_kept, nbytes)  # the budget is the live weights'
     return p.kept_dense
 
@@ -208,7 +214,10 @@ def _in_stored_order(x, perm) -> torch.Tensor:
 
 
 def _out_features(part) -> int:
-    """N of a converted weight (FP8Weight [N, K]; KernelWeight and TiledWeight scales [G, N])."""
+    """N of a converted weight (FP8Weight [N, K]; CodebookWeight codes [N, K/2]; KernelWeight and TiledWeight
+    scales [G, N])."""
+    if isinstance(part, CodebookWeight):
+        return part.codes.shape[0]
     return part.weight.shape[0] if isinstance(part, FP8Weight) else part.scales.shape[1]
 
 
@@ -226,6 +235,20 @@ def fp8_linear(x: torch.Tensor | Fp8Activations, p: FP8Weight, mode: str, defer:
     return F.linear(x, p.dequantize(x.dtype))
 
 
+def codebook_linear(x: torch.Tensor, p: CodebookWeight) -> torch.Tensor:
+    """A bitsandbytes 4-bit GEMM: fitllm's codebook kernel on a GPU; on a CPU the reference's product, with
+    the weight dequantized once and kept while the budget allows (as for KernelWeight)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    kept = _kept_dense(p, x2.dtype) if not x2.is_cuda and backend_for(x2) != "triton" else None
+    if kept is not None:
+        y = x2 @ kept.t()
+    else:
+        from fitllm.kernels.codebook4 import codebook4_gemm
+
+        y = codebook4_gemm(x2, p.codes, p.absmax, p.codebook, p.blocksize)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def _merge(parts: list) -> list:
     """One GEMM for q|k|v when the shards agree on layout (same g_idx); else one per shard."""
     if len(parts) == 1:
@@ -234,6 +257,12 @@ def _merge(parts: list) -> list:
         static = [p.input_scale for p in parts if p.input_scale is not None]
         return [FP8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]),
                           torch.stack([s.reshape(()) for s in static]).max() if static else None)]
+    if all(isinstance(p, CodebookWeight) for p in parts):
+        a = parts[0]
+        if all(p.blocksize == a.blocksize and torch.equal(p.codebook, a.codebook) for p in parts):
+            return [CodebookWeight(torch.cat([p.codes for p in parts]), torch.cat([p.absmax for p in parts]),
+                                   a.codebook, a.blocksize)]
+        return parts
     if all(isinstance(p, KernelWeight) for p in parts):
         a = parts[0]
         same = all(p.bits == a.bits and p.group_size == a.group_size and
@@ -251,6 +280,8 @@ def _to_runtime(p, device, dtype):
     if isinstance(p, FP8Weight):
         return FP8Weight(p.weight.to(device), p.scale.to(device),
                          None if p.input_scale is None else p.input_scale.to(device))
+    if isinstance(p, CodebookWeight):
+        return p.to(device)
     p = KernelWeight(p.qweight.to(device), p.scales.to(device), p.zeros.to(device), p.bits, p.group_size,
                      None if p.g_idx is None else p.g_idx.to(device))
     return gpu_form(p, dtype) if torch.device(device).type == "cuda" else p
@@ -298,6 +329,10 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
         if int(qc.get("bits", 4)) != 4:
             raise ModelLoadError(f"{source}: quantization_config.bits must be 4 for AWQ")
         reader = lambda t, name: get_format("autoawq").read(t, qc, dtype)
+    elif method == "bitsandbytes":
+        bnb = get_format("bitsandbytes")
+        bnb.check_supported(qc, source)
+        reader = lambda t, name: bnb.read(t, qc, dtype, name)
     elif method == "gptq":
         if qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
             raise ModelLoadError(f"{source}: quantization_config.checkpoint_format {qc.get('checkpoint_format')!r} is not supported")
@@ -308,8 +343,8 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
         reader = lambda t, name: gptq.read(t, gptq.module_config(qc, name), dtype)
     else:
         raise ModelLoadError(f"{source}: quantization_config.quant_method {method!r} is not supported "
-                             "(compressed-tensors, awq, gptq)")
-    skip = set(qc.get("modules_to_not_convert") or [])
+                             "(compressed-tensors, awq, gptq, bitsandbytes)")
+    skip = set(bnb.skipped_modules(qc) if method == "bitsandbytes" else qc.get("modules_to_not_convert") or [])
 
     def make(prefix, in_features, out_sizes, bias):
         if any(s and s in prefix for s in skip):
@@ -328,7 +363,7 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
 
 
 def load_quantized_model(folder: Path, device="cpu", dtype: Optional[torch.dtype] = None):
-    """Load any checkpoint fitllm reads: dense, compressed-tensors, AutoAWQ GEMM or GPTQ."""
+    """Load any checkpoint fitllm reads: dense, compressed-tensors, AutoAWQ GEMM, GPTQ or bitsandbytes."""
     from fitllm.models.loader import default_dtype
 
     folder = Path(folder)

@@ -3,6 +3,7 @@ time; the layer is quantized; its (quantized) outputs feed the next layer. Weigh
 the safetensors files, so memory holds one layer plus the calibration activations."""
 from __future__ import annotations
 
+import functools
 import json
 import resource
 import time
@@ -22,6 +23,7 @@ from fitllm.quant.awq import awq_layer
 from fitllm.quant.formats import get_format
 from fitllm.quant.fp8 import fp8_quantize
 from fitllm.quant.gptq import HessianAccumulator, gptq_quantize
+from fitllm.quant.nf4 import nf4_quantize
 from fitllm.quant.output import ShardWriter, atomic_output, copy_side_files
 from fitllm.quant.rtn import rtn_quantize
 from fitllm.quant.scheme import QuantError, QuantizedWeight, QuantScheme, choose_group_size
@@ -166,7 +168,13 @@ def step_awq(layer, x, cos, sin, scheme, batch, search_tokens: int = 2048):
     return awq_layer(layer, feats, scheme), y
 
 
-STEPS = {"rtn": step_rtn, "fp8": step_fp8, "gptq": step_gptq, "awq": step_awq}
+def step_nf4(layer, x, cos, sin, scheme, batch):
+    y = run_layer(layer, x, cos, sin, batch)
+    return {n: nf4_quantize(lin.weight, scheme.group_size) for n, lin in linears(layer).items()}, y
+
+
+STEPS = {"rtn": step_rtn, "fp8": step_fp8, "gptq": step_gptq, "awq": step_awq, "nf4": step_nf4}
+DATA_FREE = ("rtn", "fp8", "nf4")  # calibration only measures their per-layer error
 
 
 @torch.no_grad()
@@ -219,7 +227,15 @@ def make_scheme(config: ModelConfig, method: str, bits: int, group_size: Optiona
     format_mod = get_format(fmt)
     if method == "fp8" and fmt != "compressed-tensors":
         raise QuantError(f"--format {fmt}: FP8 checkpoints are written as compressed-tensors only")
-    group, note = choose_group_size([config.hidden_size, config.q_size, config.intermediate_size], group_size)
+    if (method == "nf4") != (fmt == "bitsandbytes"):
+        raise QuantError(f"--format {fmt}: NF4 checkpoints are written as bitsandbytes, and bitsandbytes "
+                         "checkpoints hold NF4 (--method nf4 --format bitsandbytes)")
+    sizes = [config.hidden_size, config.q_size, config.intermediate_size]
+    if method == "nf4":  # bitsandbytes' default block of 64, not the integer methods' 128
+        group, _ = choose_group_size(sizes, 64 if group_size is None else group_size)
+        note = f"NF4 codes, one absmax per {group} weights" + (" (bitsandbytes' default)" if group_size is None else "")
+    else:
+        group, note = choose_group_size(sizes, group_size)
     if fmt == "compressed-tensors" and act_order and group != -1:
         static_groups = True  # compressed-tensors >= 0.20 has no g_idx
         note += "; act-order with static groups (compressed-tensors has no g_idx)"
@@ -236,17 +252,20 @@ def make_scheme(config: ModelConfig, method: str, bits: int, group_size: Optiona
 
 
 def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_size: Optional[int] = None,
-                   sym: Optional[bool] = None, fmt: str = "compressed-tensors", calib: Optional[str] = None,
+                   sym: Optional[bool] = None, fmt: Optional[str] = None, calib: Optional[str] = None,
                    calib_samples: int = 32, calib_len: int = 512, act_order: Optional[bool] = None,
                    static_groups: bool = False, fp8_static: bool = False, force: bool = False,
                    device: str = "cpu", batch: int = 4, progress: bool = True,
                    lm_head_bits: Optional[int] = None, log: Callable[[str], None] = print) -> ConvertResult:
-    """lm_head_bits: quantize the lm_head too, to 4 or 8 bits (GPTQ format only); None keeps it dense."""
+    """fmt: the checkpoint format (None: bitsandbytes for NF4, else compressed-tensors). lm_head_bits: quantize
+    the lm_head too, to 4 or 8 bits (GPTQ format only); None keeps it dense."""
     start = time.time()
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
     src = TensorSource(folder)
     check_not_quantized(folder, config, src)
+    if fmt is None:
+        fmt = "bitsandbytes" if method == "nf4" else "compressed-tensors"
     if sym is None:
         sym = False  # asymmetric: better on every model we measured, and all three formats carry it
     if act_order is None:
@@ -268,8 +287,8 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
     from fitllm.models.tokenizer import load_tokenizer
     from fitllm.quant.calibration import load_calibration
 
-    if method in ("rtn", "fp8") and not fp8_static:
-        calib_samples = min(calib_samples, 8)  # data-free methods: calibration only measures the per-layer error
+    if method in DATA_FREE and not fp8_static:
+        calib_samples = min(calib_samples, 8)
     ids = load_calibration(folder, load_tokenizer(folder), calib_samples, calib_len, calib, progress=progress)
     ids = ids.to(device)
     seqs, length = ids.shape
@@ -280,6 +299,9 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
     x = F.embedding(ids, src.get("model.embed_tokens.weight").to(device, torch.float32))
     cos, sin = rope_cos_sin(torch.arange(length, device=device), *rope_tables(config, device))
     errors: list[float] = []
+    write = format_mod.write
+    if fmt == "bitsandbytes":  # its quant_state records the model's dtype
+        write = functools.partial(write, dtype=format_mod.dtype_name(scheme))
     with atomic_output(out, force) as tmp, _progress(progress, config.num_layers + lm_head, method) as advance:
         writer = ShardWriter(tmp)
         for i in range(config.num_layers):
@@ -292,7 +314,7 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
                 lin.weight.data.copy_(qw.dequantize().to(lin.weight.dtype))
                 mod_prefix = prefix + ("self_attn." if name in ("qkv_proj", "o_proj") else "mlp.") + name
                 for hf, part in split_rows(lin, hf_names(mod_prefix, lin), qw).items():
-                    for suffix, t in format_mod.write(part).items():
+                    for suffix, t in write(part).items():
                         writer.add(f"{hf}.{suffix}", t)
                 if lin.bias is not None:
                     for hf, sl in zip(hf_names(mod_prefix, lin), map(lin.shard_slice, range(len(lin.out_sizes)))):

@@ -15,8 +15,8 @@ import torch
 
 from fitllm.models.errors import FitLLMError
 
-METHODS = ("rtn", "awq", "gptq", "fp8")
-FORMATS = ("compressed-tensors", "autoawq", "gptq")
+METHODS = ("rtn", "awq", "gptq", "fp8", "nf4")
+FORMATS = ("compressed-tensors", "autoawq", "gptq", "bitsandbytes")
 
 
 class QuantError(FitLLMError):
@@ -40,6 +40,8 @@ class QuantScheme:
     def __post_init__(self):
         if self.method not in METHODS:
             raise QuantError(f"--method: unknown method {self.method!r} (choose one of {', '.join(METHODS)})")
+        if self.method == "nf4" and self.bits != 4:
+            raise QuantError(f"--bits: NF4 is 4-bit (got {self.bits})")
         if self.method != "fp8" and self.bits not in (4, 8):
             raise QuantError(f"--bits: {self.bits} is not supported (4 or 8)")
 
@@ -117,3 +119,35 @@ class FP8Weight:
 
     def rows(self, sl: slice) -> "FP8Weight":
         return FP8Weight(self.weight[sl], self.scale[sl], self.input_scale)
+
+
+@dataclass
+class CodebookWeight:
+    """A 4-bit codebook weight (bitsandbytes NF4 / FP4), in fitllm.kernels.codebook4's layout: codes uint8
+    [N, K/2] (input column 2j in the high nibble), absmax [N, K/blocksize] (float32 from the quantizer, as
+    bitsandbytes stores it; float16 once served: to()), codebook float32 [16]."""
+    codes: torch.Tensor
+    absmax: torch.Tensor
+    codebook: torch.Tensor
+    blocksize: int
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * 2
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        from fitllm.kernels.codebook4 import dequantize_codebook4
+
+        return dequantize_codebook4(self.codes, self.absmax, self.codebook, self.blocksize, dtype)
+
+    def rows(self, idx) -> "CodebookWeight":
+        return CodebookWeight(self.codes[idx], self.absmax[idx], self.codebook, self.blocksize)
+
+    def to(self, device) -> "CodebookWeight":
+        """The served form on `device`: absmax in float16 (half the bytes of bitsandbytes' float32; its rounding,
+        2^-11 relative, is far below the codes' own)."""
+        return CodebookWeight(self.codes.to(device), self.absmax.to(device, torch.float16), self.codebook.to(device),
+                              self.blocksize)
+
+    def __repr__(self) -> str:
+        return f"CodebookWeight([{self.codes.shape[0]}, {self.in_features}], blocksize={self.blocksize})"

@@ -1,0 +1,106 @@
+"""4-bit codebook GEMM (bitsandbytes NF4 / FP4 weights): y = x @ W^T, W dequantized inside the kernel.
+
+Layout (bitsandbytes' own bytes, one row of the weight per row of `codes`):
+  codes    uint8 [N, K/2]    two 4-bit codes a byte, input column 2j in the high nibble, 2j+1 in the low
+  absmax   float16 [N, K/B]  each block of B consecutive input columns of a row shares one scale
+  codebook float32 [16]      the value of each code (NF4's normal quantiles or FP4's), in [-1, 1]
+  w[n, k] = codebook[code[n, k]] * absmax[n, k // B]
+
+Unlike the affine int4 of fitllm.kernels.w4a16 ((q - z) * s), a code is looked up, not converted; the
+kernel loads the 16 values per element from the table (an L1-resident gather). Each program takes a
+[BM, BN] tile of y and a share of K (split-K, summed with fp32 atomics where one tile's programs
+would not fill the GPU). Not tuned on a GPU yet: see benchmarks/bench_codebook4.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._utils import backend_for, device_index, num_sms
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton still get the reference
+    triton = None
+
+
+def dequantize_codebook4(codes, absmax, codebook, blocksize: int, dtype=torch.float32) -> torch.Tensor:
+    """-> W [N, K] in `dtype`, computed in float32 (as bitsandbytes dequantizes)."""
+    n = codes.shape[0]
+    idx = torch.stack([codes >> 4, codes & 15], dim=-1).reshape(n, -1).long()
+    w = codebook.float()[idx].reshape(n, -1, blocksize) * absmax.float()[:, :, None]
+    return w.reshape(n, -1).to(dtype)
+
+
+def codebook4_gemm_ref(x, codes, absmax, codebook, blocksize: int):
+    """Torch reference and CPU path: the weight dequantized to x's dtype, then one matmul."""
+    return x @ dequantize_codebook4(codes, absmax, codebook, blocksize, x.dtype).t()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _codebook4_kernel(x_ptr, codes_ptr, absmax_ptr, cb_ptr, y_ptr, M, N, K, stride_xm, stride_cn, stride_an,
+                          stride_ym, BLOCKSIZE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          HALF_K: tl.constexpr, SPLIT_K: tl.constexpr, GEMV: tl.constexpr):
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rj = tl.arange(0, HALF_K)  # byte j of a K tile holds input columns 2j and 2j+1
+        m_ok, n_ok = rm < M, rn < N
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for t in range(pid_k, K // (2 * HALF_K), SPLIT_K):
+            byte = t * HALF_K + rj
+            c = tl.load(codes_ptr + rn[:, None] * stride_cn + byte[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+            # both columns of a byte lie in one block (B is even)
+            s = tl.load(absmax_ptr + rn[:, None] * stride_an + (2 * byte[None, :]) // BLOCKSIZE,
+                        mask=n_ok[:, None], other=0.0).to(tl.float32)
+            w_hi = tl.load(cb_ptr + (c >> 4)) * s  # [BN, HALF_K]: columns 2j
+            w_lo = tl.load(cb_ptr + (c & 15)) * s  # columns 2j + 1
+            x_even = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * byte[None, :], mask=m_ok[:, None], other=0.0)
+            x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * byte[None, :] + 1, mask=m_ok[:, None], other=0.0)
+            if GEMV:  # one row of x: multiply and reduce on the CUDA cores (a dot would pad M to 16)
+                part = tl.sum(w_hi * x_even.to(tl.float32) + w_lo * x_odd.to(tl.float32), axis=1)
+                acc += part[None, :]
+            else:
+                acc = tl.dot(x_even, tl.trans(w_hi.to(x_even.dtype)), acc)
+                acc = tl.dot(x_odd, tl.trans(w_lo.to(x_odd.dtype)), acc)
+        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:  # y is the float32 sum the programs of one tile share
+            tl.atomic_add(y_ptrs, acc, mask=mask)
+
+
+def _config(m: int, n: int, k: int, blocksize: int, sms: int) -> tuple[int, int, int, int]:
+    """(BM, BN, HALF_K, SPLIT_K): small tiles and K split across programs until ~2 waves of programs run."""
+    bm = 1 if m == 1 else (16 if m <= 16 else 64)
+    bn = 64 if m <= 64 else 128
+    block_k = 128 if k % 128 == 0 else 64
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    k_tiles = k // block_k
+    split = max(1, min(k_tiles, (2 * sms) // max(tiles, 1)))
+    return bm, bn, block_k // 2, split
+
+
+def codebook4_gemm_triton(x, codes, absmax, codebook, blocksize: int):
+    M, K = x.shape
+    N = codes.shape[0]
+    if K % 64 or codes.shape[1] * 2 != K or blocksize % 2:
+        raise ValueError(f"codebook4 GEMM: K = {K} must be a multiple of 64 and match codes {tuple(codes.shape)}")
+    bm, bn, half_k, split = _config(M, N, K, blocksize, num_sms(device_index(x)))
+    y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if split > 1 else torch.empty(
+        M, N, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    _codebook4_kernel[grid](x, codes, absmax, codebook, y, M, N, K, x.stride(0), codes.stride(0), absmax.stride(0),
+                            y.stride(0), BLOCKSIZE=blocksize, BM=bm, BN=bn, HALF_K=half_k, SPLIT_K=split,
+                            GEMV=bm == 1)
+    return y.to(x.dtype) if split > 1 else y
+
+
+def codebook4_gemm(x, codes, absmax, codebook, blocksize: int):
+    """y [M, N] = x [M, K] @ W^T: the Triton kernel on CUDA (or FITLLM_KERNEL_BACKEND=triton), else the reference."""
+    if backend_for(x) == "triton" and triton is not None and x.shape[1] % 64 == 0:
+        return codebook4_gemm_triton(x.contiguous(), codes, absmax, codebook, blocksize)
+    return codebook4_gemm_ref(x, codes, absmax, codebook, blocksize)
