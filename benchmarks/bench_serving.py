@@ -308,7 +308,7 @@ def main() -> int:
     ap.add_argument("--offline-max-seqs", type=int, default=256, help="offline: the engine's max_num_seqs")
     ap.add_argument("--offline-batched-tokens", type=int, default=8192, help="offline: tokens per step")
     ap.add_argument("--decode-schemes", default="bf16,int4,fp8",
-                    help="weights: bf16, int4, fp8, int4-act (act-order GPTQ), int8-act, int8-act-gidx (as stored), "
+                    help="weights: bf16, int4, fp8, nf4 (bitsandbytes NF4 on fitllm.kernels.codebook4), int4-act (act-order GPTQ), int8-act, int8-act-gidx (as stored), "
                          "int4-act-gather (the same, each layer "
                          "gathering its input); int4+head / int4+head8 quantize the lm_head too (4 / 8 bits)")
     ap.add_argument("--online-schemes", default="bf16,int4")

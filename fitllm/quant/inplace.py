@@ -1,4 +1,5 @@
-"""Quantize a loaded model on the fly (no calibration, no files): RTN int4 or FP8 per channel.
+"""Quantize a loaded model on the fly (no calibration, no files): RTN int4, FP8 per channel, or NF4 (blocks of 64,
+bitsandbytes' default, whatever group_size says).
 
 For random-weight GPU benchmarks and the int4 self-drafter of speculative decoding, which shares
 everything but the linear layers with its target.
@@ -15,11 +16,12 @@ from fitllm.models.decoder import CausalLM
 from fitllm.models.linear import DenseLinear
 from fitllm.quant.formats.packing import to_kernel
 from fitllm.quant.fp8 import fp8_quantize
+from fitllm.quant.nf4 import nf4_quantize
 from fitllm.quant.layers import QuantLinear
 from fitllm.quant.rtn import rtn_quantize
 from fitllm.quant.scheme import QuantError, QuantScheme, choose_group_size
 
-ON_THE_FLY_METHODS = ("int4", "fp8")
+ON_THE_FLY_METHODS = ("int4", "fp8", "nf4")
 
 
 @torch.no_grad()
@@ -43,7 +45,12 @@ def quantize_in_memory(model: CausalLM, method: str = "int4", group_size: Option
         quantized = QuantLinear(prefix, in_features, out_sizes, bias is not None, reader=None, dtype=model.dtype,
                                 device=model.device)
         layer_scheme = replace(scheme, bits=lm_head_bits) if name == "lm_head" else scheme
-        part = fp8_quantize(weight) if method == "fp8" else to_kernel(rtn_quantize(weight, layer_scheme), model.dtype)
+        if method == "fp8":
+            part = fp8_quantize(weight)
+        elif method == "nf4":
+            part = nf4_quantize(weight, 64)
+        else:
+            part = to_kernel(rtn_quantize(weight, layer_scheme), model.dtype)
         quantized.set_parts([part])
         if bias is not None:
             quantized.bias.copy_(bias)
