@@ -66,6 +66,19 @@ def test_codebook_kernel_matches_reference(m, n, k, blocksize):
     assert torch.allclose(ref.double(), exact, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_codebook_kernel_in_16_bit(dtype):
+    """bf16 / fp16 activations (the GPU's): every path (GEMV at M = 1, dots above) within 16-bit rounding of
+    the float64 product. (bf16 dots run upcast under the interpreter, which multiplies bf16 bits as integers.)"""
+    w = nf4_quantize(torch.randn(192, 256, generator=torch.Generator().manual_seed(5)) * 0.02, 64).to("cpu")
+    exact = w.dequantize(torch.float64)
+    for m in (1, 3, 20):
+        x = torch.randn(m, 256).to(dtype)
+        y = codebook4_gemm_triton(x, w.codes, w.absmax, w.codebook, 64)
+        ref = x.double() @ exact.t()
+        assert y.dtype == dtype and float((y.double() - ref).norm() / ref.norm()) < 1e-2, m
+
+
 def test_codebook_kernel_split_k_both_ways(monkeypatch):
     """One program per tile (plain store) and K split across programs (fp32 atomic sums) agree."""
     from fitllm.kernels import codebook4

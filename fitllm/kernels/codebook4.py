@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import backend_for, device_index, num_sms
+from ._utils import backend_for, device_index, interpreting, num_sms
 
 try:
     import triton
@@ -42,7 +42,7 @@ if triton is not None:
     @triton.jit
     def _codebook4_kernel(x_ptr, codes_ptr, absmax_ptr, cb_ptr, y_ptr, M, N, K, stride_xm, stride_cn, stride_an,
                           stride_ym, BLOCKSIZE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          HALF_K: tl.constexpr, SPLIT_K: tl.constexpr, GEMV: tl.constexpr):
+                          HALF_K: tl.constexpr, SPLIT_K: tl.constexpr, GEMV: tl.constexpr, UPCAST: tl.constexpr):
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -62,9 +62,15 @@ if triton is not None:
             if GEMV:  # one row of x: multiply and reduce on the CUDA cores (a dot would pad M to 16)
                 part = tl.sum(w_hi * x_even.to(tl.float32) + w_lo * x_odd.to(tl.float32), axis=1)
                 acc += part[None, :]
-            else:
-                acc = tl.dot(x_even, tl.trans(w_hi.to(x_even.dtype)), acc)
-                acc = tl.dot(x_odd, tl.trans(w_lo.to(x_odd.dtype)), acc)
+            else:  # the weight rounded to x's dtype, as the tensor cores take it
+                w_hi = tl.trans(w_hi.to(x_even.dtype))
+                w_lo = tl.trans(w_lo.to(x_odd.dtype))
+                if UPCAST:  # triton 3.6's interpreter multiplies bf16 bit patterns as integers: the same sums in fp32
+                    acc = tl.dot(x_even.to(tl.float32), w_hi.to(tl.float32), acc, input_precision="ieee")
+                    acc = tl.dot(x_odd.to(tl.float32), w_lo.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x_even, w_hi, acc)
+                    acc = tl.dot(x_odd, w_lo, acc)
         y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
@@ -95,7 +101,7 @@ def codebook4_gemm_triton(x, codes, absmax, codebook, blocksize: int):
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     _codebook4_kernel[grid](x, codes, absmax, codebook, y, M, N, K, x.stride(0), codes.stride(0), absmax.stride(0),
                             y.stride(0), BLOCKSIZE=blocksize, BM=bm, BN=bn, HALF_K=half_k, SPLIT_K=split,
-                            GEMV=bm == 1)
+                            GEMV=bm == 1, UPCAST=interpreting())
     return y.to(x.dtype) if split > 1 else y
 
 
