@@ -160,6 +160,8 @@ def lm_head_bits(config: ModelConfig) -> Optional[int]:
 
 def detect_scheme(config: ModelConfig) -> str:
     """The scheme a checkpoint is already in, from its quantization_config (bf16 if none)."""
+    if config.quantized_at_load:  # `quant serve --quantization`: int4 is RTN in AWQ's runtime layout
+        return {"int4": "awq"}.get(config.quantized_at_load, config.quantized_at_load)
     q = config.quantization_config or {}
     method = str(q.get("quant_method") or q.get("format") or "").lower()
     if method in ("awq", "gptq", "fp8"):

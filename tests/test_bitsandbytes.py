@@ -300,3 +300,39 @@ def test_engine_serves_nf4_embedded_model(embedded_folder, embedded_model, embed
     nf4, dense = prompt_logits(model, ids), prompt_logits(embedded_model, ids)
     assert float((nf4 - dense).norm() / dense.norm()) < 0.45  # 0.356 (RTN int4 g64: 0.658)
     assert (nf4.argmax(-1) == dense.argmax(-1)).float().mean() > 0.6
+
+
+@pytest.mark.parametrize("method", ["nf4", "int4", "fp8"])
+def test_serve_quantizes_a_dense_checkpoint_as_it_loads(embedded_folder, embedded_tokenizer, method):
+    """EngineConfig(quantization=...) (`quant serve --quantization`): the same weights as quantizing the loaded
+    model, the same greedy tokens, and the memory plan told the scheme."""
+    from fitllm import budget
+    from fitllm.models.generate import generate
+    from fitllm.models.loader import load_model
+    from fitllm.quant.inplace import quantize_in_memory
+    from fitllm.serve.engine import EngineConfig, LLMEngine
+    from fitllm.serve.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(quantization=method, max_num_batched_tokens=32, block_size=8, num_kv_blocks=64,
+                                    max_model_len=128))
+    loaded = engine.model
+    ref = quantize_in_memory(load_model(embedded_folder, dtype=torch.float32), method)
+    for path in ("self_attn.qkv_proj", "mlp.down_proj"):
+        assert torch.equal(loaded.model.layers[2].get_submodule(path).dequantized_weight(),
+                           ref.model.layers[2].get_submodule(path).dequantized_weight())
+    assert budget.detect_scheme(loaded.config) == {"int4": "awq"}.get(method, method)
+    prompt = embedded_tokenizer.encode("The capital of France is", add_special_tokens=False)
+    out = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert out.new_token_ids == generate(ref, [prompt], 5)[0]
+
+
+def test_quantization_at_load_errors(tiny):
+    from fitllm.serve.engine import EngineConfig
+
+    with pytest.raises(QuantError, match="'int3' on the fly is not supported"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="self-int4"):
+        EngineConfig(quantization="nf4", speculative="self-int4")
+    folder = saved_by_transformers(tiny, "int8", load_in_8bit=True)
+    with pytest.raises(ModelLoadError, match="needs a dense checkpoint"):
+        load_quantized_model(folder, quantize="nf4")

@@ -53,6 +53,10 @@ def serve(
                                               help="Speculative decoding drafter: ngram | self-int4 | PATH of a "
                                                    "draft model sharing the tokenizer."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens", help="Draft tokens per step (k)."),
+    quantization: Optional[str] = typer.Option(
+        None, "--quantization", help="Quantize a dense checkpoint as it loads, no calibration: nf4 (bitsandbytes' "
+        "NF4, blocks of 64), int4 (RTN asym, group 128 where it divides) or fp8 (W8A8, per-channel). For a "
+        "calibrated AWQ/GPTQ model, `quant convert` first."),
     deterministic: bool = typer.Option(
         False, "--deterministic",
         help="Sum split-K GEMM partials in a fixed order (FITLLM_DETERMINISTIC=1): the same request mix gives the "
@@ -71,7 +75,7 @@ def serve(
     _check_port_free(host, port)
     engine = _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                            num_kv_blocks, gpu_memory_utilization, not no_prefix_caching, not no_cuda_graphs,
-                           speculative, num_speculative_tokens, block_size)
+                           speculative, num_speculative_tokens, block_size, quantization)
     from fitllm.serve.app import ServerConfig, create_app
 
     name = served_model_name or _default_name(model)
@@ -130,7 +134,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                   num_kv_blocks, gpu_memory_utilization, prefix_caching, cuda_graphs, speculative=None,
-                  num_speculative_tokens=4, block_size=None):
+                  num_speculative_tokens=4, block_size=None, quantization=None):
     from fitllm.models.errors import FitLLMError
     from fitllm.serve.engine import EngineConfig, LLMEngine
 
@@ -142,8 +146,11 @@ def _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, m
                               cuda_graphs=cuda_graphs,
                               speculative=(speculative if speculative in (None, "ngram", "self-int4")
                                            else f"draft-model:{speculative}"),
-                              num_speculative_tokens=num_speculative_tokens, block_size=block_size)
-        console.print(f"loading {model or 'the embedded SmolLM2-135M-Instruct'} ...", highlight=False)
+                              num_speculative_tokens=num_speculative_tokens, block_size=block_size,
+                              quantization=quantization)
+        console.print(f"loading {model or 'the embedded SmolLM2-135M-Instruct'}"
+                      + (f", quantizing it to {quantization} as it loads" if quantization else "") + " ...",
+                      highlight=False)
         return LLMEngine(config)
     except (FitLLMError, ValueError, OSError) as exc:
         fail(str(exc))

@@ -54,6 +54,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
     quantization_config: Optional[dict] = None
+    quantized_at_load: Optional[str] = None  # int4 | fp8 | nf4: a dense checkpoint quantized as it loaded
     torch_dtype: str = "bfloat16"
 
     @classmethod

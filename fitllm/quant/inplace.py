@@ -1,8 +1,10 @@
-"""Quantize a loaded model on the fly (no calibration, no files): RTN int4, FP8 per channel, or NF4 (blocks of 64,
-bitsandbytes' default, whatever group_size says).
+"""Quantize on the fly (no calibration, no files): RTN int4, FP8 per channel, or NF4 (blocks of 64, bitsandbytes'
+default, whatever group_size says).
 
-For random-weight GPU benchmarks and the int4 self-drafter of speculative decoding, which shares
-everything but the linear layers with its target.
+Either a loaded model (quantize_in_memory: random-weight GPU benchmarks, the int4 self-drafter of speculative
+decoding, which shares everything but the linear layers with its target), or a dense checkpoint as it loads
+(at_load_factory: `quant serve MODEL --quantization nf4|int4|fp8`), one matrix at a time on the target device, so
+the device never holds the dense model.
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from typing import Optional
 
 import torch
 
+from fitllm.models.config import ModelConfig
 from fitllm.models.decoder import CausalLM
-from fitllm.models.linear import DenseLinear
+from fitllm.models.errors import ModelLoadError
+from fitllm.models.linear import DenseLinear, LinearFactory
 from fitllm.quant.formats.packing import to_kernel
 from fitllm.quant.fp8 import fp8_quantize
 from fitllm.quant.nf4 import nf4_quantize
@@ -22,6 +26,39 @@ from fitllm.quant.rtn import rtn_quantize
 from fitllm.quant.scheme import QuantError, QuantScheme, choose_group_size
 
 ON_THE_FLY_METHODS = ("int4", "fp8", "nf4")
+NF4_BLOCK = 64  # bitsandbytes' default
+
+
+def check_method(method: str) -> None:
+    if method not in ON_THE_FLY_METHODS:
+        raise QuantError(f"quantization {method!r} on the fly is not supported (choose {', '.join(ON_THE_FLY_METHODS)})")
+
+
+def quantize_weight(weight: torch.Tensor, method: str, scheme: QuantScheme, dtype: torch.dtype):
+    """One dense [N, K] weight -> the runtime weight QuantLinear serves (scheme: int4's RTN grid)."""
+    if method == "fp8":
+        return fp8_quantize(weight)
+    if method == "nf4":
+        return nf4_quantize(weight, NF4_BLOCK)
+    return to_kernel(rtn_quantize(weight, scheme), dtype)
+
+
+def at_load_factory(method: str, config: ModelConfig, dtype: torch.dtype, device) -> LinearFactory:
+    """make_linear for a dense checkpoint quantized as it loads: each matrix is moved to `device` in fp32,
+    quantized there and kept only in its quantized form (the lm_head stays dense)."""
+    check_method(method)
+    from fitllm.budget import linear_shapes
+
+    size, _ = choose_group_size([k for _, k, _ in linear_shapes(config)], None)
+    scheme = QuantScheme("rtn", bits=4, group_size=size, sym=False)
+
+    def reader(tensors: dict, name: str):
+        if set(tensors) != {"weight"}:
+            raise ModelLoadError(f"{name}: --quantization {method} takes a dense checkpoint (found {sorted(tensors)})")
+        return quantize_weight(tensors["weight"].to(device, torch.float32), method, scheme, dtype)
+
+    return lambda prefix, in_features, out_sizes, bias: QuantLinear(prefix, in_features, out_sizes, bias, reader,
+                                                                     dtype, device)
 
 
 @torch.no_grad()
@@ -30,8 +67,7 @@ def quantize_in_memory(model: CausalLM, method: str = "int4", group_size: Option
     """Replace every dense linear of `model` with a quantized one, in place; returns the model.
     lm_head_bits (4 or 8, int4 method only): the lm_head too, RTN at those bits (a tied one becomes a
     quantized copy of the embedding table)."""
-    if method not in ON_THE_FLY_METHODS:
-        raise QuantError(f"on-the-fly quantization {method!r} is not supported ({', '.join(ON_THE_FLY_METHODS)})")
+    check_method(method)
     dense = {name: (m.prefix, m.in_features, m.out_sizes, m.weight, m.bias)
              for name, m in model.fused_linears().items() if isinstance(m, DenseLinear)}
     if lm_head_bits is not None and method != "int4":
@@ -45,13 +81,7 @@ def quantize_in_memory(model: CausalLM, method: str = "int4", group_size: Option
         quantized = QuantLinear(prefix, in_features, out_sizes, bias is not None, reader=None, dtype=model.dtype,
                                 device=model.device)
         layer_scheme = replace(scheme, bits=lm_head_bits) if name == "lm_head" else scheme
-        if method == "fp8":
-            part = fp8_quantize(weight)
-        elif method == "nf4":
-            part = nf4_quantize(weight, 64)
-        else:
-            part = to_kernel(rtn_quantize(weight, layer_scheme), model.dtype)
-        quantized.set_parts([part])
+        quantized.set_parts([quantize_weight(weight, method, layer_scheme, model.dtype)])
         if bias is not None:
             quantized.bias.copy_(bias)
         parent_name, _, attr = name.rpartition(".")

@@ -362,12 +362,23 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
     return make
 
 
-def load_quantized_model(folder: Path, device="cpu", dtype: Optional[torch.dtype] = None):
-    """Load any checkpoint fitllm reads: dense, compressed-tensors, AutoAWQ GEMM, GPTQ or bitsandbytes."""
+def load_quantized_model(folder: Path, device="cpu", dtype: Optional[torch.dtype] = None,
+                         quantize: Optional[str] = None):
+    """Load any checkpoint fitllm reads: dense, compressed-tensors, AutoAWQ GEMM, GPTQ or bitsandbytes.
+    quantize (int4 | fp8 | nf4): a dense checkpoint quantized as it loads (fitllm.quant.inplace.at_load_factory)."""
     from fitllm.models.loader import default_dtype
 
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
     dtype = dtype or default_dtype(device)
+    if quantize is not None:
+        if config.quantization_config:
+            raise ModelLoadError(f"{folder / 'config.json'}: --quantization {quantize} needs a dense checkpoint; this "
+                                 f"one is already quantized ({config.quantization_config.get('quant_method')!r})")
+        from fitllm.quant.inplace import at_load_factory
+
+        factory = at_load_factory(quantize, config, dtype, device)
+        config.quantized_at_load = quantize
+        return load_model(folder, device, dtype, make_linear=factory, config=config)
     factory = quant_factory(config.quantization_config, dtype, device, source=str(folder / "config.json"))
     return load_model(folder, device, dtype, make_linear=factory, config=config)

@@ -80,12 +80,20 @@ class EngineConfig:
     cuda_graphs: bool = True
     kv_calibration: Optional[KVCalibration] = None  # K/V statistics for fp8/int4 KV (else measured)
     speculative: Optional[str] = None  # None | "ngram" | "self-int4" | "draft-model:PATH"
+    quantization: Optional[str] = None  # int4 | fp8 | nf4: quantize a dense checkpoint as it loads
     num_speculative_tokens: int = 4  # k: draft tokens per step (a request may ask for fewer)
     async_scheduling: bool = True  # steady decode: queue step N + 1 on the GPU before step N's tokens are read
     warm_up: bool = True  # GPU: compile the kernels of each step size class before serving (see _warm_up)
 
     def __post_init__(self):
         check_speculative(self.speculative)
+        if self.quantization is not None:
+            from fitllm.quant.inplace import check_method
+
+            check_method(self.quantization)
+            if self.speculative == "self-int4":
+                raise ValueError("--speculative self-int4 drafts with an int4 copy of a dense model; with "
+                                 f"--quantization {self.quantization} the model is no longer dense")
         check_kv_dtype(self.kv_dtype)  # before the model loads, not when its cache is made
         if self.block_size is None:
             self.block_size = default_block_size(self.kv_dtype)
@@ -748,5 +756,6 @@ def load_model_and_tokenizer(config: EngineConfig, device: Optional[torch.device
             from fitllm.quant.layers import load_quantized_model
         except ImportError:  # quant not built: dense checkpoints only
             from fitllm.models.loader import load_model as load_quantized_model
-    model = load_quantized_model(folder, device, dtype)
+    model = (load_quantized_model(folder, device, dtype) if config.quantization is None
+             else load_quantized_model(folder, device, dtype, quantize=config.quantization))
     return model, load_tokenizer(folder)
