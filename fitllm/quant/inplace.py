@@ -4,7 +4,7 @@ default, whatever group_size says).
 Either a loaded model (quantize_in_memory: random-weight GPU benchmarks, the int4 self-drafter of speculative
 decoding, which shares everything but the linear layers with its target), or a dense checkpoint as it loads
 (at_load_factory: `quant serve MODEL --quantization nf4|int4|fp8`), one matrix at a time on the target device, so
-the device never holds the dense model.
+neither the host nor the device ever holds the dense model.
 """
 from __future__ import annotations
 
@@ -52,13 +52,28 @@ def at_load_factory(method: str, config: ModelConfig, dtype: torch.dtype, device
     size, _ = choose_group_size([k for _, k, _ in linear_shapes(config)], None)
     scheme = QuantScheme("rtn", bits=4, group_size=size, sym=False)
 
-    def reader(tensors: dict, name: str):
-        if set(tensors) != {"weight"}:
-            raise ModelLoadError(f"{name}: --quantization {method} takes a dense checkpoint (found {sorted(tensors)})")
-        return quantize_weight(tensors["weight"].to(device, torch.float32), method, scheme, dtype)
+    def quantize(weight: torch.Tensor):
+        return quantize_weight(weight.to(device, torch.float32), method, scheme, dtype)
 
-    return lambda prefix, in_features, out_sizes, bias: QuantLinear(prefix, in_features, out_sizes, bias, reader,
-                                                                     dtype, device)
+    return lambda prefix, in_features, out_sizes, bias: _QuantizedAsLoaded(prefix, in_features, out_sizes, bias,
+                                                                            quantize, dtype, device)
+
+
+class _QuantizedAsLoaded(QuantLinear):
+    """A QuantLinear whose checkpoint matrices are dense: each is quantized as it arrives, so neither the host
+    nor the device holds more than one dense matrix at a time."""
+
+    def __init__(self, prefix, in_features, out_sizes, bias, quantize, dtype, device):
+        super().__init__(prefix, in_features, out_sizes, bias, lambda tensors, name: tensors["quantized"], dtype,
+                         device)
+        self.quantize = quantize
+
+    def load(self, shard: int, name: str, tensor: torch.Tensor) -> None:
+        if name == "bias":
+            return super().load(shard, name, tensor)
+        if name != "weight":
+            raise ModelLoadError(f"{self.names[shard]}.{name}: --quantization takes a dense checkpoint")
+        self.pending[shard]["quantized"] = self.quantize(tensor)
 
 
 @torch.no_grad()
