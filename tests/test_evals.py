@@ -50,6 +50,10 @@ def test_spec_parsing(tmp_path):
     v = parse_spec("@kv=fp8", base)
     assert v.path is None and v.kv_dtype == "fp8" and v.name == "embedded@kv=fp8"
     assert parse_spec("base@kv=int4", base).kv_dtype == "int4"
+    q = parse_spec("@quant=nf4,kv=fp8", base)
+    assert (q.quantization, q.kv_dtype, q.name) == ("nf4", "fp8", "embedded@quant=nf4,kv=fp8")
+    with pytest.raises(EvalError, match="quant 'nf3'"):
+        parse_spec("@quant=nf3", base)
     (tmp_path / "awq").mkdir()
     (tmp_path / "awq" / "config.json").write_text("{}")
     assert parse_spec(str(tmp_path / "awq"), base, default_kv="int8").kv_dtype == "int8"
@@ -212,13 +216,15 @@ def test_cli_writes_reports(shared_data, tmp_path):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     out = tmp_path / "report"
     result = CliRunner().invoke(app, [
-        "eval", "embedded", "@kv=int8", "--tasks", "wikitext,piqa", "--text", str(text), "--limit", "1",
+        "eval", "embedded", "@kv=int8", "@quant=nf4", "--tasks", "wikitext,piqa", "--text", str(text), "--limit", "1",
         "--ctx", "32", "--gen-tokens", "4", "--data-dir", str(shared_data), "-o", str(out)])
     assert result.exit_code == 0, result.output
     for name in ("report.md", "report.json", "report.html"):
         assert (out / name).stat().st_size > 0
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["tasks"] == ["wikitext", "piqa", "text"]
+    methods = {m["name"]: m["method"] for m in report["models"]}
+    assert methods["embedded@quant=nf4"] == "nf4 (quantized at load)"
     assert "| wikitext | ppl" in (out / "report.md").read_text()
 
 

@@ -16,7 +16,8 @@ TASKS_HELP = ("Comma-separated: wikitext,hellaswag,arc_easy,arc_challenge,piqa,l
 def eval_command(
     models: Optional[List[str]] = typer.Argument(
         None, help="BASE then CANDIDATE... Each: a model folder, .gguf or hub id, 'embedded', "
-                   "or PATH@kv=fp8 (PATH omitted or 'base': the base's weights). Omitted: the embedded model."),
+                   "or PATH@kv=fp8, PATH@quant=nf4 (or int4, fp8: quantized as it loads), or both "
+                   "(PATH@quant=nf4,kv=fp8); PATH omitted or 'base': the base's weights. Omitted: the embedded model."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help=TASKS_HELP),
     text: Optional[Path] = typer.Option(None, "--text", help="Perplexity on any UTF-8 plain-text file."),
     limit: Optional[int] = typer.Option(None, "--limit", help="First N windows / questions / prompts per task."),

@@ -162,10 +162,11 @@ def _unique_names(specs: list[ModelSpec]) -> list[ModelSpec]:
 
 
 def _load(spec: ModelSpec, settings: EvalSettings, cache: dict) -> LoadedModel:
-    key = ("loader", id(spec.loader)) if spec.loader else ("path", spec.path)
+    key = ("loader", id(spec.loader)) if spec.loader else ("path", spec.path, spec.quantization)
     if key not in cache:
         cache.clear()  # keep one model in memory at a time
-        cache[key] = spec.loader() if spec.loader else load_for_eval(spec.path, settings.device, settings.dtype)
+        cache[key] = spec.loader() if spec.loader else load_for_eval(spec.path, settings.device, settings.dtype,
+                                                                     spec.quantization)
     return cache[key]
 
 

@@ -1,8 +1,8 @@
 """Which model to evaluate, how to load it, and the one scoring primitive every eval uses.
 
-A model spec is `PATH[@kv=DTYPE]`: PATH is a model folder, a .gguf, a hub id, `embedded` (the
+A model spec is `PATH[@kv=DTYPE][,quant=METHOD]`: PATH is a model folder, a .gguf, a hub id, `embedded` (the
 default model) or empty/`base` (the base model's weights, e.g. `@kv=fp8` = base weights with an
-fp8 KV cache). Scoring runs through `fitllm.models.generate.forward_tokens` over a PagedKVCache
+fp8 KV cache, `@quant=nf4` = base weights quantized to NF4 as they load, as `quant serve --quantization` does). Scoring runs through `fitllm.models.generate.forward_tokens` over a PagedKVCache
 built with the spec's kv dtype: the same decoder and KV path `quant serve` runs, so a quantized
 KV cache is part of what is measured.
 """
@@ -34,22 +34,31 @@ class ModelSpec:
     name: str  # label in the report
     path: Optional[str]  # None: the embedded model
     kv_dtype: str = "auto"
+    quantization: Optional[str] = None  # int4 | fp8 | nf4: a dense checkpoint quantized as it loads
     # Tests and library users may hand over an already-built model instead of a path.
     loader: Optional[Callable[[], "LoadedModel"]] = field(default=None, repr=False)
 
 
 def parse_spec(text: Optional[str], base: Optional["ModelSpec"] = None, default_kv: str = "auto") -> ModelSpec:
-    """`PATH[@kv=DTYPE]` -> ModelSpec. PATH empty or `base` means the base's weights."""
+    """`PATH[@kv=DTYPE][,quant=METHOD]` -> ModelSpec. PATH empty or `base` means the base's weights."""
+    from fitllm.quant.inplace import ON_THE_FLY_METHODS
+
     text = text if text is not None else "embedded"
     path, _, opts = text.partition("@")
-    kv = default_kv
+    kv, quant = default_kv, None
     for opt in filter(None, opts.split(",")):
         key, _, value = opt.partition("=")
-        if key != "kv":
-            raise EvalError(f"{text}: unknown option {key!r} after '@' (supported: kv=DTYPE, one of {'/'.join(KV_DTYPES)})")
-        kv = value
+        if key == "kv":
+            kv = value
+        elif key == "quant":
+            quant = value
+        else:
+            raise EvalError(f"{text}: unknown option {key!r} after '@' (supported: kv=DTYPE, one of "
+                            f"{'/'.join(KV_DTYPES)}; quant=METHOD, one of {'/'.join(ON_THE_FLY_METHODS)})")
     if kv not in KV_DTYPES:
         raise EvalError(f"{text}: kv dtype {kv!r} is not one of {', '.join(KV_DTYPES)}")
+    if quant is not None and quant not in ON_THE_FLY_METHODS:
+        raise EvalError(f"{text}: quant {quant!r} is not one of {', '.join(ON_THE_FLY_METHODS)}")
     if path in ("", "base"):
         if base is None:
             raise EvalError(f"{text}: '{path or '@'}' refers to the base model, so it cannot be the base itself")
@@ -59,9 +68,9 @@ def parse_spec(text: Optional[str], base: Optional["ModelSpec"] = None, default_
     if path is not None:
         _check_model_path(path)
     name = Path(path).name if path else "embedded"
-    if kv != "auto":
-        name += f"@kv={kv}"
-    return ModelSpec(name=name, path=path, kv_dtype=kv)
+    opts = [f"{k}={v}" for k, v in (("quant", quant), ("kv", kv)) if v not in (None, "auto")]
+    name += "@" + ",".join(opts) if opts else ""
+    return ModelSpec(name=name, path=path, kv_dtype=kv, quantization=quant)
 
 
 def _check_model_path(path: str) -> None:
@@ -100,13 +109,17 @@ def cache_kwargs(loaded: LoadedModel, kv_dtype: str, calib_ids: Optional[list[li
     return kwargs
 
 
-def load_for_eval(path: Optional[str], device: str, dtype: Optional[torch.dtype] = None) -> LoadedModel:
-    """Dense folders through models.loader; quantized ones through fitllm.quant when present."""
+def load_for_eval(path: Optional[str], device: str, dtype: Optional[torch.dtype] = None,
+                  quantize: Optional[str] = None) -> LoadedModel:
+    """Dense folders through models.loader; quantized ones (and `quantize`d ones) through fitllm.quant."""
     folder = resolve_model(path)
     config = json.loads((folder / "config.json").read_text())
     qc = config.get("quantization_config")
     dtype = dtype or default_dtype(device)
-    if qc:
+    if quantize:
+        method = f"{quantize} (quantized at load)"
+        model = _quantized_loader(folder, method)(folder, device=device, dtype=dtype, quantize=quantize)
+    elif qc:
         method = "/".join(str(qc[k]) for k in ("quant_method", "format") if qc.get(k)) or "quantized"
         model = _quantized_loader(folder, method)(folder, device=device, dtype=dtype)
     else:
