@@ -125,8 +125,9 @@ def _nested_absmax(t: dict, state: dict, name: str) -> torch.Tensor:
 
 
 
-# --- writing (quant convert --method nf4): 4-bit NF4 without double quantization, which transformers, vLLM
-# and fitllm load
+# --- writing (quant convert --method nf4): 4-bit NF4 without double quantization, the tensors and quant_state
+# transformers itself saves (tested: transformers loads the files with the same weights); vLLM's loader reads the
+# same layout for pre-quantized bitsandbytes checkpoints (not tested here)
 
 BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' GPU kernels take
 
