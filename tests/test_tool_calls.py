@@ -45,6 +45,31 @@ def test_parse_llama3_json(text, calls):
     assert tool_calls.parse(text, "llama3_json") == ((None, calls) if calls else (text, []))
 
 
+MISTRAL = '[{"name": "get_weather", "arguments": {"city": "Zürich"}}]'
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (MISTRAL, None, [("get_weather", '{"city": "Zürich"}')]),
+    ("[TOOL_CALLS] " + MISTRAL, None, [("get_weather", '{"city": "Zürich"}')]),
+    ("Let me check. [TOOL_CALLS]" + MISTRAL, "Let me check.", [("get_weather", '{"city": "Zürich"}')]),
+    ('[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]', None, [("a", "{}"), ("b", '{"x": 1}')]),
+    ('{"name": "a", "arguments": {}}', None, [("a", "{}")]),
+    ("[1, 2, 3]", "[1, 2, 3]", []), ("[]", "[]", []), ("It is sunny.", "It is sunny.", []),
+    ("[TOOL_CALLS] [{broken", "[TOOL_CALLS] [{broken", []), (MISTRAL + " and more", MISTRAL + " and more", []),
+])
+def test_parse_mistral(text, content, calls):
+    assert tool_calls.parse(text, "mistral") == (content, calls)
+
+
+def test_mistral_detection_and_streaming():
+    assert tool_calls.detect("{%- if message.tool_calls %}[TOOL_CALLS] [{%- endif %}") == "mistral"
+    for held in ("", " ", "[", ' [{"name"', "[TOOL"):
+        assert tool_calls.streamable(held, "mistral") == 0
+    assert tool_calls.streamable("Let me check. [TOOL_CALLS] [", "mistral") == len("Let me check. ")
+    assert tool_calls.streamable("Let me check. [TOO", "mistral") == len("Let me check. ")
+    assert tool_calls.streamable("Sunny [ish]", "mistral") == len("Sunny [ish]")
+
+
 def test_streamable_holds_back_what_may_become_a_tag():
     assert tool_calls.streamable("Hello <tool") == len("Hello ")
     assert tool_calls.streamable("Hello <") == len("Hello ")
@@ -74,7 +99,8 @@ def outputs(text: str, pieces: int):
 @pytest.mark.parametrize("parser, text", [
     *[("hermes", text) for text in ("Sunny, I think.", "Checking. " + CALL, CALL + "\n" + CALL.replace("Zürich", "Bern"),
                                     "a <tool_ca", "<tool_call>{broken</tool_call>")],
-    *[("llama3_json", text) for text in (LLAMA, LLAMA + ";" + LLAMA, "Sunny {ish}", '{"not": "a call"}', " " + LLAMA)]])
+    *[("llama3_json", text) for text in (LLAMA, LLAMA + ";" + LLAMA, "Sunny {ish}", '{"not": "a call"}', " " + LLAMA)],
+    *[("mistral", text) for text in (MISTRAL, "Checking. [TOOL_CALLS]" + MISTRAL, "Sunny [ish]", "[1, 2]")]])
 @pytest.mark.parametrize("pieces", [1, 7, 200])
 def test_streamed_auto_answer_adds_up_to_the_whole_one(parser, text, pieces):
     whole_shaper = shaper(False, parser)

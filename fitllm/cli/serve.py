@@ -44,9 +44,10 @@ def serve(
     tool_call_parser: Optional[str] = typer.Option(
         None, "--tool-call-parser",
         help="How tool_choice 'auto' finds calls in the model's text: hermes (<tool_call> blocks: Qwen2.5/3, Hermes), "
-             "llama3_json (Llama 3.1-3.3's {\"name\", \"parameters\"} replies) or none (then 'auto' is a 400; "
-             "'required' and named functions always work). Default: hermes where the chat template mentions "
-             "<tool_call>, llama3_json where it speaks as Llama 3's, else none."),
+             "llama3_json (Llama 3.1-3.3's {\"name\", \"parameters\"} replies), mistral ([TOOL_CALLS] lists: "
+             "Mistral-7B-v0.3, Nemo, Small) or none (then 'auto' is a 400; 'required' and named functions always "
+             "work). Default: hermes where the chat template mentions <tool_call>, mistral where it mentions "
+             "[TOOL_CALLS], llama3_json where it speaks as Llama 3's, else none."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
     speculative: Optional[str] = typer.Option(None, "--speculative",
@@ -70,8 +71,8 @@ def serve(
     if speculative and not 1 <= num_speculative_tokens <= 16:
         fail(f"--num-speculative-tokens {num_speculative_tokens}: must be between 1 and 16 with --speculative")
     template = _read_chat_template(chat_template) if chat_template is not None else None
-    if tool_call_parser not in (None, "hermes", "llama3_json", "none"):
-        fail(f"--tool-call-parser {tool_call_parser}: expected hermes, llama3_json or none")
+    if tool_call_parser not in (None, "hermes", "llama3_json", "mistral", "none"):
+        fail(f"--tool-call-parser {tool_call_parser}: expected hermes, llama3_json, mistral or none")
     _check_port_free(host, port)
     engine = _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                            num_kv_blocks, gpu_memory_utilization, not no_prefix_caching, not no_cuda_graphs,

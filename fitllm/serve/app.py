@@ -55,7 +55,7 @@ class ServerConfig:
     request_timeout: float = 600.0           # seconds from arrival to the last token
     retry_after_s: int = 1
     chat_template: Optional[str] = None      # replaces the tokenizer's own (Jinja text)
-    tool_call_parser: Optional[str] = None   # "auto" tool calls: hermes, llama3_json, none; None: from the template
+    tool_call_parser: Optional[str] = None   # "auto" tool calls: hermes, llama3_json, mistral, none; None: from the template
 
 
 class APIError(Exception):
@@ -830,7 +830,7 @@ async def chat_completions(server: Server, request: Request):
         raise APIError(400, "tool_choice 'auto' (the default when tools are given) needs a way to tell tool calls "
                        "in the model's text: this model's chat template shows no known format (start the server "
                        "with --tool-call-parser hermes if the model writes <tool_call> blocks, llama3_json if it "
-                       "writes Llama 3's JSON calls); or use 'required', "
+                       "writes Llama 3's JSON calls, mistral if it writes [TOOL_CALLS] lists); or use 'required', "
                        "a named function or 'none'.", param="tool_choice", code="invalid_value")
     ids = server.chat_prompt_ids(body)
     max_tokens = server.token_budget(ids, body.token_limit(), "messages", body.token_limit_param())

@@ -1,4 +1,4 @@
-"""Tool calls in free text, for tool_choice "auto". Two formats, each a parser of whole replies
+"""Tool calls in free text, for tool_choice "auto". Three formats, each a parser of whole replies
 (`parse`) and a rule for what may stream as content before the reply is whole (`streamable`):
 
 - "hermes", which Qwen2.5 / Qwen3, Hermes and many fine-tunes write after (or instead of) their answer:
@@ -14,6 +14,12 @@
 - "llama3_json", Llama 3.1 / 3.2 / 3.3's: the whole reply is one call or several joined by ";", each
   `{"name": ..., "parameters": {...}}`, after an optional <|python_tag|> (a special token, usually
   already dropped from the text). A reply that begins with "{" is held back until it is whole.
+
+- "mistral", Mistral-7B-Instruct-v0.3's, Mistral-Nemo's and Mistral-Small's (v3 tokenizers): text, then
+  [TOOL_CALLS] and one JSON list of `{"name": ..., "arguments": {...}}`. [TOOL_CALLS] is a special token, so
+  with special tokens skipped (the default) the reply is the list alone: a reply that is one list of calls, or
+  text up to the marker and a list after it, is tool calls. Text streams up to the marker; a reply that begins
+  with "[" is held back until it is whole. (Later tokenizers' `[TOOL_CALLS]name[ARGS]{...}` form is not read.)
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # a block, or the last one left open (a model may stop right after its JSON, as vLLM's parser allows)
 BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*?)\s*$", re.S)
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG = "[TOOL_CALLS]"
 # what Llama 3.x templates tell the model when they show it tools
 LLAMA3_MARKS = (PYTHON_TAG, "respond with a JSON for a function call")
 
@@ -38,6 +45,8 @@ def detect(chat_template: Optional[str]) -> Optional[str]:
         return None
     if OPEN in chat_template:
         return "hermes"
+    if MISTRAL_TAG in chat_template:
+        return "mistral"
     return "llama3_json" if any(mark in chat_template for mark in LLAMA3_MARKS) else None
 
 
@@ -53,6 +62,8 @@ def _call(value) -> Optional[tuple[str, str]]:
 
 def parse(text: str, parser: str = "hermes") -> tuple[Optional[str], Calls]:
     """(content, calls): no calls unless the whole reply reads as calls in that format."""
+    if parser == "mistral":
+        return _parse_mistral(text)
     return _parse_llama3(text) if parser == "llama3_json" else _parse_hermes(text)
 
 
@@ -62,11 +73,18 @@ def streamable(text: str, parser: str = "hermes") -> int:
         body = text.lstrip()
         may_be_call = not body or body.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(body)
         return 0 if may_be_call else len(text)
-    start = text.find(OPEN)
+    if parser == "mistral" and (not text.strip() or text.lstrip().startswith("[")):
+        return 0  # the calls' list with its marker skipped, or the beginning of the marker
+    return _before_tag(text, MISTRAL_TAG if parser == "mistral" else OPEN)
+
+
+def _before_tag(text: str, tag: str) -> int:
+    """Up to the tag, holding back a tail that may be the tag's beginning."""
+    start = text.find(tag)
     if start >= 0:
         return start
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:k]):
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
             return len(text) - k
     return len(text)
 
@@ -106,3 +124,16 @@ def _parse_llama3(text: str) -> tuple[Optional[str], Calls]:
             return text, []  # something after a call that is not another one: the reply is text
         at = len(body) - len(rest[1:].lstrip())  # past the ";" and the space after it
     return (None, calls) if calls else (text, [])
+
+
+def _parse_mistral(text: str) -> tuple[Optional[str], Calls]:
+    start = text.find(MISTRAL_TAG)
+    content, body = (text[:start].strip() or None, text[start + len(MISTRAL_TAG):]) if start >= 0 else (None, text)
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return text, []
+    calls = [_call(v) for v in (value if isinstance(value, list) else [value])]
+    if not calls or None in calls:
+        return text, []
+    return content, calls
