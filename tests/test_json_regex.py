@@ -137,6 +137,19 @@ def test_formats_take_common_values():
             assert not accepts(regex, value), (form, value)
 
 
+def test_date_takes_february_29_of_leap_years_only():
+    """Every year 0001-9999: the date format's February 29 against the calendar (Python's date reads the same)."""
+    import calendar
+
+    leap = re.compile(f"^(?:{FORMATS['date']})$")
+    for year in range(1, 10000):
+        assert bool(leap.match(f"{year:04d}-02-29")) == calendar.isleap(year), year
+    regex = Regex(f"^(?:{FORMATS['date']})$")
+    for value, ok in (("2024-02-29", True), ("2000-02-29", True), ("1900-02-29", False), ("2026-02-29", False),
+                      ("0400-02-29", True), ("0004-02-29", True), ("0000-02-29", False)):
+        assert accepts(regex, value) == ok, value
+
+
 @st.composite
 def regexes(draw, depth: int = 0) -> str:
     """Random patterns of the supported kind (ASCII: where the dialects agree)."""

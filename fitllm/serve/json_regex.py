@@ -35,10 +35,13 @@ CONTROL_ESCAPES = {"t": 0x09, "n": 0x0A, "v": 0x0B, "f": 0x0C, "r": 0x0D}
 SYNTAX = set("^$\\.*+?()[]{}|/-")
 
 # `format` as patterns: each accepts only values that Python's checks take (jsonschema's FormatChecker,
-# pydantic): dates up to the 28th of February (a pattern cannot know leap years), URIs of http(s) only.
+# pydantic): dates of years 0001-9999 with February 29 in leap years only, URIs of http(s) only.
 _DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
         r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
-_DATE = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-" + _DAY
+_YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+# divisible by 4 but not ending in 00 (0004 ... 9996), or a multiple of 400 (0400 ... 9600)
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = rf"(?:{_YEAR}-{_DAY}|{_LEAP_YEAR}-02-29)"
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
