@@ -173,3 +173,15 @@ def test_random_patterns_agree_with_python_re(body, start, end, texts):
     regex = Regex(pattern)
     for text in texts:
         assert accepts(regex, text) == (re.search(pattern, text) is not None), (pattern, text)
+
+
+def test_memo_tables_are_capped(monkeypatch):
+    from fitllm.serve import json_regex
+
+    monkeypatch.setattr(json_regex, "MEMO_LIMIT", 8)
+    regex = Regex("^[a-c]{0,40}x$")
+    state = regex.start
+    for ch in "abcabcabcabcabcabcabc":
+        state = regex.step(state, ord(ch))
+        assert regex.can_finish(state, 1, None) and len(regex._steps) <= 8 and len(regex._finish) <= 8
+    assert regex.accepts(regex.step(state, ord("x")))

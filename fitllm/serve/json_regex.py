@@ -23,6 +23,7 @@ from typing import Optional
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # not characters: JSON text cannot hold them unpaired
 MAX_POSITIONS = 20_000  # counted repetitions are unrolled; past this a pattern is refused
+MEMO_LIMIT = 100_000  # entries a pattern's step / finish tables keep before starting over (they are only memos)
 Ranges = tuple  # ((lo, hi), ...) sorted, disjoint, inclusive, surrogates removed
 
 DIGIT = ((0x30, 0x39),)
@@ -386,8 +387,8 @@ class Regex:
         hit = self._steps.get(key)
         if hit is None:
             cp = self.cuts[cls]
-            hit = self._steps[key] = self._close(self.out[n][0] for n in state
-                                                 if n != self.accept and _contains(self.chars[n], cp))
+            hit = _remember(self._steps, key, self._close(self.out[n][0] for n in state
+                                                          if n != self.accept and _contains(self.chars[n], cp)))
         return hit
 
     def can_finish(self, state: frozenset, lo: int, hi: Optional[int]) -> bool:
@@ -395,7 +396,7 @@ class Regex:
         key = (state, lo, hi)
         hit = self._finish.get(key)
         if hit is None:
-            hit = self._finish[key] = self._search(state, lo, hi)
+            hit = _remember(self._finish, key, self._search(state, lo, hi))
         return hit
 
     def _search(self, state: frozenset, lo: int, hi: Optional[int]) -> bool:
@@ -425,7 +426,7 @@ class Regex:
                 after = self.step_class(state, i)
                 hit = bool(after) and self.can_finish(after, lo, hi)
                 i += 1
-            self._some[key] = hit
+            _remember(self._some, key, hit)
         return hit
 
 
@@ -439,3 +440,12 @@ def _contains(ranges: Ranges, cp: int) -> bool:
 
 
 ANY_TEXT = Regex("")  # no pattern: any string (an unanchored empty pattern matches everywhere)
+
+
+def _remember(memo: dict, key, value):
+    """memo[key] = value, the memo emptied first once it holds MEMO_LIMIT entries: a pattern's subsets of
+    positions can be many (a long string through a large pattern), and a cached Regex lives on in the LRU."""
+    if len(memo) >= MEMO_LIMIT:
+        memo.clear()
+    memo[key] = value
+    return value
