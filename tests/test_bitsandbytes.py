@@ -54,7 +54,8 @@ def test_reader_matches_bitsandbytes_dequantize(quant_type, nested):
 
 
 @pytest.mark.parametrize("m,n,k,blocksize", [(1, 64, 128, 64), (1, 96, 192, 64), (3, 80, 256, 128), (5, 64, 128, 32),
-                                             (17, 64, 256, 64), (40, 130, 128, 64)])
+                                             (17, 64, 256, 64), (40, 130, 128, 64), (1, 64, 512, 256),
+                                             (3, 64, 512, 256), (1, 64, 128, 32)])
 def test_codebook_kernel_matches_reference(m, n, k, blocksize):
     g = torch.Generator().manual_seed(m * n + k)
     w = nf4_quantize(torch.randn(n, k, generator=g), blocksize).to("cpu")

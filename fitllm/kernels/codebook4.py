@@ -7,7 +7,8 @@ Layout (bitsandbytes' own bytes, one row of the weight per row of `codes`):
   w[n, k] = codebook[code[n, k]] * absmax[n, k // B]
 
 Unlike the affine int4 of fitllm.kernels.w4a16 ((q - z) * s), a code is looked up, not converted; the
-kernel loads the 16 values per element from the table (an L1-resident gather). Each program takes a
+kernel loads the 16 values per element from the table (an L1-resident gather); a K tile's scales are loaded
+once per row and block (at M = 1 applied to each block's sum, not to each weight). Each program takes a
 [BM, BN] tile of y and a share of K (split-K, summed with fp32 atomics where one tile's programs
 would not fill the GPU). Not tuned on a GPU yet: see benchmarks/bench_codebook4.py.
 """
@@ -42,7 +43,8 @@ if triton is not None:
     @triton.jit
     def _codebook4_kernel(x_ptr, codes_ptr, absmax_ptr, cb_ptr, y_ptr, M, N, K, stride_xm, stride_cn, stride_an,
                           stride_ym, BLOCKSIZE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          HALF_K: tl.constexpr, SPLIT_K: tl.constexpr, GEMV: tl.constexpr, UPCAST: tl.constexpr):
+                          HALF_K: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr, GEMV: tl.constexpr,
+                          UPCAST: tl.constexpr):
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -52,17 +54,20 @@ if triton is not None:
         for t in range(pid_k, K // (2 * HALF_K), SPLIT_K):
             byte = t * HALF_K + rj
             c = tl.load(codes_ptr + rn[:, None] * stride_cn + byte[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-            # both columns of a byte lie in one block (B is even)
-            s = tl.load(absmax_ptr + rn[:, None] * stride_an + (2 * byte[None, :]) // BLOCKSIZE,
+            # the tile's NB blocks' scales (NB = 1: the tile lies inside one block)
+            s = tl.load(absmax_ptr + rn[:, None] * stride_an + (2 * t * HALF_K) // BLOCKSIZE + tl.arange(0, NB)[None, :],
                         mask=n_ok[:, None], other=0.0).to(tl.float32)
-            w_hi = tl.load(cb_ptr + (c >> 4)) * s  # [BN, HALF_K]: columns 2j
-            w_lo = tl.load(cb_ptr + (c & 15)) * s  # columns 2j + 1
+            v_hi = tl.load(cb_ptr + (c >> 4))  # [BN, HALF_K]: the code values of columns 2j
+            v_lo = tl.load(cb_ptr + (c & 15))  # of columns 2j + 1
             x_even = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * byte[None, :], mask=m_ok[:, None], other=0.0)
             x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * byte[None, :] + 1, mask=m_ok[:, None], other=0.0)
-            if GEMV:  # one row of x: multiply and reduce on the CUDA cores (a dot would pad M to 16)
-                part = tl.sum(w_hi * x_even.to(tl.float32) + w_lo * x_odd.to(tl.float32), axis=1)
-                acc += part[None, :]
-            else:  # the weight rounded to x's dtype, as the tensor cores take it
+            if GEMV:  # one row of x: each block's sum of code value x input, then scaled once (CUDA cores)
+                part = v_hi * x_even.to(tl.float32) + v_lo * x_odd.to(tl.float32)
+                per_block = tl.sum(tl.reshape(part, [BN, NB, HALF_K // NB]), axis=2)
+                acc += tl.sum(per_block * s, axis=1)[None, :]
+            else:  # scaled per element, rounded to x's dtype, as the tensor cores take it
+                w_hi = tl.reshape(tl.reshape(v_hi, [BN, NB, HALF_K // NB]) * s[:, :, None], [BN, HALF_K])
+                w_lo = tl.reshape(tl.reshape(v_lo, [BN, NB, HALF_K // NB]) * s[:, :, None], [BN, HALF_K])
                 w_hi = tl.trans(w_hi.to(x_even.dtype))
                 w_lo = tl.trans(w_lo.to(x_odd.dtype))
                 if UPCAST:  # triton 3.6's interpreter multiplies bf16 bit patterns as integers: the same sums in fp32
@@ -79,34 +84,41 @@ if triton is not None:
             tl.atomic_add(y_ptrs, acc, mask=mask)
 
 
-def _config(m: int, n: int, k: int, blocksize: int, sms: int) -> tuple[int, int, int, int]:
-    """(BM, BN, HALF_K, SPLIT_K): small tiles and K split across programs until ~2 waves of programs run."""
+def _block_k(k: int, blocksize: int) -> int | None:
+    """The K tile: 128 or 64 columns, dividing K, with whole blocks in a tile or the tile inside one block
+    (bitsandbytes' block sizes are powers of 2); None if neither fits (then the reference runs)."""
+    return next((bk for bk in (128, 64) if k % bk == 0 and (bk % blocksize == 0 or blocksize % bk == 0)), None)
+
+
+def _config(m: int, n: int, k: int, blocksize: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, HALF_K, NB, SPLIT_K): small tiles and K split across programs until ~2 waves of programs run."""
     bm = 1 if m == 1 else (16 if m <= 16 else 64)
     bn = 64 if m <= 64 else 128
-    block_k = 128 if k % 128 == 0 else 64
+    block_k = _block_k(k, blocksize)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     k_tiles = k // block_k
     split = max(1, min(k_tiles, (2 * sms) // max(tiles, 1)))
-    return bm, bn, block_k // 2, split
+    return bm, bn, block_k // 2, max(block_k // blocksize, 1), split
 
 
 def codebook4_gemm_triton(x, codes, absmax, codebook, blocksize: int):
     M, K = x.shape
     N = codes.shape[0]
-    if K % 64 or codes.shape[1] * 2 != K or blocksize % 2:
-        raise ValueError(f"codebook4 GEMM: K = {K} must be a multiple of 64 and match codes {tuple(codes.shape)}")
-    bm, bn, half_k, split = _config(M, N, K, blocksize, num_sms(device_index(x)))
+    if codes.shape[1] * 2 != K or _block_k(K, blocksize) is None:
+        raise ValueError(f"codebook4 GEMM: K = {K} must be a multiple of 64, match codes {tuple(codes.shape)} and "
+                         f"hold whole blocks of {blocksize} (or lie in them)")
+    bm, bn, half_k, nb, split = _config(M, N, K, blocksize, num_sms(device_index(x)))
     y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if split > 1 else torch.empty(
         M, N, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     _codebook4_kernel[grid](x, codes, absmax, codebook, y, M, N, K, x.stride(0), codes.stride(0), absmax.stride(0),
-                            y.stride(0), BLOCKSIZE=blocksize, BM=bm, BN=bn, HALF_K=half_k, SPLIT_K=split,
+                            y.stride(0), BLOCKSIZE=blocksize, BM=bm, BN=bn, HALF_K=half_k, NB=nb, SPLIT_K=split,
                             GEMV=bm == 1, UPCAST=interpreting())
     return y.to(x.dtype) if split > 1 else y
 
 
 def codebook4_gemm(x, codes, absmax, codebook, blocksize: int):
     """y [M, N] = x [M, K] @ W^T: the Triton kernel on CUDA (or FITLLM_KERNEL_BACKEND=triton), else the reference."""
-    if backend_for(x) == "triton" and triton is not None and x.shape[1] % 64 == 0:
+    if backend_for(x) == "triton" and triton is not None and _block_k(x.shape[1], blocksize) is not None:
         return codebook4_gemm_triton(x.contiguous(), codes, absmax, codebook, blocksize)
     return codebook4_gemm_ref(x, codes, absmax, codebook, blocksize)
