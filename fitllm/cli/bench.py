@@ -84,6 +84,9 @@ def bench_offline(
     kv_dtype: str = typer.Option("auto", "--kv-dtype"),
     max_num_seqs: int = typer.Option(256, "--max-num-seqs"),
     max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens"),
+    quantization: Optional[str] = typer.Option(None, "--quantization",
+                                               help="nf4 | int4 | fp8: quantize a dense MODEL as it loads "
+                                                    "(as quant serve --quantization)."),
     json_path: Optional[Path] = typer.Option(None, "--json"),
 ) -> None:
     """Throughput of the engine itself (no HTTP): all prompts at once, greedy, EOS ignored."""
@@ -93,13 +96,14 @@ def bench_offline(
 
     try:
         engine = LLMEngine(EngineConfig(model=model, kv_dtype=kv_dtype, max_num_seqs=max_num_seqs,
-                                        max_num_batched_tokens=max_num_batched_tokens))
+                                        max_num_batched_tokens=max_num_batched_tokens, quantization=quantization))
         workload = make_workload(num_prompts, input_len, output_len, dist,
                                  engine.model_config.vocab_size, max_len=engine.max_model_len)
     except (FitLLMError, ValueError) as exc:
         fail(str(exc))
     summary = run_offline(engine, workload) | {"input_len": input_len, "output_len": output_len, "dist": dist}
-    _print_summary(f"offline: {model or 'embedded model'}", summary)
+    _print_summary(f"offline: {model or 'embedded model'}" + (f", {quantization} at load" if quantization else ""),
+                   summary)
     _save(summary, json_path)
 
 
