@@ -800,9 +800,12 @@ def test_tool_choice_auto_needs_a_parser(tokenizer):
     chat = {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "max_tokens": 8}
     hermes = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}Call with <tool_call>.{% endif %}"
     llama = hermes.replace("Call with <tool_call>.", "Please respond with a JSON for a function call.")
+    mistral = hermes.replace("Call with <tool_call>.", "[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+                             "{% if false %}[TOOL_CALLS]{% endif %}")
     for config, ok in ((dict(chat_template=hermes), True), (dict(), False), (dict(tool_call_parser="hermes"), True),
                        (dict(chat_template=hermes, tool_call_parser="none"), False), (dict(chat_template=llama), True),
-                       (dict(tool_call_parser="llama3_json"), True)):
+                       (dict(tool_call_parser="llama3_json"), True), (dict(chat_template=mistral), True),
+                       (dict(tool_call_parser="mistral"), True)):
         with make_client(tokenizer, **config) as c:
             r = c.post("/v1/chat/completions", json=chat)
             if ok:
@@ -819,5 +822,5 @@ def test_tool_call_parser_option_is_checked_before_the_model_loads(monkeypatch):
 
     monkeypatch.setattr(serve_cli, "_check_port_free", lambda host, port: None)
     monkeypatch.setattr(serve_cli, "_build_engine", lambda *a, **k: pytest.fail("the model was loaded"))
-    result = CliRunner().invoke(app, ["serve", "--tool-call-parser", "mistral"])
-    assert result.exit_code == 1 and "expected hermes, llama3_json or none" in result.output, result.output
+    result = CliRunner().invoke(app, ["serve", "--tool-call-parser", "granite"])
+    assert result.exit_code == 1 and "expected hermes, llama3_json, mistral or none" in result.output, result.output
