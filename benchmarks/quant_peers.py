@@ -73,6 +73,7 @@ PEERS = {  # name -> the option naming the venv it runs in
     "gptqmodel-gptq": "gptqmodel_python",  # GPTQModel 7.7 GPTQ int4 sym, its defaults
     "gptqmodel-dynamic": "gptqmodel_python",  # + per-module `dynamic` rules (GPTQMODEL below)
     "gptqmodel-head": "gptqmodel_python",  # + lm_head=True (its default head rule: 8-bit g32)
+    "bnb-nf4": "peer_python",  # transformers + bitsandbytes NF4 (blocks of 64); fitllm's own venv has both
 }
 # GPTQModel rows -> QuantizeConfig kwargs on top of bits=4, --group-size, sym. The `dynamic` rules exercise
 # each kind: `-:` leaves modules dense, `+:` / a bare regex override bits, group_size, sym, desc_act; the first
@@ -152,10 +153,22 @@ def peer_quantize(name: str, args) -> dict:
     t0, c0 = time.time(), time.process_time()
     if name in GPTQMODEL:
         quantize_gptqmodel(args.base, ids, out, args.group_size, **GPTQMODEL[name])
+    elif name == "bnb-nf4":
+        quantize_bitsandbytes(args.base, out)
     else:
         quantize_llmcompressor(name, args.base, ids, out, args.group_size)
     return dict(seconds=round(time.time() - t0, 1), cpu_seconds=round(time.process_time() - c0, 1),
                 peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
+
+
+def quantize_bitsandbytes(base: str, out: Path) -> None:
+    """transformers' own bitsandbytes NF4 (data-free: no calibration ids), saved as it saves it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=config, device_map="cpu", dtype=torch.float32)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
 
 
 def quantize_llmcompressor(name: str, base: str, ids: torch.Tensor, out: Path, group: int) -> None:
@@ -228,7 +241,8 @@ def hf_perplexity(name: str, args) -> dict:
     if not name.startswith("gptqmodel"):
         from transformers import AutoModelForCausalLM
 
-        return {"hf_ppl": ppl(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())}
+        device_map = {"device_map": "cpu"} if name == "bnb-nf4" else {}  # bitsandbytes places its weights at load
+        return {"hf_ppl": ppl(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **device_map).eval())}
     from gptqmodel import GPTQModel
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
 

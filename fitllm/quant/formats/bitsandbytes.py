@@ -19,6 +19,7 @@ group per row), so the 8-bit GEMM kernels serve it; 4-bit codes become a Codeboo
 from __future__ import annotations
 
 import json
+
 import torch
 
 from fitllm.models.errors import ModelLoadError
