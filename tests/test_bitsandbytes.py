@@ -337,3 +337,16 @@ def test_quantization_at_load_errors(tiny):
     folder = saved_by_transformers(tiny, "int8", load_in_8bit=True)
     with pytest.raises(ModelLoadError, match="needs a dense checkpoint"):
         load_quantized_model(folder, quantize="nf4")
+
+
+def test_serve_banner_names_the_weights():
+    from types import SimpleNamespace
+
+    from fitllm.cli.serve import _weights
+
+    config = lambda qc=None, at=None: SimpleNamespace(quantization_config=qc, quantized_at_load=at)  # noqa: E731
+    assert _weights(config()) == "dense"
+    assert _weights(config(at="nf4")) == "nf4 (quantized at load)"
+    assert _weights(config({**FOUR_BIT, "bnb_4bit_quant_type": "nf4"})) == "bitsandbytes nf4"
+    assert _weights(config({"quant_method": "bitsandbytes", "load_in_8bit": True})) == "bitsandbytes int8"
+    assert _weights(config({"quant_method": "gptq", "bits": 4})) == "gptq"
