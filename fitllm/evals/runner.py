@@ -1,8 +1,9 @@
 """Which model to evaluate, how to load it, and the one scoring primitive every eval uses.
 
-A model spec is `PATH[@kv=DTYPE][,quant=METHOD]`: PATH is a model folder, a .gguf, a hub id, `embedded` (the
-default model) or empty/`base` (the base model's weights, e.g. `@kv=fp8` = base weights with an
-fp8 KV cache, `@quant=nf4` = base weights quantized to NF4 as they load, as `quant serve --quantization` does). Scoring runs through `fitllm.models.generate.forward_tokens` over a PagedKVCache
+A model spec is `PATH[@OPTION[,OPTION]]`, OPTION `kv=DTYPE` or `quant=METHOD`: PATH is a model folder, a .gguf,
+a hub id, `embedded` (the default model) or empty/`base` (the base model's weights, e.g. `@kv=fp8` = base weights
+with an fp8 KV cache, `@quant=nf4` = base weights quantized to NF4 as they load, as `quant serve --quantization`
+does). Scoring runs through `fitllm.models.generate.forward_tokens` over a PagedKVCache
 built with the spec's kv dtype: the same decoder and KV path `quant serve` runs, so a quantized
 KV cache is part of what is measured.
 """
@@ -40,7 +41,8 @@ class ModelSpec:
 
 
 def parse_spec(text: Optional[str], base: Optional["ModelSpec"] = None, default_kv: str = "auto") -> ModelSpec:
-    """`PATH[@kv=DTYPE][,quant=METHOD]` -> ModelSpec. PATH empty or `base` means the base's weights."""
+    """`PATH[@kv=DTYPE,quant=METHOD]` (either option, or both) -> ModelSpec. PATH empty or `base` means the base's
+    weights."""
     from fitllm.quant.inplace import ON_THE_FLY_METHODS
 
     text = text if text is not None else "embedded"

@@ -20,8 +20,8 @@ from fitllm.models.errors import ModelLoadError
 from fitllm.models.linear import DenseLinear, LinearFactory
 from fitllm.quant.formats.packing import to_kernel
 from fitllm.quant.fp8 import fp8_quantize
-from fitllm.quant.nf4 import nf4_quantize
 from fitllm.quant.layers import QuantLinear
+from fitllm.quant.nf4 import nf4_quantize
 from fitllm.quant.rtn import rtn_quantize
 from fitllm.quant.scheme import QuantError, QuantScheme, choose_group_size
 
