@@ -3,7 +3,8 @@ BitsAndBytesConfig, read and written without the library (its own functions are 
 
 4-bit (`load_in_4bit`), per linear [N out, K in]; B (blocksize, 64 by default) consecutive weights of the
 row-major matrix share one absmax:
-  weight                uint8 [N*K/2, 1]  two 4-bit codes a byte, the earlier weight in the high nibble
+  weight                uint8 [N*K/2, 1]  two 4-bit codes a byte, the earlier weight in the high nibble (or those
+                        bytes viewed as bnb_4bit_quant_storage, e.g. bf16 [N*K/4, 1])
   weight.quant_map      float32 [16]      each code's value in [-1, 1] (NF4's or FP4's table)
   weight.absmax         float32 [N*K/B], or with double quantization (`nested`) uint8, itself coded:
   weight.nested_absmax  float32 [ceil(N*K/B/NB)]   absmax = nested_quant_map[a] * nested_absmax[i // NB]
@@ -44,9 +45,6 @@ def check_supported(qc: dict, source: str) -> None:
     if sum(_flags(qc)) != 1:
         raise ModelLoadError(f"{source}: a bitsandbytes quantization_config needs exactly one of load_in_4bit and "
                              "load_in_8bit set")
-    if bits_of(qc) == 4 and str(qc.get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.") != "uint8":
-        raise ModelLoadError(f"{source}: bnb_4bit_quant_storage {qc['bnb_4bit_quant_storage']!r} is not supported "
-                             "(uint8)")
 
 
 def skipped_modules(qc: dict) -> list[str]:
@@ -94,9 +92,8 @@ def _read_4bit(t: dict, name: str) -> CodebookWeight:
     packed, quant_map, absmax = t.get("weight"), t.get("weight.quant_map"), t.get("weight.absmax")
     if packed is None or quant_map is None or absmax is None:
         raise ModelLoadError(f"{name}: a bitsandbytes 4-bit linear needs weight, weight.absmax and weight.quant_map")
-    if packed.dtype != torch.uint8:
-        raise ModelLoadError(f"{name}: 4-bit weight stored as {packed.dtype}; only bnb_4bit_quant_storage uint8 "
-                             "is supported")
+    if packed.dtype != torch.uint8:  # bnb_4bit_quant_storage bf16 / fp16 / fp32 (FSDP QLoRA): the same bytes
+        packed = packed.contiguous().reshape(-1).view(torch.uint8)
     n, k = (int(v) for v in state.get("shape", (0, 0)))
     size = int(state.get("blocksize", 0))
     if n * k != packed.numel() * 2 or quant_map.numel() != 16:
