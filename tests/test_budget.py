@@ -442,3 +442,11 @@ def test_block_size_defaults_follow_the_kv_dtype():
     assert bm.Settings(kv_dtype="bf16").block_size == EngineConfig(kv_dtype="auto").block_size == 16
     assert bm.Settings(kv_dtype="int4").block_size == EngineConfig(kv_dtype="int4").block_size == 16
     assert bm.Settings(kv_dtype="fp8", block_size=16).block_size == EngineConfig(kv_dtype="fp8", block_size=16).block_size == 16
+
+
+def test_plan_offers_quantization_at_load_for_data_free_schemes():
+    result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "rtx4090", "--quant", "nf4"])
+    assert result.exit_code == 0 and "--method nf4" in result.output
+    assert "--quantization nf4" in " ".join(result.output.split())
+    result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "rtx4090", "--quant", "awq"])
+    assert result.exit_code == 0 and "--quantization" not in result.output  # AWQ needs its calibration

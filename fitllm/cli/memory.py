@@ -176,6 +176,9 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
             bits = f" --bits {s.bits}" if s.bits != 4 else ""
             out.print(f"First convert: quant convert {model or ''} --method {s.scheme}{bits}{head} -o CONVERTED_DIR")
         out.print(f"Run: [bold]{p.command}[/]")
+        if needs_convert and s.scheme in ("nf4", "fp8") and config.quantization_config is None:  # data-free: no files
+            at_load = p.command.replace("CONVERTED_DIR", model or "").replace("  ", " ")
+            out.print(f"Or, without converting: {at_load} --quantization {s.scheme}")
         return
     short = "the model's limit is " + str(b.model_max_len) if s.max_model_len > b.model_max_len else \
         f"{_size(b.fixed)} before any KV cache, {_size(bm.kv_cache_bytes(config, s.kv_dtype, s.max_model_len, s.block_size))} " \
