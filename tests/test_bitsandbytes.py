@@ -351,7 +351,7 @@ def test_quantization_at_load_errors(tiny):
 def test_serve_banner_names_the_weights():
     from types import SimpleNamespace
 
-    from fitllm.cli.serve import _weights
+    from fitllm.cli.common import weights_label as _weights
 
     config = lambda qc=None, at=None: SimpleNamespace(quantization_config=qc, quantized_at_load=at)  # noqa: E731
     assert _weights(config()) == "dense"

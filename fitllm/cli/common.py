@@ -25,3 +25,16 @@ def not_built(command: str) -> NoReturn:
     """A subcommand whose implementation has not landed yet says so plainly."""
     console.print(f"[bold yellow]quant {command}[/] is not built yet in this version of fitllm.")
     sys.exit(2)
+
+
+def weights_label(config) -> str:
+    """What the linears are: the checkpoint's quantization method, or what --quantization made of them."""
+    if config.quantized_at_load:
+        return f"{config.quantized_at_load} (quantized at load)"
+    qc = config.quantization_config or {}
+    method = str(qc.get("quant_method") or qc.get("format") or "dense")
+    if method == "bitsandbytes":
+        from fitllm.quant.formats.bitsandbytes import bits_of
+
+        return "bitsandbytes " + (str(qc.get("bnb_4bit_quant_type", "fp4")) if bits_of(qc) == 4 else "int8")
+    return method

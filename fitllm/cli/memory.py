@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fitllm import budget as bm
-from fitllm.cli.common import fail
+from fitllm.cli.common import fail, weights_label
 from fitllm.models.errors import FitLLMError
 
 out = Console(highlight=False)
@@ -135,7 +135,9 @@ def _smallest(s: bm.Settings) -> bm.Settings:
     return bm.Settings(**{**asdict(s), "scheme": "awq", "bits": 4, "kv_dtype": kv})
 
 
-def _scheme_name(s: bm.Settings) -> str:
+def _scheme_name(s: bm.Settings, config) -> str:
+    if (config.quantization_config or {}).get("quant_method") == "bitsandbytes" and s.scheme == bm.detect_scheme(config):
+        return weights_label(config)  # its 8-bit rows are counted as fitllm's int8 layout ("gptq 8-bit")
     return f"{s.scheme} {s.bits}-bit" if s.scheme in ("awq", "gptq") else s.scheme
 
 
@@ -144,7 +146,7 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
     b, s, card = p.budget, p.budget.settings, p.gpu
     where = f"{card.name} ({card.memory_gib:g} GiB, {card.bandwidth_gbs:g} GB/s{', FP8' if card.fp8 else ''})" \
         if card else f"a {mem / bm.GiB:g} GiB card"
-    out.print(f"[bold]{label}[/] · weights {_scheme_name(s)} · KV {s.kv_dtype} · block {s.block_size} · on {where}")
+    out.print(f"[bold]{label}[/] · weights {_scheme_name(s, config)} · KV {s.kv_dtype} · block {s.block_size} · on {where}")
     table = Table(show_edge=False)
     table.add_column("term")
     table.add_column("size", justify="right")
@@ -208,7 +210,7 @@ def _catalog(config, label: str, s: bm.Settings, json_out: bool) -> None:
     if json_out:
         print(json.dumps({"model": label, "settings": asdict(s), "gpus": rows}, indent=2))
         return
-    out.print(f"[bold]{label}[/] · weights {_scheme_name(s)} · KV {s.kv_dtype} · {s.max_model_len} tokens "
+    out.print(f"[bold]{label}[/] · weights {_scheme_name(s, config)} · KV {s.kv_dtype} · {s.max_model_len} tokens "
               f"(no --gpu given and no GPU here: every card in the catalog)")
     table = Table("gpu", "GiB", f"seqs at {s.max_model_len}", "longest context, 1 seq", "tok/s, 1 seq", show_edge=False)
     for r in rows:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from fitllm.cli.common import MODEL_HELP, console, fail
+from fitllm.cli.common import MODEL_HELP, console, fail, weights_label
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -167,19 +167,6 @@ def _default_name(model: Optional[str]) -> str:
     return path.stem if path.suffix == ".gguf" else (path.name if path.exists() else model)
 
 
-def _weights(config) -> str:
-    """What the linears are: the checkpoint's quantization method, or what --quantization made of them."""
-    if config.quantized_at_load:
-        return f"{config.quantized_at_load} (quantized at load)"
-    qc = config.quantization_config or {}
-    method = str(qc.get("quant_method") or qc.get("format") or "dense")
-    if method == "bitsandbytes":
-        from fitllm.quant.formats.bitsandbytes import bits_of
-
-        return "bitsandbytes " + (str(qc.get("bnb_4bit_quant_type", "fp4")) if bits_of(qc) == 4 else "int8")
-    return method
-
-
 def _print_summary(engine, name: str, host: str, port: int, api_key: Optional[str]) -> None:
     stats = engine.stats()
     cfg = engine.config
@@ -188,7 +175,7 @@ def _print_summary(engine, name: str, host: str, port: int, api_key: Optional[st
     device = getattr(engine, "device", cfg.device)
     dtype = getattr(engine, "dtype", cfg.dtype)
     kv = getattr(engine, "kv_dtype", cfg.kv_dtype)
-    console.print(f"model      {name}   weights {_weights(engine.model_config)}\n"
+    console.print(f"model      {name}   weights {weights_label(engine.model_config)}\n"
                   f"device     {device}   dtype {dtype}   kv-dtype {kv}\n"
                   f"kv cache   {blocks} blocks x {cfg.block_size} = {tokens}\n"
                   f"context    max_model_len {engine.max_model_len}   max_num_seqs {cfg.max_num_seqs}   "
