@@ -56,6 +56,14 @@ MISTRAL = '[{"name": "get_weather", "arguments": {"city": "Zürich"}}]'
     ('{"name": "a", "arguments": {}}', None, [("a", "{}")]),
     ("[1, 2, 3]", "[1, 2, 3]", []), ("[]", "[]", []), ("It is sunny.", "It is sunny.", []),
     ("[TOOL_CALLS] [{broken", "[TOOL_CALLS] [{broken", []), (MISTRAL + " and more", MISTRAL + " and more", []),
+    # the later form, name[ARGS]{...} per call, with its markers or with them skipped
+    ('get_weather{"city": "Zürich"}', None, [("get_weather", '{"city": "Zürich"}')]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}[TOOL_CALLS]add[ARGS]{"a": 1}', None,
+     [("get_weather", '{"city": "Zürich"}'), ("add", '{"a": 1}')]),
+    ('Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}', "Let me check.",
+     [("get_weather", '{"city": "Zürich"}')]),
+    ('get_weather{"city": "Zürich"} and more', 'get_weather{"city": "Zürich"} and more', []),
+    ("get_weather[1]", "get_weather[1]", []), ("Paris", "Paris", []),
 ])
 def test_parse_mistral(text, content, calls):
     assert tool_calls.parse(text, "mistral") == (content, calls)
@@ -63,7 +71,7 @@ def test_parse_mistral(text, content, calls):
 
 def test_mistral_detection_and_streaming():
     assert tool_calls.detect("{%- if message.tool_calls %}[TOOL_CALLS] [{%- endif %}") == "mistral"
-    for held in ("", " ", "[", ' [{"name"', "[TOOL"):
+    for held in ("", " ", "[", ' [{"name"', "[TOOL", "get_wea", 'get_weather{"ci', "Paris"):
         assert tool_calls.streamable(held, "mistral") == 0
     assert tool_calls.streamable("Let me check. [TOOL_CALLS] [", "mistral") == len("Let me check. ")
     assert tool_calls.streamable("Let me check. [TOO", "mistral") == len("Let me check. ")
@@ -100,7 +108,8 @@ def outputs(text: str, pieces: int):
     *[("hermes", text) for text in ("Sunny, I think.", "Checking. " + CALL, CALL + "\n" + CALL.replace("Zürich", "Bern"),
                                     "a <tool_ca", "<tool_call>{broken</tool_call>")],
     *[("llama3_json", text) for text in (LLAMA, LLAMA + ";" + LLAMA, "Sunny {ish}", '{"not": "a call"}', " " + LLAMA)],
-    *[("mistral", text) for text in (MISTRAL, "Checking. [TOOL_CALLS]" + MISTRAL, "Sunny [ish]", "[1, 2]")]])
+    *[("mistral", text) for text in (MISTRAL, "Checking. [TOOL_CALLS]" + MISTRAL, "Sunny [ish]", "[1, 2]",
+                                     'get_weather{"city": "Bern"}', "Paris", "Paris is sunny.")]])
 @pytest.mark.parametrize("pieces", [1, 7, 200])
 def test_streamed_auto_answer_adds_up_to_the_whole_one(parser, text, pieces):
     whole_shaper = shaper(False, parser)

@@ -15,11 +15,12 @@
   `{"name": ..., "parameters": {...}}`, after an optional <|python_tag|> (a special token, usually
   already dropped from the text). A reply that begins with "{" is held back until it is whole.
 
-- "mistral", Mistral-7B-Instruct-v0.3's, Mistral-Nemo's and Mistral-Small's (v3 tokenizers): text, then
-  [TOOL_CALLS] and one JSON list of `{"name": ..., "arguments": {...}}`. [TOOL_CALLS] is a special token, so
-  with special tokens skipped (the default) the reply is the list alone: a reply that is one list of calls, or
-  text up to the marker and a list after it, is tool calls. Text streams up to the marker; a reply that begins
-  with "[" is held back until it is whole. (Later tokenizers' `[TOOL_CALLS]name[ARGS]{...}` form is not read.)
+- "mistral", Mistral's two forms. v3 tokenizers (Mistral-7B-Instruct-v0.3, Nemo, Small 2501): text, then
+  [TOOL_CALLS] and one JSON list of `{"name": ..., "arguments": {...}}`. Later ones (Small 3.2, Magistral,
+  Devstral): `[TOOL_CALLS]name[ARGS]{...}` per call. The markers are special tokens, so with special tokens
+  skipped (the default) a reply is the list alone, or `name{...}` calls one after another: a reply that is
+  only calls, or text up to the first marker and calls after it, is tool calls. Text streams up to a marker; a
+  reply that begins with "[", or with a name not yet followed by anything else, is held back until it is whole.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # a block, or the last one left open (a model may stop right after its JSON, as vLLM's parser allows)
 BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*?)\s*$", re.S)
 PYTHON_TAG = "<|python_tag|>"
-MISTRAL_TAG = "[TOOL_CALLS]"
+MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+NAME = re.compile(r"\s*([A-Za-z_][\w.-]*)")  # a function name before its arguments (Mistral's later form)
 # what Llama 3.x templates tell the model when they show it tools
 LLAMA3_MARKS = (PYTHON_TAG, "respond with a JSON for a function call")
 
@@ -73,8 +75,8 @@ def streamable(text: str, parser: str = "hermes") -> int:
         body = text.lstrip()
         may_be_call = not body or body.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(body)
         return 0 if may_be_call else len(text)
-    if parser == "mistral" and (not text.strip() or text.lstrip().startswith("[")):
-        return 0  # the calls' list with its marker skipped, or the beginning of the marker
+    if parser == "mistral" and _may_be_mistral_calls(text):
+        return 0
     return _before_tag(text, MISTRAL_TAG if parser == "mistral" else OPEN)
 
 
@@ -126,14 +128,43 @@ def _parse_llama3(text: str) -> tuple[Optional[str], Calls]:
     return (None, calls) if calls else (text, [])
 
 
+def _may_be_mistral_calls(text: str) -> bool:
+    """A reply still able to become calls with their markers skipped: nothing yet, a list under way (or the
+    beginning of a marker), a name alone, or a name and the arguments it begins."""
+    body = text.lstrip()
+    name = NAME.match(body)
+    return (not body or body.startswith("[") or (name is not None and name.end() == len(body))
+            or (name is not None and body[name.end():].lstrip().startswith("{")))
+
+
 def _parse_mistral(text: str) -> tuple[Optional[str], Calls]:
     start = text.find(MISTRAL_TAG)
-    content, body = (text[:start].strip() or None, text[start + len(MISTRAL_TAG):]) if start >= 0 else (None, text)
+    content, body = (text[:start].strip() or None, text[start:]) if start >= 0 else (None, text)
+    body = body.replace(MISTRAL_TAG, " ").replace(MISTRAL_ARGS, "").strip()
     try:
         value = json.loads(body)
     except ValueError:
-        return text, []
-    calls = [_call(v) for v in (value if isinstance(value, list) else [value])]
+        calls = _named_calls(body)
+    else:
+        calls = [_call(v) for v in (value if isinstance(value, list) else [value])]
     if not calls or None in calls:
         return text, []
     return content, calls
+
+
+def _named_calls(body: str) -> Calls:
+    """`name{...}` calls one after another (the later form with its markers skipped); [] unless that is all."""
+    calls, at, decoder = [], 0, json.JSONDecoder()
+    while at < len(body):
+        name = NAME.match(body, at)
+        if name is None:
+            return []
+        try:
+            value, at = decoder.raw_decode(body, len(body) - len(body[name.end():].lstrip()))
+        except ValueError:
+            return []
+        if not isinstance(value, dict):
+            return []
+        calls.append((name.group(1), json.dumps(value, ensure_ascii=False)))
+        at = len(body) - len(body[at:].lstrip())
+    return calls
