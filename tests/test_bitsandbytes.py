@@ -101,6 +101,9 @@ def test_codebook_kernel_split_k_both_ways(monkeypatch):
     split = codebook4_gemm_triton(x, *args)
     monkeypatch.setattr(codebook4, "num_sms", lambda idx: 0)  # no split
     whole = codebook4_gemm_triton(x, *args)
+    monkeypatch.setattr(codebook4, "num_sms", lambda idx: 1)
+    monkeypatch.setenv("FITLLM_DETERMINISTIC", "1")  # no atomics: the unsplit program's exact sums
+    assert torch.equal(codebook4_gemm_triton(x, *args), whole)
     assert torch.allclose(split, whole, atol=1e-5) and torch.allclose(whole, codebook4_gemm_ref(x, *args), atol=1e-4)
 
 

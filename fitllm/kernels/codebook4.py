@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import backend_for, device_index, interpreting, num_sms
+from ._utils import backend_for, deterministic, device_index, interpreting, num_sms
 
 try:
     import triton
@@ -108,6 +108,8 @@ def codebook4_gemm_triton(x, codes, absmax, codebook, blocksize: int):
         raise ValueError(f"codebook4 GEMM: K = {K} must be a multiple of 64, match codes {tuple(codes.shape)} and "
                          f"hold whole blocks of {blocksize} (or lie in them)")
     bm, bn, half_k, nb, split = _config(M, N, K, blocksize, num_sms(device_index(x)))
+    if deterministic():  # atomics sum in arrival order: one program per tile instead (slower at small M)
+        split = 1
     y = torch.zeros(M, N, device=x.device, dtype=torch.float32) if split > 1 else torch.empty(
         M, N, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
