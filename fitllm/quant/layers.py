@@ -149,7 +149,7 @@ class QuantLinear(FusedLinear):
 
             y = w4a16_tiled_gemm(x2, p.qtile, p.scales, p.zeros, p.group_size, p.in_features, defer=defer, bits=p.bits)
             return y if defer else y.reshape(*shape[:-1], y.shape[-1])
-        kept = _kept_dense(p, x2.dtype) if not x2.is_cuda and backend_for(x2) != "triton" else None
+        kept = _kept_dense(p, x2)
         if kept is not None:  # the torch reference's product, its dequantization done once
             y = x2 @ kept
         else:
@@ -174,8 +174,12 @@ class QuantLinear(FusedLinear):
 _KEPT = {"bytes": 0, "lock": threading.Lock()}
 
 
-def _kept_dense(p: KernelWeight | CodebookWeight, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """p's dequantized weight, [K, N] (KernelWeight, as its reference makes it) or [N, K] (CodebookWeight)."""
+def _kept_dense(p: KernelWeight | CodebookWeight, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """p's dequantized weight [K, N] in x's dtype, where x takes the torch reference (a CPU tensor on the default
+    backend) and the budget allows; else None (the GEMM's own path)."""
+    if x.is_cuda or backend_for(x) == "triton":
+        return None
+    dtype = x.dtype
     w = getattr(p, "kept_dense", None)
     if w is not None:
         return w if w.dtype == dtype else None
@@ -186,7 +190,7 @@ def _kept_dense(p: KernelWeight | CodebookWeight, dtype: torch.dtype) -> Optiona
             return None
         _KEPT["bytes"] += nbytes
     if isinstance(p, CodebookWeight):
-        p.kept_dense = p.dequantize(dtype)
+        p.kept_dense = p.dequantize(dtype).t()
     else:
         from fitllm.kernels.w4a16 import dequantize_packed
 
@@ -239,9 +243,9 @@ def codebook_linear(x: torch.Tensor, p: CodebookWeight) -> torch.Tensor:
     """A bitsandbytes 4-bit GEMM: fitllm's codebook kernel on a GPU; on a CPU the reference's product, with
     the weight dequantized once and kept while the budget allows (as for KernelWeight)."""
     x2 = x.reshape(-1, x.shape[-1])
-    kept = _kept_dense(p, x2.dtype) if not x2.is_cuda and backend_for(x2) != "triton" else None
+    kept = _kept_dense(p, x2)
     if kept is not None:
-        y = x2 @ kept.t()
+        y = x2 @ kept
     else:
         from fitllm.kernels.codebook4 import codebook4_gemm
 
