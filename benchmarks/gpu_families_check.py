@@ -63,8 +63,9 @@ def check_family(family: str, args) -> bool:
     ok = report(family, "prompt logits (100 tokens)", diff < 1e-3, f"max |d logprob| {diff:.2e} (limit 1e-3)")
 
     prompt, new = ids[0, :12].tolist(), 40 if family in LONGROPE else 64
-    want = hf.generate(ids[:, :12].to(args.device), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=0)[0, 12:].tolist()
+    head = ids[:, :12].to(args.device)  # the mask given: token 0, the pad id, would be taken for padding
+    want = hf.generate(head, attention_mask=torch.ones_like(head), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0)[0, 12:].tolist()
     ok &= report(family, "generate == HF greedy", *tokens(generate(ours, [prompt], new)[0], want))
 
     # Batch vs alone. For LongRoPE the 100-token prompt is past the original context (64) and the

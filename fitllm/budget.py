@@ -120,7 +120,7 @@ def weight_bytes(config: ModelConfig, scheme: str = "bf16", group_size: Optional
     if scheme == "gptq":  # act-order: an int32 group index per input row of each fused GEMM (qkv, o, gate|up, down)
         per_layer += 4 * (2 * config.hidden_size + config.q_size + config.intermediate_size)
     table = 2 * config.vocab_size * config.hidden_size
-    norms = 2 * config.hidden_size * (2 * config.num_layers + 1)
+    norms = 2 * config.hidden_size * ((4 if config.sandwich_norms else 2) * config.num_layers + 1)
     if config.qk_norm:
         norms += 2 * 2 * config.head_dim * config.num_layers
     if config.qkv_bias:
@@ -719,6 +719,10 @@ KNOWN_MODELS = {
     "phi-3-medium-4k": ("Phi3ForCausalLM", 32064, 5120, 17920, 40, 40, 10, 128, False, 4096),
     "phi-4": ("Phi3ForCausalLM", 100352, 5120, 17920, 40, 40, 10, 128, False, 16384),
     "phi-4-mini": ("Phi3ForCausalLM", 200064, 3072, 8192, 32, 24, 8, 128, True, 131072),
+    "gemma-3-1b": ("Gemma3ForCausalLM", 262144, 1152, 6912, 26, 4, 1, 256, True, 32768),
+    "gemma-3-4b": ("Gemma3ForCausalLM", 262208, 2560, 10240, 34, 8, 4, 256, True, 131072),
+    "gemma-3-12b": ("Gemma3ForCausalLM", 262208, 3840, 15360, 48, 16, 8, 256, True, 131072),
+    "gemma-3-27b": ("Gemma3ForCausalLM", 262208, 5376, 21504, 62, 32, 16, 128, True, 131072),
 }
 
 

@@ -61,6 +61,35 @@ def make_tiny_phi3(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
     return folder
 
 
+def make_tiny_gemma3(folder: Path, multimodal: bool = False, vocab: int = 49152, seed: int = 0) -> Path:
+    """A Gemma 3 text model (window 16 on its sliding layer, shorter than the tests' calibration rows),
+    or the multimodal checkpoint around one (a one-layer vision tower the quantizer leaves out)."""
+    import transformers
+
+    text = dict(vocab_size=vocab, hidden_size=TINY["hidden"], intermediate_size=TINY["inter"],
+                num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"],
+                num_key_value_heads=TINY["kv_heads"], head_dim=32, max_position_embeddings=2048,
+                sliding_window=16, query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"],
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if multimodal:
+        config = transformers.Gemma3Config(text_config=text, mm_tokens_per_image=4, image_token_index=vocab + 10,
+                                           vision_config=dict(hidden_size=32, intermediate_size=64, image_size=28,
+                                                              num_hidden_layers=1, num_attention_heads=2,
+                                                              patch_size=14))
+        model = transformers.Gemma3ForConditionalGeneration(config)
+    else:
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**text))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # Gemma stores norm weights less one
+            p.copy_(0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.float().save_pretrained(folder, safe_serialization=True)
+    src = resolve_model(None)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, folder / f)
+    return folder
+
+
 CALIB_TEXT = " ".join(
     f"Line {k}: the quick brown fox {k % 7} jumps over {k * 3} lazy dogs while numbers {k ** 2} grow."
     for k in range(400))

@@ -367,6 +367,30 @@ def test_longrope_prompt_keeps_its_factors_through_chunks_and_the_prefix_cache(t
     assert max(abs(lp.logprob - w) for lp, w in zip(out.logprobs, want_lp)) < 1e-4
 
 
+def test_gemma3_in_the_engine_equals_transformers(tmp_path):
+    """Gemma 3 through the engine: per-layer windows (16 tokens on its sliding layers) and two RoPEs
+    over the paged cache, prompts cut into chunks of 24 tokens a step, a shared prefix served from
+    the prefix cache, batched: each request's greedy tokens equal transformers' generate alone."""
+    from fitllm.models.loader import load_model
+    from tiny_models import write_tiny_model
+
+    hf = write_tiny_model("gemma3", tmp_path)
+    ours = load_model(tmp_path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 256, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 30)]
+    prompts.append(torch.randint(0, 256, (9,), generator=g).tolist())
+    # (the mask given: generate would otherwise take the prompts' token 0, its pad id, for padding)
+    want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=30,
+                        min_new_tokens=30, do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    engine = LLMEngine(EngineConfig(max_num_batched_tokens=24, block_size=8, num_kv_blocks=64, max_model_len=256),
+                       model=ours, tokenizer=None)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    assert engine.generate(prompts[:1], params)[0].new_token_ids == want[0]
+    outs = engine.generate(prompts, params)
+    assert [o.new_token_ids for o in outs] == want and engine.block_manager.hit_tokens >= 40
+
+
 def test_longrope_factors_go_by_the_prompt_then_by_each_token(tmp_path):
     """The positions an engine step gives LongRoPE (original context 64): a prompt chunk's tokens
     go by their prompt's last position (a 100-token prompt: long from its first chunk on), later

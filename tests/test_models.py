@@ -33,8 +33,9 @@ def test_tiny_family_matches_transformers(family, tmp_path):
     # with the long factors (Phi3ForCausalLM.prepare_inputs_for_generation); fitllm keeps the keys
     # it cached, as vLLM does (rope_long_context).
     prompt, new = ids[0, :12], 40 if family in ("phi3-longrope", "phi3-partial") else 64
-    expected = hf.generate(prompt[None], max_new_tokens=new, do_sample=False, min_new_tokens=new,
-                           pad_token_id=0)[0, 12:].tolist()
+    # (the mask given: generate would take a prompt's token 0, the pad id, for padding)
+    expected = hf.generate(prompt[None], attention_mask=torch.ones(1, 12, dtype=torch.long), max_new_tokens=new,
+                           do_sample=False, min_new_tokens=new, pad_token_id=0)[0, 12:].tolist()
     assert generate(ours, [prompt.tolist()], new) == [expected]
 
 

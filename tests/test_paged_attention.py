@@ -1,6 +1,7 @@
 """Paged attention kernels: Triton (under TRITON_INTERPRET=1, set by conftest.py) == torch reference
 == plain attention."""
 import math
+import sys
 
 import pytest
 import torch
@@ -191,6 +192,18 @@ def test_decode_and_mixed_batches_match_reference(name, window, nan_buffers):
         assert rel(out, ref) < 1e-5, (splits, knobs)
     # the fused combine's arrival counters are left at zero for the next launch (and graph replay)
     assert not splitk_workspace(torch.device("cpu"), 0, 0)[1].any()
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8"])
+def test_gemma_heads_of_256_with_a_window(name, nan_buffers, monkeypatch):
+    """Gemma 3's head_dim of 256 (1B-12B) on its sliding layers' window: decode and mixed batches."""
+    monkeypatch.setattr(sys.modules[__name__], "D", 256)
+    pool = Pool(name, [3, 21], seed=2)
+    pool.write_all(pa.cache_write_ref)
+    for q_lens, splits in (([1, 1], 1), ([1, 1], 3), ([2, 5], None)):
+        q = torch.randn(sum(q_lens), H * G, 256)
+        out, ref = run_both(pool, q, q_lens, 8, splits)
+        assert torch.isfinite(out).all() and rel(out, ref) < 1e-5, (q_lens, splits)
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8"])

@@ -13,7 +13,7 @@ from fitllm.quant.layers import load_quantized_model
 from fitllm.quant.pipeline import quantize_model
 from fitllm.quant.scheme import QuantError
 
-from quant_fixtures import CALIB_TEXT, make_tiny_model, make_tiny_phi3
+from quant_fixtures import CALIB_TEXT, make_tiny_gemma3, make_tiny_model, make_tiny_phi3
 
 IDS = list(range(200, 232))
 
@@ -217,10 +217,22 @@ def test_quantized_lm_head_round_trip(tiny, monkeypatch, head_bits):
     from fitllm.quant.formats import gptq as gptq_format
     from fitllm.quant.layers import QuantLinear
 
-    written = []
+    from fitllm.quant import pipeline
+
+    written, hessians = [], []
     real_write = gptq_format.write
     monkeypatch.setattr(gptq_format, "write", lambda qw: written.append(qw) or real_write(qw))
+
+    class Seen(pipeline.HessianAccumulator):
+        def __init__(self, *args):
+            super().__init__(*args)
+            hessians.append(self)
+
+    monkeypatch.setattr(pipeline, "HessianAccumulator", Seen)
     r = convert(tiny, f"gptq-head{head_bits}", "gptq", fmt="gptq", group_size=32, lm_head_bits=head_bits)
+    # the head's Hessian (the last made) holds every calibration token, 8 rows of 64, not one (a bug
+    # until 2026-12-07)
+    assert hessians[-1].n == 8 * 64
     raw = json.loads((r.output / "config.json").read_text())
     assert raw["quantization_config"]["lm_head"] is True and raw["tie_word_embeddings"] is False
     assert raw["quantization_config"].get("dynamic") == ({"+:lm_head": {"bits": 8}} if head_bits == 8 else None)
@@ -374,3 +386,51 @@ def test_act_order_checkpoint_sorted_decodes_the_same_in_the_engine(tiny, monkey
     assert eng.runner.capture_graphs(4, emulate_on_cpu=True)
     outs = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert [o.new_token_ids for o in outs] == want
+
+
+@pytest.mark.parametrize("method,fmt", [("rtn", "compressed-tensors"), ("gptq", "gptq"), ("awq", "autoawq"),
+                                        ("fp8", "compressed-tensors")])
+def test_gemma3_converts_and_loads_back(tiny, method, fmt):
+    """Gemma 3 through every method: its norms (stored less one) are written as they were read, and
+    AWQ folds the MLP's scales into the norm before the MLP (pre_feedforward_layernorm, not the
+    sandwich norm on the attention's output): the result loads back near the float model."""
+    from safetensors import safe_open
+
+    root = tiny[0]
+    base = root / "gemma3-base"
+    if not base.exists():
+        make_tiny_gemma3(base)
+    ref = prompt_logits(load_model(base), IDS)
+    r = quantize_model(base, root / f"gemma3-{method}", method, fmt=fmt, calib=str(root / "calib.txt"),
+                       calib_samples=8, calib_len=64, progress=False, log=lambda s: None)
+    names = ("model.layers.1.post_attention_layernorm.weight", "model.layers.1.post_feedforward_layernorm.weight",
+             "model.norm.weight")
+    with safe_open(str(base / "model.safetensors"), framework="pt") as a, \
+            safe_open(str(r.output / "model.safetensors"), framework="pt") as b:
+        for name in names:  # norms no method scales
+            assert torch.allclose(a.get_tensor(name), b.get_tensor(name), atol=1e-6)
+        if method != "awq":
+            name = "model.layers.1.pre_feedforward_layernorm.weight"
+            assert torch.allclose(a.get_tensor(name), b.get_tensor(name), atol=1e-6)
+    assert rel_err(prompt_logits(load_quantized_model(r.output), IDS), ref) < (0.2 if method == "fp8" else 0.5)
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "multimodal"])
+def test_gemma3_compressed_tensors_loads_in_transformers(tiny, multimodal):
+    """The converted Gemma 3 in transformers: the same logits as fitllm's. A multimodal checkpoint
+    comes out as its language model alone (Gemma3ForCausalLM), near the float model's text logits."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    root = tiny[0]
+    base = make_tiny_gemma3(root / f"gemma3-hf-{multimodal}", multimodal)
+    r = quantize_model(base, root / f"gemma3-hf-ct-{multimodal}", "rtn", group_size=32, calib=str(root / "calib.txt"),
+                       calib_samples=8, calib_len=64, progress=False, log=lambda s: None)
+    config = json.loads((r.output / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and "vision_config" not in config
+    hf = AutoModelForCausalLM.from_pretrained(str(r.output), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0].float()
+    ours = prompt_logits(load_quantized_model(r.output), IDS)
+    assert (ours - ref).abs().max() < 1e-3
+    assert rel_err(ours, prompt_logits(load_model(base), IDS)) < 0.5

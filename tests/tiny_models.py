@@ -33,6 +33,19 @@ FAMILIES = {
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0, 1.2, 1.7, 2.5], "long_factor": [1.0, 2.0, 5.0, 11.0]})),
+    # Gemma 3: sliding layers (window 16) between full ones with their own RoPE (linear scaling, as
+    # 4B-27B), sandwich norms, GELU, scaled embeddings and queries
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, num_hidden_layers=3, sliding_window=16, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_theta=1e6,
+        rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})),
+    # Gemma 3 4B-27B are multimodal checkpoints: the language model is read, the vision tower not
+    "gemma3-mm": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
+        text_config=dict(head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=1000)),
 }
 
 
@@ -41,7 +54,10 @@ def write_tiny_model(family: str, folder: Path, seed: int = 0):
     import transformers
 
     config_name, model_name, extra = FAMILIES[family]
-    config = getattr(transformers, config_name)(**BASE, **extra)
+    if "text_config" in extra:  # a multimodal model: the text model is the tiny one
+        config = getattr(transformers, config_name)(**{**extra, "text_config": {**BASE, **extra["text_config"]}})
+    else:
+        config = getattr(transformers, config_name)(**{**BASE, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()
     # Random init leaves norms at 1; perturb them so a wrong norm path cannot hide.

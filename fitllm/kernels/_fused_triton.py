@@ -174,9 +174,10 @@ def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HK, HALF,
 @triton.jit
 def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr, X_SUM: tl.constexpr = False,
                     FP8: tl.constexpr = 0, ACT: tl.constexpr = tl.bfloat16, EXACT: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False, GELU: tl.constexpr = False):
     # X_SUM: x is a GEMM's pending fp32 sum (taken here). FP8 (one program a row: BLOCK >= I): out
-    # gets e4m3 codes for an fp8 GEMM and s_ptr the scales (see _store_out).
+    # gets e4m3 codes for an fp8 GEMM and s_ptr the scales (see _store_out). GELU: gelu_tanh(gate)
+    # (Gemma) instead of silu(gate).
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -187,7 +188,11 @@ def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl
     else:
         g = tl.load(x_ptr + t * sx_t + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + t * sx_t + I + cols, mask=mask, other=0.0).to(tl.float32)
-    a = _cast(g / (1.0 + tl.exp(-g)), DT, RNE).to(tl.float32)  # F.silu rounds, then the multiply
+    if GELU:  # 0.5 * (1 + tanh(z)) = sigmoid(2z), z = sqrt(2 / pi) * (g + 0.044715 g^3)
+        a = g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+    else:
+        a = g / (1.0 + tl.exp(-g))
+    a = _cast(a, DT, RNE).to(tl.float32)  # the activation rounds (as F.silu / F.gelu do), then the multiply
     _store_out(out_ptr + t * I + cols, a * u, mask, s_ptr, t, RNE, FP8, DT, EXACT)
 
 

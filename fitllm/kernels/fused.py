@@ -9,7 +9,7 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
   rms_norm(x, weight, eps, residual=None) -> out, or (out, x + residual) when residual is given:
       the residual add of a decoder layer fused into the next norm (vLLM's fused_add_rms_norm).
   apply_rope(q, k, cos, sin) -> (q, k), rotated IN PLACE (both backends), rotate-half convention.
-  silu_mul(gate_up) -> silu(gate) * up, gate_up [..., 2I] -> [..., I].
+  silu_mul(gate_up) -> silu(gate) * up, gate_up [..., 2I] -> [..., I] (or Gemma's gelu_tanh(gate) * up).
   rms_norm(..., perm=idx) (the next GEMM's FusedLinear.input_perm, an act-order weight's storage
       order): the output comes with its columns in that order (_utils.Gathered), written so by the
       norm itself, which spares the GEMM its gather_columns launch.
@@ -79,9 +79,12 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     return q, k
 
 
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def silu_mul_ref(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return (F.gelu(gate, approximate="tanh") if act == "gelu_tanh" else F.silu(gate)) * up
 
 
 def head_affine_ref(x: torch.Tensor, rot: torch.Tensor | None, shift: torch.Tensor | None, pre: torch.Tensor | None,
@@ -253,7 +256,7 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
 FP8_SILU_MAX_BLOCK = 32768  # a row in one program's registers (1024 threads, 32 values of each half)
 
 
-def silu_mul_triton(gate_up: torch.Tensor | PendingSum, fp8: Fp8Input | None = None):
+def silu_mul_triton(gate_up: torch.Tensor | PendingSum, fp8: Fp8Input | None = None, act: str = "silu"):
     two_i = gate_up.shape[-1]
     if two_i % 2:
         raise ValueError(f"silu_mul: last dim {two_i} is odd")
@@ -272,7 +275,7 @@ def silu_mul_triton(gate_up: torch.Tensor | PendingSum, fp8: Fp8Input | None = N
         block = _pow2(I) if mode else min(_pow2(I), 1024)
         _kernels().silu_mul_kernel[(T, (I + block - 1) // block)](
             x, out, scale, I, x.stride(0), X_SUM=pending, RNE=_rne(gate_up.dtype), BLOCK=block,
-            num_warps=min(_warps(block) * 2, 32), **fp8_opts, **pdl_args(x))
+            num_warps=min(_warps(block) * 2, 32), GELU=act == "gelu_tanh", **fp8_opts, **pdl_args(x))
     return _with_fp8(out, scale, mode, gate_up.dtype)
 
 
@@ -380,16 +383,19 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return apply_rope_ref(q, k, cos, sin)
 
 
-def silu_mul(gate_up: torch.Tensor | PendingSum, fp8: Fp8Input | None = None):
-    """gate_up [..., 2I] (gate first) -> silu(gate) * up [..., I]. gate_up may be a GEMM's
-    PendingSum: taken (and its workspace zeroed) here. fp8: as rms_norm's."""
+def silu_mul(gate_up: torch.Tensor | PendingSum, fp8: Fp8Input | None = None, act: str = "silu"):
+    """gate_up [..., 2I] (gate first) -> silu(gate) * up [..., I] (act="gelu_tanh": Gemma's
+    gelu(gate, approximate="tanh") * up). gate_up may be a GEMM's PendingSum: taken (and its
+    workspace zeroed) here. fp8: as rms_norm's."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"silu_mul: activation {act!r} is not one of {ACTIVATIONS}")
     if isinstance(gate_up, PendingSum):
         if backend_for(gate_up.acc) == "triton":
-            return silu_mul_triton(gate_up, fp8)
+            return silu_mul_triton(gate_up, fp8, act)
         gate_up = gate_up.materialize()
     if backend_for(gate_up) == "triton":
-        return silu_mul_triton(gate_up, fp8)
-    return silu_mul_ref(gate_up)
+        return silu_mul_triton(gate_up, fp8, act)
+    return silu_mul_ref(gate_up, act)
 
 
 def head_affine(x: torch.Tensor, rot: torch.Tensor | None, shift: torch.Tensor | None, pre: torch.Tensor | None,

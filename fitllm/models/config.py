@@ -1,12 +1,12 @@
 """Model configuration: one dataclass read from a Hugging Face config.json (or GGUF metadata).
 
-One decoder covers Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3 and Phi-3/Phi-4; the differences are
-flags here.
+One decoder covers Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4 and Gemma 3 (text); the
+differences are flags here.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,13 +19,19 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
     "Phi3ForCausalLM": (False, False),
+    "Gemma3ForCausalLM": (False, True),
+    # the multimodal checkpoints (Gemma 3 4B-27B): their language model, the vision tower left unread
+    "Gemma3ForConditionalGeneration": (False, True),
 }
+GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 # checkpoints that store q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj` matrix
 FUSED_CHECKPOINT_ARCHITECTURES = {"Phi3ForCausalLM"}
@@ -56,6 +62,14 @@ class ModelConfig:
     quantization_config: Optional[dict] = None
     quantized_at_load: Optional[str] = None  # int4 | fp8 | nf4: a dense checkpoint quantized as it loaded
     torch_dtype: str = "bfloat16"
+    # Gemma 3's differences from Llama (the defaults are Llama's)
+    activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh"
+    attn_scale: Optional[float] = None  # the softmax scale; None: head_dim ** -0.5
+    embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden), rounded to the model dtype)
+    norm_offset: float = 0.0  # RMSNorms scale by offset + the stored weight (Gemma stores weight - 1)
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too, before each residual add
+    layer_types: Optional[list[str]] = None  # per layer "sliding_attention" or "full_attention"; None: all alike
+    local_rope_theta: Optional[float] = None  # RoPE base of the sliding layers (unscaled); None: one RoPE
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -65,6 +79,8 @@ class ModelConfig:
                 f"{source}: unsupported architecture {arch or raw.get('model_type')!r}; "
                 f"fitllm supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
+        if arch in GEMMA3:
+            return _gemma3(raw, arch, source)
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             head_dim = int(raw.get("head_dim") or hidden // heads)
@@ -118,12 +134,29 @@ class ModelConfig:
 
     # Sizes the KV cache, the memory calculator and the kernels all agree on.
     @property
+    def attention_windows(self) -> Optional[int] | list[Optional[int]]:
+        """The sliding window the KV caches apply: one for every layer, or a list with each layer's
+        (None where a layer attends to everything)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return [self.sliding_window if t == "sliding_attention" else None for t in self.layer_types]
+
+    def uses_local_rope(self, layer: int) -> bool:
+        return self.local_rope_theta is not None and self.layer_types[layer] == "sliding_attention"
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def layer_window(sliding_window: Optional[int] | list[Optional[int]], layer: int) -> Optional[int]:
+    """One layer's sliding window: `sliding_window` is one for every layer, or one per layer
+    (ModelConfig.attention_windows: Gemma 3 slides on five layers of six)."""
+    return sliding_window[layer] if isinstance(sliding_window, (list, tuple)) else sliding_window
 
 
 def _token_ids(value) -> list[int]:
@@ -166,3 +199,51 @@ def _rope_scaling(raw: dict, arch: str, source: str) -> Optional[dict]:
                 params.setdefault("max_position_embeddings", raw.get("max_position_embeddings"))
             return params
     return None
+
+
+def _gemma3(raw: dict, arch: str, source: str) -> "ModelConfig":
+    """Gemma 3's text model. Hub configs leave most fields to transformers' defaults (the 4B-27B ones
+    list five or six), and older ones spell the layer pattern and RoPE differently, so transformers'
+    own Gemma3TextConfig fills and normalises them (layer_types, rope_parameters per layer type)."""
+    from transformers import Gemma3TextConfig
+
+    text = _text_fields(raw) if arch == "Gemma3ForConditionalGeneration" else dict(raw)
+    for key in ("architectures", "model_type"):
+        text.pop(key, None)
+    try:
+        full = Gemma3TextConfig(**text).to_dict()
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: not a valid Gemma 3 text config ({exc})") from None
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if full.get(key) is not None:
+            raise ModelLoadError(f"{source}: {key} = {full[key]} is not supported (Gemma 2's soft-capping)")
+    if full.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention (an embedding model) is not supported")
+    if full.get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"{source}: hidden_activation {full.get('hidden_activation')!r} is not supported "
+                             "(Gemma 3's is gelu_pytorch_tanh)")
+    rope = full["rope_parameters"]
+    full["rope_theta"] = rope["full_attention"]["rope_theta"]
+    full["rope_parameters"] = rope["full_attention"]  # the full layers' scaling (4B-27B: linear, 8)
+    config = ModelConfig.from_hf_dict({**full, "architectures": ["LlamaForCausalLM"]}, source)
+    return replace(config, architecture=arch, qk_norm=True, activation="gelu_tanh",
+                   attn_scale=float(full["query_pre_attn_scalar"]) ** -0.5,
+                   embed_scale=float(full["hidden_size"]) ** 0.5, norm_offset=1.0, sandwich_norms=True,
+                   layer_types=list(full["layer_types"]), local_rope_theta=float(rope["sliding_attention"]["rope_theta"]),
+                   tie_word_embeddings=bool(full.get("tie_word_embeddings", True)))
+
+
+def _text_fields(raw: dict) -> dict:
+    """A multimodal config's text model: its text_config, with the fields such configs keep at the top level."""
+    text = dict(raw.get("text_config") or {})
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings", "quantization_config",
+                "compression_config"):
+        if key in raw and key not in text:
+            text[key] = raw[key]
+    return text
+
+
+def text_only_config(raw: dict) -> dict:
+    """The config.json of a multimodal checkpoint's language model written alone (quant convert):
+    Gemma3ForConditionalGeneration -> Gemma3ForCausalLM, which fitllm, vLLM and transformers load."""
+    return {**_text_fields(raw), "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}

@@ -1,5 +1,5 @@
-"""One decoder for Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3 and Phi-3/Phi-4 (differences are
-config flags).
+"""One decoder for Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4 and Gemma 3 (differences
+are config flags).
 
 It runs on a flat batch: `input_ids [T]`, `positions [T]` and a context whose `attend` reads and
 writes the KV cache. Linear layers come from a factory (dense, or quantized backends from
@@ -16,16 +16,24 @@ from torch import nn
 
 from fitllm.kernels import fused
 from fitllm.kernels._utils import Gathered
-from fitllm.models.config import ModelConfig
+from fitllm.models.config import ModelConfig, layer_window
 from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self._in_order = None  # (perm, the weight's version, weight[perm])
+
+    # Gemma's checkpoints store weight - 1 (offset 1.0): the module holds the weight it multiplies by,
+    # so the kernels are Llama's, and converts on the way in and out.
+    def load_weight(self, stored: torch.Tensor) -> None:
+        self.weight.data.copy_(stored.float() + self.offset if self.offset else stored)
+
+    def stored_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.float() - self.offset).to(dtype)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, fp8=None, perm=None):
         """Normalise in float32 as the reference implementations do, then cast back. With `residual`,
@@ -47,13 +55,14 @@ class RMSNorm(nn.Module):
         return cached[2]
 
 
-def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, long: bool = False, local: bool = False) -> torch.Tensor:
     """Inverse frequencies [rotary_dim / 2]; `long`: LongRoPE's set for sequences past the original
-    context (rope_long_context)."""
+    context (rope_long_context); `local`: the sliding layers' own (Gemma 3: another base, unscaled)."""
     dim = config.rotary_dim or config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     scaling = config.rope_scaling
-    if not scaling:
+    if not scaling or local:
         return inv_freq
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind == "longrope":  # Phi-3: one rescaling factor per frequency, a short and a long set
@@ -97,9 +106,11 @@ def rope_long_context(config: ModelConfig) -> tuple[Optional[int], float]:
     return original, float(scale)
 
 
-def rope_tables(config: ModelConfig, device="cpu"):
+def rope_tables(config: ModelConfig, device="cpu", local: bool = False):
     """(inv_freq, LongRoPE's long inv_freq or None, its switch position, the cos/sin scale): what
-    rope_cos_sin takes after the positions."""
+    rope_cos_sin takes after the positions. local: the sliding layers' (ModelConfig.uses_local_rope)."""
+    if local:
+        return rope_inv_freq(config, local=True).to(device), None, None, 1.0
     long_from, scale = rope_long_context(config)
     long_inv_freq = rope_inv_freq(config, long=True).to(device) if long_from is not None else None
     return rope_inv_freq(config).to(device), long_inv_freq, long_from, scale
@@ -134,7 +145,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attn_scale or config.head_dim ** -0.5
+        self.window = layer_window(config.attention_windows, layer)  # for contexts without a cache (quant)
         prefix = f"model.layers.{layer}.self_attn"
         # a fused checkpoint (Phi-3) holds q|k|v as one matrix: one shard, split after the GEMM as usual
         qkv = [config.q_size, config.kv_size, config.kv_size]
@@ -142,8 +154,8 @@ class Attention(nn.Module):
                                     [sum(qkv)] if config.fused_checkpoint else qkv, config.qkv_bias)
         self.o_proj = make_linear(f"{prefix}.o_proj", config.q_size, [config.hidden_size], False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
         else:
             self.q_norm = self.k_norm = None
         self._out_cols = None  # (o_proj's input_perm, where the attention writes each column)
@@ -195,12 +207,13 @@ class MLP(nn.Module):
         self.gate_up_proj = make_linear(f"{prefix}.gate_up_proj", config.hidden_size,
                                         [sum(gate_up)] if config.fused_checkpoint else gate_up, False)
         self.down_proj = make_linear(f"{prefix}.down_proj", config.intermediate_size, [config.hidden_size], False)
+        self.act = config.activation
 
     def forward(self, x: torch.Tensor, defer: bool = False):
         """defer: as Attention.forward's, for down_proj; gate_up_proj's sum always goes to SiLU·mul,
         which can take it pending (linear.FusedLinear.forward)."""
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x, defer=True), self.down_proj.fp8_input()),
-                              defer=defer)
+        act = fused.silu_mul(self.gate_up_proj(x, defer=True), self.down_proj.fp8_input(), self.act)
+        return self.down_proj(act, defer=defer)
 
     def fold_input_order(self) -> bool:
         """An act-order down_proj wants its input in its stored rows' order (input_perm): permute
@@ -218,12 +231,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Llama's layer; with config.sandwich_norms Gemma's, whose modules keep its checkpoint names:
+    post_attention_layernorm on the attention's output, pre_feedforward_layernorm before the MLP and
+    post_feedforward_layernorm on its output (Llama's post_attention_layernorm is the one before the
+    MLP: `mlp_norm` names it in both)."""
+
     def __init__(self, config: ModelConfig, layer: int, make_linear: LinearFactory):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, layer, make_linear)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.mlp = MLP(config, layer, make_linear)
+        self.sandwich = config.sandwich_norms
+
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The norm whose output the MLP takes."""
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
     def forward(self, x, cos, sin, ctx) -> torch.Tensor:
         """x -> the layer's output (input to the next layer); one layer on its own, as calibration runs it."""
@@ -243,7 +270,11 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual, fp8, perm)
         x = self.self_attn(x, cos, sin, ctx, defer=True)
-        x, residual = self.post_attention_layernorm(x, residual, gate_up.fp8_input(), gate_up.input_perm())
+        if self.sandwich:
+            x = self.post_attention_layernorm(x)
+        x, residual = self.mlp_norm(x, residual, gate_up.fp8_input(), gate_up.input_perm())
+        if self.sandwich:
+            return self.post_feedforward_layernorm(self.mlp(x, defer=True)), residual
         return self.mlp(x, defer=defer), residual
 
 
@@ -255,7 +286,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
 
 class CausalLM(nn.Module):
@@ -284,6 +315,8 @@ class CausalLM(nn.Module):
         inv_freq, long_inv_freq, self.rope_long_from, self.rope_scale = rope_tables(config, device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+        local = rope_tables(config, device, local=True)[0] if config.local_rope_theta is not None else None
+        self.register_buffer("local_inv_freq", local, persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -295,11 +328,19 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
-        cos, sin = self.rope(positions, ctx)
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
+        rope = self.rope(positions, ctx)
+        local = None if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq)
+        x, residual = self.embed(input_ids), None
+        for i, layer in enumerate(self.model.layers):
+            cos, sin = local if local is not None and self.config.uses_local_rope(i) else rope
             x, residual = layer.forward_residual(x, residual, cos, sin, ctx, defer=True)
         return self.model.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings, scaled where the model scales them (Gemma: by sqrt(hidden), rounded to the
+        model dtype first, as transformers does)."""
+        x = self.model.embed_tokens(input_ids)
+        return x if self.config.embed_scale == 1.0 else x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
 
     def rope(self, positions: torch.Tensor, ctx=None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of the positions; LongRoPE asks the context which position each token's factors
@@ -322,7 +363,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.output_columns(layer.self_attn.o_proj.input_perm())
             layer.input_layernorm.weight_in_order(layer.self_attn.qkv_proj.input_perm())
-            layer.post_attention_layernorm.weight_in_order(layer.mlp.gate_up_proj.input_perm())
+            layer.mlp_norm.weight_in_order(layer.mlp.gate_up_proj.input_perm())
         return sum(layer.mlp.fold_input_order() for layer in self.model.layers)
 
     def fused_linears(self) -> dict[str, FusedLinear]:

@@ -19,7 +19,7 @@ def make_cache(model: CausalLM, max_tokens: int, num_seqs: int = 1, block_size: 
     c = model.config
     blocks = num_seqs * math.ceil(max_tokens / block_size)
     return cache_cls(c.num_layers, blocks, block_size, c.num_kv_heads, c.head_dim,
-                     dtype=model.dtype, device=model.device, sliding_window=c.sliding_window, **cache_kwargs)
+                     dtype=model.dtype, device=model.device, sliding_window=c.attention_windows, **cache_kwargs)
 
 
 @torch.inference_mode()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from fitllm.kernels._utils import PendingSum
 from fitllm.kernels.fused import apply_rope, head_affine, head_affine_ref
+from fitllm.models.config import layer_window
 
 
 @dataclass
@@ -182,7 +183,8 @@ def calibrate_kv_scales(model, token_batches: Optional[list[list[int]]] = None) 
     store: dict = {}
     for ids in token_batches:
         t = torch.tensor(ids, dtype=torch.long, device=model.device)
-        model(t, torch.arange(len(ids), device=model.device), _Stats(NoCacheContext([len(ids)]), store))
+        ctx = NoCacheContext([len(ids)], model.config.attention_windows)
+        model(t, torch.arange(len(ids), device=model.device), _Stats(ctx, store))
     layers = [store[i] for i in range(model.config.num_layers)]
 
     def stack(key):
@@ -251,7 +253,7 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 sliding_window: Optional[int] = None, kv_dtype: str = "auto",
+                 sliding_window: Optional[int] | list[Optional[int]] = None, kv_dtype: str = "auto",
                  calibration: Optional[KVCalibration] = None, fp8_scales: str = "tensor",
                  int4_group: int = 32, int4_key_group: int = 16, smooth: bool = True,
                  rotate: Optional[bool] = None):
@@ -496,11 +498,12 @@ class PagedKVCache:
         if self._use_triton():
             # Device tensors only (graph-capturable); the host maxima pick tile sizes and splits.
             out = pa.paged_attention(*args, meta.query_start, meta.seq_lens, scale, self.kind, self.group,
-                                     self.sliding_window, out_dtype, max_query_len=meta.max_query_len,
+                                     layer_window(self.sliding_window, layer), out_dtype, max_query_len=meta.max_query_len,
                                      max_seq_len=meta.max_seq_len, out_cols=out_cols)
         else:
             out = pa.paged_attention_ref(*args, meta.query_start_list, meta.seq_lens_list, scale, self.kind,
-                                         self.group, self.sliding_window, out_dtype, out_cols=out_cols)
+                                         self.group, layer_window(self.sliding_window, layer), out_dtype,
+                                         out_cols=out_cols)
         return out
 
     def decode_batch_classes(self, max_batch: int, max_seq_len: int) -> list[int]:
@@ -584,7 +587,7 @@ class NoCacheContext:
     """Attention without a cache: each sequence of a flat batch attends causally to itself.
     For calibration passes (quant) and scoring whole sequences; same math as the paged path."""
 
-    def __init__(self, seq_lens: list[int], sliding_window: Optional[int] = None):
+    def __init__(self, seq_lens: list[int], sliding_window: Optional[int] | list[Optional[int]] = None):
         self.starts = [0]
         for n in seq_lens:
             self.starts.append(self.starts[-1] + n)
@@ -598,5 +601,5 @@ class NoCacheContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         for lo, hi in zip(self.starts[:-1], self.starts[1:]):
-            out[lo:hi] = causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale, self.sliding_window)
+            out[lo:hi] = causal_attention(q[lo:hi], k[lo:hi], v[lo:hi], scale, layer_window(self.sliding_window, layer))
         return out

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from fitllm.models.config import ModelConfig
-from fitllm.models.decoder import CausalLM
+from fitllm.models.decoder import CausalLM, RMSNorm
 from fitllm.models.errors import ModelLoadError
 from fitllm.models.linear import FusedLinear, LinearFactory
 
@@ -119,8 +119,34 @@ def route(name: str) -> tuple[str, Optional[int], str]:
     return ".".join(parts[:-1]), None, parts[-1]
 
 
+# a multimodal checkpoint's language model under the names of a text-only one: transformers 5 writes
+# model.language_model.*, earlier versions language_model.model.* and language_model.lm_head.*
+TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head."))
+MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration"}
+
+
+def text_model_name(name: str) -> Optional[str]:
+    """The text-only name of a multimodal checkpoint's tensor; None for the rest (vision tower,
+    projector), which fitllm does not read."""
+    for old, new in TEXT_MODEL_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name if name == "lm_head.weight" else None
+
+
+def text_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        renamed = text_model_name(name)
+        if renamed is not None:
+            yield renamed, tensor
+
+
 def load_weights(model: CausalLM, folder: Path) -> None:
-    load_tensors(model, iter_tensors(folder), source=str(folder))
+    tensors = iter_tensors(folder)
+    if model.config.architecture in MULTIMODAL_ARCHITECTURES:
+        tensors = text_tensors(tensors)
+    load_tensors(model, tensors, source=str(folder))
 
 
 def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
@@ -137,6 +163,11 @@ def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], s
         module = modules.get(module_name)
         if isinstance(module, FusedLinear):
             module.load(shard, suffix, tensor)
+        elif isinstance(module, RMSNorm) and suffix == "weight":
+            if module.weight.shape != tensor.shape:
+                raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(module.weight.shape)}")
+            module.load_weight(tensor)
         elif name in params:
             target = params[name]
             if target.shape != tensor.shape:

@@ -2,14 +2,14 @@
 them up in the weight (and down in the op that feeds the linear, where it is free), searching
 the scale exponent on a grid against the layer's float output; then search per-group clipping
 of the weight range. Groups as in the paper: q|k|v after the input norm, gate|up after the
-post-attention norm, down after up, o after v only when their shapes match (not under GQA)."""
+norm before the MLP (Llama's post-attention norm, Gemma's pre-feedforward one), down after up, o after v only when their shapes match (not under GQA)."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
+from fitllm.kernels.fused import silu_mul_ref
 from fitllm.quant.rtn import rtn_quantize
 from fitllm.quant.scheme import QuantizedWeight, QuantScheme
 
@@ -87,11 +87,10 @@ def awq_layer(layer, feats: dict, scheme: QuantScheme, grid: int = 20) -> dict[s
     wd = down.weight.float()
 
     def mlp_out(w):
-        g, u = (x @ w.t()).split(inter, dim=-1)
-        return (F.silu(g) * u) @ wd.t()
+        return silu_mul_ref(x @ w.t(), mlp.act) @ wd.t()
 
     s = search_scale(gu.weight.float(), m, mlp_out, scheme, grid)
-    layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight.dtype))
+    layer.mlp_norm.weight.div_(s.to(layer.mlp_norm.weight.dtype))
     gu.weight.mul_(s)
     feats["gate_up_proj"] = (x / s, m / s)
 

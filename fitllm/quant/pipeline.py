@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from fitllm.models.config import ModelConfig
+from fitllm.models.config import ModelConfig, text_only_config
 from fitllm.models.decoder import DecoderLayer, RMSNorm, rope_cos_sin, rope_tables
 from fitllm.models.linear import FusedLinear, dense_factory
-from fitllm.models.loader import route, safetensors_files
+from fitllm.models.loader import MULTIMODAL_ARCHITECTURES, route, safetensors_files, text_model_name
 from fitllm.quant.awq import awq_layer
 from fitllm.quant.formats import get_format
 from fitllm.quant.fp8 import fp8_quantize
@@ -46,31 +46,41 @@ class ConvertResult:
 
 
 class CalibContext:
-    """Causal attention over equal-length calibration sequences, batched (one SDPA call)."""
+    """Causal attention over equal-length calibration sequences, batched (one SDPA call); `window`:
+    the layer's sliding window, if it has one."""
 
-    def __init__(self, seqs: int, length: int):
+    def __init__(self, seqs: int, length: int, window: Optional[int] = None):
         self.seqs, self.length = seqs, length
+        self.mask = None
+        if window is not None and window < length:
+            pos = torch.arange(length)
+            self.mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
 
     def attend(self, layer, q, k, v, scale):
         t, h, d = q.shape
         shape = lambda z: z.reshape(self.seqs, self.length, z.shape[1], d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(shape(q), shape(k), shape(v), is_causal=True, scale=scale,
-                                             enable_gqa=True)
+        mask = None if self.mask is None else self.mask.to(q.device)
+        out = F.scaled_dot_product_attention(shape(q), shape(k), shape(v), attn_mask=mask, is_causal=mask is None,
+                                             scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(t, h, d)
 
 
 class TensorSource:
-    """Random access to a checkpoint's tensors by name, without loading the rest."""
+    """Random access to a checkpoint's tensors by name, without loading the rest. A multimodal
+    checkpoint (Gemma 3 4B-27B) shows its language model's tensors only, under text-only names."""
 
-    def __init__(self, folder: Path):
-        self.where: dict[str, object] = {}
+    def __init__(self, folder: Path, multimodal: bool = False):
+        self.where: dict[str, tuple[object, str]] = {}  # name -> (file handle, name in the file)
         for f in safetensors_files(folder):
             handle = safe_open(str(f), framework="pt")
             for name in handle.keys():
-                self.where[name] = handle
+                shown = text_model_name(name) if multimodal else name
+                if shown is not None:
+                    self.where[shown] = (handle, name)
 
     def get(self, name: str) -> torch.Tensor:
-        return self.where[name].get_tensor(name)
+        handle, stored = self.where[name]
+        return handle.get_tensor(stored)
 
     def names(self, prefix: str = "") -> list[str]:
         return [n for n in self.where if n.startswith(prefix)]
@@ -96,6 +106,8 @@ def build_layer(config: ModelConfig, i: int, src: TensorSource, device) -> Decod
         t = src.get(name).to(device, torch.float32)
         if isinstance(modules.get(module), FusedLinear):
             modules[module].load(shard, suffix, t)
+        elif isinstance(modules.get(module), RMSNorm) and suffix == "weight":
+            modules[module].load_weight(t)
         elif name in params:
             params[name].data.copy_(t)
         elif "rotary_emb" not in name:
@@ -122,7 +134,7 @@ def run_layer(layer, x: torch.Tensor, cos, sin, batch: int, on_input: Optional[C
         for lo in range(0, s, batch):
             xb = x[lo:lo + batch]
             n = xb.shape[0]
-            ctx = CalibContext(n, l)
+            ctx = CalibContext(n, l, layer.self_attn.window)
             out[lo:lo + n] = layer(xb.reshape(-1, h), cos.repeat(n, 1), sin.repeat(n, 1), ctx).reshape(n, l, h)
         return out
     finally:
@@ -185,9 +197,9 @@ def quantize_lm_head(x: torch.Tensor, src: TensorSource, config: ModelConfig, sc
     would need a layer before it to fold into). GPTQ runs on `rows` output rows at a time (its
     error feedback stays within a row), so a 128k vocabulary never needs a float64 copy of the
     whole matrix. Returns the weight and the relative error of the logits on calibration tokens."""
-    norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(x.device)
-    norm.weight.data.copy_(src.get("model.norm.weight"))
-    h = norm(x.reshape(-1, x.shape[-1]))[0]
+    norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset).to(x.device)
+    norm.load_weight(src.get("model.norm.weight"))
+    h = norm(x.reshape(-1, x.shape[-1]))  # every calibration token's final hidden state
     name = "lm_head.weight" if "lm_head.weight" in src.where else "model.embed_tokens.weight"
     w = src.get(name).to(x.device, torch.float32)
     if scheme.method == "gptq":
@@ -262,7 +274,8 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
     start = time.time()
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
-    src = TensorSource(folder)
+    multimodal = config.architecture in MULTIMODAL_ARCHITECTURES
+    src = TensorSource(folder, multimodal)
     check_not_quantized(folder, config, src)
     if fmt is None:
         fmt = "bitsandbytes" if method == "nf4" else "compressed-tensors"
@@ -296,8 +309,10 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    x = F.embedding(ids, src.get("model.embed_tokens.weight").to(device, torch.float32))
-    cos, sin = rope_cos_sin(torch.arange(length, device=device), *rope_tables(config, device))
+    x = F.embedding(ids, src.get("model.embed_tokens.weight").to(device, torch.float32)) * config.embed_scale
+    positions = torch.arange(length, device=device)
+    rope = rope_cos_sin(positions, *rope_tables(config, device))
+    local_rope = rope_cos_sin(positions, *rope_tables(config, device, local=True)) if config.local_rope_theta else None
     errors: list[float] = []
     write = format_mod.write
     if fmt == "bitsandbytes":  # its quant_state records the model's dtype
@@ -306,6 +321,7 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
         writer = ShardWriter(tmp)
         for i in range(config.num_layers):
             layer = build_layer(config, i, src, device)
+            cos, sin = local_rope if config.uses_local_rope(i) else rope
             quantized, y_float = STEPS[method](layer, x, cos, sin, scheme, batch)
             prefix = f"model.layers.{i}."
             # the next layer sees this layer as it will run: dequantized weights
@@ -319,9 +335,9 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
                 if lin.bias is not None:
                     for hf, sl in zip(hf_names(mod_prefix, lin), map(lin.shard_slice, range(len(lin.out_sizes)))):
                         writer.add(f"{hf}.bias", lin.bias[sl])
-            for pname, p in layer.named_parameters():
-                if "norm" in pname:  # RMSNorm weights (AWQ may have folded scales into them)
-                    writer.add(prefix + pname, p.to(DTYPES.get(config.torch_dtype, torch.float32)))
+            for mname, norm in layer.named_modules():
+                if isinstance(norm, RMSNorm):  # (AWQ may have folded scales into them)
+                    writer.add(f"{prefix}{mname}.weight", norm.stored_weight(DTYPES.get(config.torch_dtype, torch.float32)))
             y = run_layer(layer, x, cos, sin, batch)
             errors.append(float((y - y_float).norm() / (y_float - x).norm().clamp(min=1e-12)))
             x = y
@@ -338,6 +354,9 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
                 writer.add(name, src.get(name))
         size = writer.close()
         raw = json.loads((folder / "config.json").read_text())
+        if multimodal:
+            log("the language model is written alone, as a text-only checkpoint (the vision tower is not)")
+            raw = text_only_config(raw)
         if lm_head:  # a quantized head next to the dense embedding table: no longer tied
             raw["quantization_config"] = format_mod.quantization_config(scheme, lm_head_bits)
             raw["tie_word_embeddings"] = False

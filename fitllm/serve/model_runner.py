@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from fitllm.kernels._utils import scatter_columns
 from fitllm.kernels.fused import apply_rope
+from fitllm.models.config import layer_window
 from fitllm.models.decoder import CausalLM
 from fitllm.models.kv_cache import (AttentionMetadata, ForwardContext, KVCalibration, PagedKVCache,
                                     calibrate_kv_scales)
@@ -146,7 +147,7 @@ class ModelRunner:
     def _new_cache(self, num_blocks: int) -> PagedKVCache:
         c = self.model.config
         return PagedKVCache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
-                            dtype=self.model.dtype, device=self.device, sliding_window=c.sliding_window,
+                            dtype=self.model.dtype, device=self.device, sliding_window=c.attention_windows,
                             kv_dtype=self.kv_dtype, calibration=self.kv_calibration)
 
     def capture_graphs(self, max_num_seqs: int, emulate_on_cpu: bool = False,
@@ -293,8 +294,9 @@ def padded_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: Att
     pos = torch.arange(k.shape[2], device=q.device)[None, None, :]
     q_pos = meta.seq_lens.long()[:, None, None] - nq + torch.arange(nq, device=q.device)[None, :, None]  # [B, Q, 1]
     valid = pos <= q_pos  # [B, Q, P]
-    if cache.sliding_window is not None:
-        valid &= pos > q_pos - cache.sliding_window
+    window = layer_window(cache.sliding_window, layer)
+    if window is not None:
+        valid &= pos > q_pos - window
     qq = q.view(b, nq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, nq * g, d)
     mask = valid[:, None, :, None, :].expand(b, 1, nq, g, valid.shape[-1]).reshape(b, 1, nq * g, -1)
     out = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
