@@ -316,6 +316,16 @@ def test_known_names_and_hub_ids_map_to_the_table():
         bm.load_config("no-such-model")
 
 
+def test_gemma3_counts_its_four_norms_a_layer():
+    """google/gemma-3-1b-it holds 999,885,952 parameters: with its sandwich norms (four a layer) and
+    q/k norms the bf16 weights are exactly twice that; its KV is full on every layer (fitllm keeps the
+    sliding layers' whole cache): 26 layers x 1 KV head x 256 x 2 x 2 bytes a token."""
+    config = bm.load_config("google/gemma-3-1b-it")[0]
+    assert config.architecture == "Gemma3ForCausalLM" and config.sandwich_norms
+    assert bm.weight_bytes(config, "bf16").total == 2 * 999_885_952
+    assert bm.kv_bytes_per_token(config, "bf16") == 26 * 256 * 2 * 2
+
+
 # ---------------------------------------------------------------- CLI
 def _json(args):
     result = runner.invoke(app, ["memory", *args, "--json"])
