@@ -703,6 +703,7 @@ KNOWN_MODELS = {
     "llama-3.2-1b": ("LlamaForCausalLM", 128256, 2048, 8192, 16, 32, 8, 64, True, 131072),
     "llama-3.2-3b": ("LlamaForCausalLM", 128256, 3072, 8192, 28, 24, 8, 128, True, 131072),
     "mistral-7b": ("MistralForCausalLM", 32768, 4096, 14336, 32, 32, 8, 128, False, 32768),
+    "mistral-small-24b": ("MistralForCausalLM", 131072, 5120, 32768, 40, 32, 8, 128, False, 131072),  # 3.1 / 3.2
     "qwen2.5-0.5b": ("Qwen2ForCausalLM", 151936, 896, 4864, 24, 14, 2, 64, True, 32768),
     "qwen2.5-1.5b": ("Qwen2ForCausalLM", 151936, 1536, 8960, 28, 12, 2, 128, True, 32768),
     "qwen2.5-3b": ("Qwen2ForCausalLM", 151936, 2048, 11008, 36, 16, 2, 128, True, 32768),

@@ -90,6 +90,29 @@ def make_tiny_gemma3(folder: Path, multimodal: bool = False, vocab: int = 49152,
     return folder
 
 
+def make_tiny_mistral3(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
+    """Mistral Small 3.x's multimodal checkpoint around a tiny Mistral (its own lm_head, a Pixtral tower)."""
+    import transformers
+
+    text = dict(model_type="mistral", vocab_size=vocab, hidden_size=TINY["hidden"], intermediate_size=TINY["inter"],
+                num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"], head_dim=32,
+                num_key_value_heads=TINY["kv_heads"], max_position_embeddings=2048, sliding_window=None)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14, head_dim=16)
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=vocab + 10,
+                                         tie_word_embeddings=False)
+    model = transformers.Mistral3ForConditionalGeneration(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.float().save_pretrained(folder, safe_serialization=True)
+    src = resolve_model(None)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, folder / f)
+    return folder
+
+
 CALIB_TEXT = " ".join(
     f"Line {k}: the quick brown fox {k % 7} jumps over {k * 3} lazy dogs while numbers {k ** 2} grow."
     for k in range(400))

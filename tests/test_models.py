@@ -50,6 +50,20 @@ def test_longrope_is_chosen_per_sequence(family, tmp_path):
     assert generate(ours, prompts, 40) == [generate(ours, [p], 40)[0] for p in prompts]
 
 
+def test_multimodal_head_stored_apart_is_untied(tmp_path):
+    """A multimodal config that says tie_word_embeddings (at its top level, or by default) over a
+    checkpoint that stores its own lm_head: transformers unties them, and so does fitllm."""
+    hf = write_tiny_model("mistral3-mm", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("tie_word_embeddings", None)  # transformers' default for these configs: tied
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert not ModelConfig.from_file(tmp_path).tie_word_embeddings
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    assert _max_logprob_diff(prompt_logits(load_model(tmp_path, dtype=torch.float32), ids[0].tolist()), ref) < 1e-3
+
+
 def test_llama31_rope_scaling_is_applied(tmp_path):
     """Positions beyond the original context must use the scaled frequencies (else logits differ)."""
     write_tiny_model("llama3.1", tmp_path)

@@ -46,6 +46,12 @@ FAMILIES = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14),
         mm_tokens_per_image=4, image_token_index=1000)),
+    # Mistral Small 3.1 / 3.2 (24B) are multimodal too; this one keeps an lm_head of its own
+    "mistral3-mm": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
+        text_config=dict(model_type="mistral", head_dim=16, sliding_window=None),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
+        image_token_index=1000, tie_word_embeddings=False)),
 }
 
 

@@ -20,10 +20,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": (False, True),
     "Phi3ForCausalLM": (False, False),
     "Gemma3ForCausalLM": (False, True),
-    # the multimodal checkpoints (Gemma 3 4B-27B): their language model, the vision tower left unread
-    "Gemma3ForConditionalGeneration": (False, True),
 }
-GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# multimodal checkpoints whose language model fitllm runs (the vision tower is not read): the text
+# model's architecture and model_type
+MULTIMODAL = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),  # Gemma 3 4B-27B
+    "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),  # Mistral Small 3.1 / 3.2
+}
 MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -32,6 +35,7 @@ MODEL_TYPE_TO_ARCH = {
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
 }
 # checkpoints that store q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj` matrix
 FUSED_CHECKPOINT_ARCHITECTURES = {"Phi3ForCausalLM"}
@@ -74,13 +78,16 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         arch = (raw.get("architectures") or [MODEL_TYPE_TO_ARCH.get(raw.get("model_type", ""), "")])[0]
+        if arch in MULTIMODAL:
+            text = {**_text_fields(raw), "architectures": [MULTIMODAL[arch][0]]}
+            return replace(cls.from_hf_dict(text, source), architecture=arch)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"{source}: unsupported architecture {arch or raw.get('model_type')!r}; "
-                f"fitllm supports {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"fitllm supports {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *MULTIMODAL]))}"
             )
-        if arch in GEMMA3:
-            return _gemma3(raw, arch, source)
+        if arch == "Gemma3ForCausalLM":
+            return _gemma3(raw, source)
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             head_dim = int(raw.get("head_dim") or hidden // heads)
@@ -125,6 +132,8 @@ class ModelConfig:
         if not path.exists():
             raise ModelLoadError(f"{path}: no such file (a model folder needs a config.json)")
         config = cls.from_hf_dict(_read_json(path), source=str(path))
+        if config.architecture in MULTIMODAL and _stores_lm_head(path.parent):  # transformers unties such a head
+            config = replace(config, tie_word_embeddings=False)
         gen = path.with_name("generation_config.json")
         if gen.exists():  # chat models often list their end-of-turn tokens only here (Phi-3's <|end|>)
             for t in _token_ids(_read_json(gen).get("eos_token_id")):
@@ -201,15 +210,13 @@ def _rope_scaling(raw: dict, arch: str, source: str) -> Optional[dict]:
     return None
 
 
-def _gemma3(raw: dict, arch: str, source: str) -> "ModelConfig":
+def _gemma3(raw: dict, source: str) -> "ModelConfig":
     """Gemma 3's text model. Hub configs leave most fields to transformers' defaults (the 4B-27B ones
     list five or six), and older ones spell the layer pattern and RoPE differently, so transformers'
     own Gemma3TextConfig fills and normalises them (layer_types, rope_parameters per layer type)."""
     from transformers import Gemma3TextConfig
 
-    text = _text_fields(raw) if arch == "Gemma3ForConditionalGeneration" else dict(raw)
-    for key in ("architectures", "model_type"):
-        text.pop(key, None)
+    text = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
     try:
         full = Gemma3TextConfig(**text).to_dict()
     except (TypeError, ValueError) as exc:
@@ -226,7 +233,7 @@ def _gemma3(raw: dict, arch: str, source: str) -> "ModelConfig":
     full["rope_theta"] = rope["full_attention"]["rope_theta"]
     full["rope_parameters"] = rope["full_attention"]  # the full layers' scaling (4B-27B: linear, 8)
     config = ModelConfig.from_hf_dict({**full, "architectures": ["LlamaForCausalLM"]}, source)
-    return replace(config, architecture=arch, qk_norm=True, activation="gelu_tanh",
+    return replace(config, architecture="Gemma3ForCausalLM", qk_norm=True, activation="gelu_tanh",
                    attn_scale=float(full["query_pre_attn_scalar"]) ** -0.5,
                    embed_scale=float(full["hidden_size"]) ** 0.5, norm_offset=1.0, sandwich_norms=True,
                    layer_types=list(full["layer_types"]), local_rope_theta=float(rope["sliding_attention"]["rope_theta"]),
@@ -234,16 +241,37 @@ def _gemma3(raw: dict, arch: str, source: str) -> "ModelConfig":
 
 
 def _text_fields(raw: dict) -> dict:
-    """A multimodal config's text model: its text_config, with the fields such configs keep at the top level."""
+    """A multimodal config's text model: its text_config, with the fields such configs keep at the top
+    level. Whether the lm_head is tied goes by the top level, as in transformers (ModelConfig.from_file
+    then checks the checkpoint: transformers unties a head stored apart)."""
     text = dict(raw.get("text_config") or {})
-    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "tie_word_embeddings", "quantization_config",
-                "compression_config"):
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype", "quantization_config", "compression_config"):
         if key in raw and key not in text:
             text[key] = raw[key]
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", True)
+    text.pop("architectures", None)
     return text
 
 
-def text_only_config(raw: dict) -> dict:
-    """The config.json of a multimodal checkpoint's language model written alone (quant convert):
+def text_only_config(raw: dict, config: ModelConfig) -> dict:
+    """The config.json of a multimodal checkpoint's language model written alone (quant convert), e.g.
     Gemma3ForConditionalGeneration -> Gemma3ForCausalLM, which fitllm, vLLM and transformers load."""
-    return {**_text_fields(raw), "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+    arch, model_type = MULTIMODAL[config.architecture]
+    return {**_text_fields(raw), "architectures": [arch], "model_type": model_type,
+            "tie_word_embeddings": config.tie_word_embeddings}
+
+
+def _stores_lm_head(folder: Path) -> Optional[bool]:
+    """Whether a checkpoint holds an lm_head of its own (None: it cannot be told here; the loader
+    reports broken files)."""
+    from safetensors import safe_open
+
+    try:
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            names = list(json.loads(index.read_text())["weight_map"])
+        else:
+            names = [n for f in folder.glob("*.safetensors") for n in safe_open(str(f), framework="pt").keys()]
+    except Exception:  # noqa: BLE001 - any unreadable file: the loader names it
+        return None
+    return any("lm_head" in name.split(".") for name in names)

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from fitllm.models.config import ModelConfig
+from fitllm.models.config import MULTIMODAL, ModelConfig
 from fitllm.models.decoder import CausalLM, RMSNorm
 from fitllm.models.errors import ModelLoadError
 from fitllm.models.linear import FusedLinear, LinearFactory
@@ -123,7 +123,6 @@ def route(name: str) -> tuple[str, Optional[int], str]:
 # model.language_model.*, earlier versions language_model.model.* and language_model.lm_head.*
 TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                        ("language_model.lm_head.", "lm_head."))
-MULTIMODAL_ARCHITECTURES = {"Gemma3ForConditionalGeneration"}
 
 
 def text_model_name(name: str) -> Optional[str]:
@@ -144,7 +143,7 @@ def text_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
 
 def load_weights(model: CausalLM, folder: Path) -> None:
     tensors = iter_tensors(folder)
-    if model.config.architecture in MULTIMODAL_ARCHITECTURES:
+    if model.config.architecture in MULTIMODAL:
         tensors = text_tensors(tensors)
     load_tensors(model, tensors, source=str(folder))
 

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from fitllm.models.config import ModelConfig, text_only_config
+from fitllm.models.config import MULTIMODAL, ModelConfig, text_only_config
 from fitllm.models.decoder import DecoderLayer, RMSNorm, rope_cos_sin, rope_tables
 from fitllm.models.linear import FusedLinear, dense_factory
-from fitllm.models.loader import MULTIMODAL_ARCHITECTURES, route, safetensors_files, text_model_name
+from fitllm.models.loader import route, safetensors_files, text_model_name
 from fitllm.quant.awq import awq_layer
 from fitllm.quant.formats import get_format
 from fitllm.quant.fp8 import fp8_quantize
@@ -274,7 +274,7 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
     start = time.time()
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
-    multimodal = config.architecture in MULTIMODAL_ARCHITECTURES
+    multimodal = config.architecture in MULTIMODAL
     src = TensorSource(folder, multimodal)
     check_not_quantized(folder, config, src)
     if fmt is None:
@@ -356,7 +356,7 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
         raw = json.loads((folder / "config.json").read_text())
         if multimodal:
             log("the language model is written alone, as a text-only checkpoint (the vision tower is not)")
-            raw = text_only_config(raw)
+            raw = text_only_config(raw, config)
         if lm_head:  # a quantized head next to the dense embedding table: no longer tied
             raw["quantization_config"] = format_mod.quantization_config(scheme, lm_head_bits)
             raw["tie_word_embeddings"] = False
