@@ -745,17 +745,9 @@ def load_model_and_tokenizer(config: EngineConfig, device: Optional[torch.device
     """Any checkpoint fitllm reads (dense or quantized), on the configured device (or `device`)."""
     from fitllm.models.hub import resolve_model
     from fitllm.models.tokenizer import load_tokenizer
+    from fitllm.quant.layers import load_quantized_model
 
     folder = resolve_model(config.model)
     device = device or pick_device(config.device)
     dtype = dtype or pick_dtype(config.dtype, device)
-    try:
-        from fitllm.quant import load_quantized_model
-    except ImportError:
-        try:
-            from fitllm.quant.layers import load_quantized_model
-        except ImportError:  # quant not built: dense checkpoints only
-            from fitllm.models.loader import load_model as load_quantized_model
-    model = (load_quantized_model(folder, device, dtype) if config.quantization is None
-             else load_quantized_model(folder, device, dtype, quantize=config.quantization))
-    return model, load_tokenizer(folder)
+    return load_quantized_model(folder, device, dtype, quantize=config.quantization), load_tokenizer(folder)

@@ -34,6 +34,8 @@ BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*?)\s*$"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 NAME = re.compile(r"\s*([A-Za-z_][\w.-]*)")  # a function name before its arguments (Mistral's later form)
+NAMED, SPACE, SEMICOLON = re.compile(NAME.pattern + r"\s*"), re.compile(r"\s*"), re.compile(r"\s*;\s*")
+DECODER = json.JSONDecoder()
 # what Llama 3.x templates tell the model when they show it tools
 LLAMA3_MARKS = (PYTHON_TAG, "respond with a JSON for a function call")
 
@@ -108,24 +110,29 @@ def _parse_hermes(text: str) -> tuple[Optional[str], Calls]:
     return text[:start].strip() or None, calls
 
 
+def _json_run(body: str, first: re.Pattern, then: re.Pattern) -> Optional[list[tuple[re.Match, object]]]:
+    """A body (stripped) that is JSON values and nothing else, each after what `first` (the first one)
+    or `then` (the others) matches: the (match, value) pairs; None for any other body."""
+    run, at, lead = [], 0, first
+    while at < len(body):
+        match = lead.match(body, at)
+        if match is None:
+            return None
+        try:
+            value, at = DECODER.raw_decode(body, match.end())
+        except ValueError:
+            return None
+        run.append((match, value))
+        lead = then
+    return run
+
+
 def _parse_llama3(text: str) -> tuple[Optional[str], Calls]:
     body = text.strip()
-    body = body[len(PYTHON_TAG):].lstrip() if body.startswith(PYTHON_TAG) else body
-    calls, at, decoder = [], 0, json.JSONDecoder()
-    while at < len(body):
-        try:
-            value, at = decoder.raw_decode(body, at)
-        except ValueError:
-            return text, []
-        call = _call(value)
-        if call is None:
-            return text, []
-        calls.append(call)
-        rest = body[at:].lstrip()
-        if rest and not rest.startswith(";"):
-            return text, []  # something after a call that is not another one: the reply is text
-        at = len(body) - len(rest[1:].lstrip())  # past the ";" and the space after it
-    return (None, calls) if calls else (text, [])
+    body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+    run = _json_run(body.removesuffix(";").rstrip(), SPACE, SEMICOLON)  # calls joined by ";"
+    calls = [_call(value) for _, value in run or []]
+    return (None, calls) if calls and None not in calls else (text, [])
 
 
 def _may_be_mistral_calls(text: str) -> bool:
@@ -154,17 +161,7 @@ def _parse_mistral(text: str) -> tuple[Optional[str], Calls]:
 
 def _named_calls(body: str) -> Calls:
     """`name{...}` calls one after another (the later form with its markers skipped); [] unless that is all."""
-    calls, at, decoder = [], 0, json.JSONDecoder()
-    while at < len(body):
-        name = NAME.match(body, at)
-        if name is None:
-            return []
-        try:
-            value, at = decoder.raw_decode(body, len(body) - len(body[name.end():].lstrip()))
-        except ValueError:
-            return []
-        if not isinstance(value, dict):
-            return []
-        calls.append((name.group(1), json.dumps(value, ensure_ascii=False)))
-        at = len(body) - len(body[at:].lstrip())
-    return calls
+    run = _json_run(body, NAMED, NAMED) or []
+    if not all(isinstance(value, dict) for _, value in run):
+        return []
+    return [(name.group(1), json.dumps(value, ensure_ascii=False)) for name, value in run]
