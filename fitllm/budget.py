@@ -696,6 +696,7 @@ KNOWN_MODELS = {
     "smollm2-135m": ("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64, True, 8192),
     "smollm2-360m": ("LlamaForCausalLM", 49152, 960, 2560, 32, 15, 5, 64, True, 8192),
     "smollm2-1.7b": ("LlamaForCausalLM", 49152, 2048, 8192, 24, 32, 32, 64, True, 8192),
+    "smollm3-3b": ("SmolLM3ForCausalLM", 128256, 2048, 11008, 36, 16, 4, 128, True, 65536),
     "llama-2-7b": ("LlamaForCausalLM", 32000, 4096, 11008, 32, 32, 32, 128, False, 4096),
     "llama-3-8b": ("LlamaForCausalLM", 128256, 4096, 14336, 32, 32, 8, 128, False, 8192),
     "llama-3.1-8b": ("LlamaForCausalLM", 128256, 4096, 14336, 32, 32, 8, 128, False, 131072),

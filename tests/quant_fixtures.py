@@ -42,23 +42,31 @@ def make_tiny_model(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
     return folder
 
 
-def make_tiny_phi3(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    config = Phi3Config(vocab_size=vocab, hidden_size=TINY["hidden"], intermediate_size=TINY["inter"],
-                        num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"],
-                        num_key_value_heads=TINY["kv_heads"], max_position_embeddings=2048, pad_token_id=0,
-                        bos_token_id=1, eos_token_id=2)
+def _save(model, folder: Path, seed: int, norm_center: float = 1.0) -> Path:
+    """Random weights (norms around norm_center, linears ~ 1/sqrt(fan-in)), saved by transformers with
+    the embedded model's tokenizer beside them."""
     torch.manual_seed(seed)
-    model = Phi3ForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.save_pretrained(folder, safe_serialization=True)
+            p.copy_(norm_center + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.float().save_pretrained(folder, safe_serialization=True)
     src = resolve_model(None)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, folder / f)
     return folder
+
+
+def _text(vocab: int, **extra) -> dict:
+    return dict(vocab_size=vocab, hidden_size=TINY["hidden"], intermediate_size=TINY["inter"],
+                num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"],
+                num_key_value_heads=TINY["kv_heads"], max_position_embeddings=2048, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, **extra)
+
+
+def make_tiny_phi3(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return _save(Phi3ForCausalLM(Phi3Config(**_text(vocab))), folder, seed)
 
 
 def make_tiny_gemma3(folder: Path, multimodal: bool = False, vocab: int = 49152, seed: int = 0) -> Path:
@@ -66,11 +74,8 @@ def make_tiny_gemma3(folder: Path, multimodal: bool = False, vocab: int = 49152,
     or the multimodal checkpoint around one (a one-layer vision tower the quantizer leaves out)."""
     import transformers
 
-    text = dict(vocab_size=vocab, hidden_size=TINY["hidden"], intermediate_size=TINY["inter"],
-                num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"],
-                num_key_value_heads=TINY["kv_heads"], head_dim=32, max_position_embeddings=2048,
-                sliding_window=16, query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"],
-                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    text = _text(vocab, head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
+                 layer_types=["sliding_attention", "full_attention"])
     if multimodal:
         config = transformers.Gemma3Config(text_config=text, mm_tokens_per_image=4, image_token_index=vocab + 10,
                                            vision_config=dict(hidden_size=32, intermediate_size=64, image_size=28,
@@ -79,39 +84,26 @@ def make_tiny_gemma3(folder: Path, multimodal: bool = False, vocab: int = 49152,
         model = transformers.Gemma3ForConditionalGeneration(config)
     else:
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**text))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # Gemma stores norm weights less one
-            p.copy_(0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.float().save_pretrained(folder, safe_serialization=True)
-    src = resolve_model(None)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, folder / f)
-    return folder
+    return _save(model, folder, seed, norm_center=0.0)  # Gemma stores norm weights less one
 
 
 def make_tiny_mistral3(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
     """Mistral Small 3.x's multimodal checkpoint around a tiny Mistral (its own lm_head, a Pixtral tower)."""
     import transformers
 
-    text = dict(model_type="mistral", vocab_size=vocab, hidden_size=TINY["hidden"], intermediate_size=TINY["inter"],
-                num_hidden_layers=TINY["layers"], num_attention_heads=TINY["heads"], head_dim=32,
-                num_key_value_heads=TINY["kv_heads"], max_position_embeddings=2048, sliding_window=None)
     vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, image_size=28, patch_size=14, head_dim=16)
-    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=vocab + 10,
-                                         tie_word_embeddings=False)
-    model = transformers.Mistral3ForConditionalGeneration(config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) / p.shape[-1] ** 0.5)
-    model.float().save_pretrained(folder, safe_serialization=True)
-    src = resolve_model(None)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, folder / f)
-    return folder
+    config = transformers.Mistral3Config(text_config=_text(vocab, model_type="mistral", head_dim=32, sliding_window=None),
+                                         vision_config=vision, image_token_index=vocab + 10, tie_word_embeddings=False)
+    return _save(transformers.Mistral3ForConditionalGeneration(config), folder, seed)
 
+
+def make_tiny_smollm3(folder: Path, vocab: int = 49152, seed: int = 0) -> Path:
+    """SmolLM3 with its second layer left without RoPE."""
+    import transformers
+
+    config = transformers.SmolLM3Config(**_text(vocab, no_rope_layer_interval=2))
+    return _save(transformers.SmolLM3ForCausalLM(config), folder, seed)
 
 CALIB_TEXT = " ".join(
     f"Line {k}: the quick brown fox {k % 7} jumps over {k * 3} lazy dogs while numbers {k ** 2} grow."

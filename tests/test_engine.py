@@ -367,14 +367,15 @@ def test_longrope_prompt_keeps_its_factors_through_chunks_and_the_prefix_cache(t
     assert max(abs(lp.logprob - w) for lp, w in zip(out.logprobs, want_lp)) < 1e-4
 
 
-def test_gemma3_in_the_engine_equals_transformers(tmp_path):
-    """Gemma 3 through the engine: per-layer windows (16 tokens on its sliding layers) and two RoPEs
-    over the paged cache, prompts cut into chunks of 24 tokens a step, a shared prefix served from
-    the prefix cache, batched: each request's greedy tokens equal transformers' generate alone."""
+@pytest.mark.parametrize("family", ["gemma3", "smollm3-window"])
+def test_per_layer_windows_and_ropes_in_the_engine_equal_transformers(tmp_path, family):
+    """Gemma 3 (two RoPEs, a 16-token window on its sliding layers) and SmolLM3 (layers without RoPE,
+    windowed here) through the engine: prompts cut into chunks of 24 tokens a step, a shared prefix
+    served from the prefix cache, batched: each request's greedy tokens equal transformers' generate alone."""
     from fitllm.models.loader import load_model
     from tiny_models import write_tiny_model
 
-    hf = write_tiny_model("gemma3", tmp_path)
+    hf = write_tiny_model(family, tmp_path)
     ours = load_model(tmp_path, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 256, (40,), generator=g).tolist()

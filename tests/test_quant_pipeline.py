@@ -13,7 +13,8 @@ from fitllm.quant.layers import load_quantized_model
 from fitllm.quant.pipeline import quantize_model
 from fitllm.quant.scheme import QuantError
 
-from quant_fixtures import CALIB_TEXT, make_tiny_gemma3, make_tiny_mistral3, make_tiny_model, make_tiny_phi3
+from quant_fixtures import (CALIB_TEXT, make_tiny_gemma3, make_tiny_mistral3, make_tiny_model, make_tiny_phi3,
+                            make_tiny_smollm3)
 
 IDS = list(range(200, 232))
 
@@ -415,11 +416,11 @@ def test_gemma3_converts_and_loads_back(tiny, method, fmt):
     assert rel_err(prompt_logits(load_quantized_model(r.output), IDS), ref) < (0.2 if method == "fp8" else 0.5)
 
 
-@pytest.mark.parametrize("model", ["gemma3", "gemma3-mm", "mistral3-mm"])
-def test_gemma3_and_multimodal_compressed_tensors_load_in_transformers(tiny, model):
-    """The converted Gemma 3 in transformers: the same logits as fitllm's. A multimodal checkpoint
-    (Gemma 3 4B-27B, Mistral Small 3.x) comes out as its language model alone, near the float model's
-    text logits."""
+@pytest.mark.parametrize("model", ["gemma3", "gemma3-mm", "mistral3-mm", "smollm3"])
+def test_newer_families_compressed_tensors_load_in_transformers(tiny, model):
+    """The converted Gemma 3 and SmolLM3 (a layer without RoPE) in transformers: the same logits as
+    fitllm's. A multimodal checkpoint (Gemma 3 4B-27B, Mistral Small 3.x) comes out as its language
+    model alone, near the float model's text logits."""
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
@@ -427,12 +428,14 @@ def test_gemma3_and_multimodal_compressed_tensors_load_in_transformers(tiny, mod
     base = root / f"{model}-hf"
     if model == "mistral3-mm":
         make_tiny_mistral3(base)
+    elif model == "smollm3":
+        make_tiny_smollm3(base)
     else:
         make_tiny_gemma3(base, multimodal=model == "gemma3-mm")
     r = quantize_model(base, root / f"{model}-hf-ct", "rtn", group_size=32, calib=str(root / "calib.txt"),
                        calib_samples=8, calib_len=64, progress=False, log=lambda s: None)
     config = json.loads((r.output / "config.json").read_text())
-    text_arch = "MistralForCausalLM" if model == "mistral3-mm" else "Gemma3ForCausalLM"
+    text_arch = {"mistral3-mm": "MistralForCausalLM", "smollm3": "SmolLM3ForCausalLM"}.get(model, "Gemma3ForCausalLM")
     assert config["architectures"] == [text_arch] and "vision_config" not in config
     hf = AutoModelForCausalLM.from_pretrained(str(r.output), dtype=torch.float32)
     with torch.no_grad():

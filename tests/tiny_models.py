@@ -7,6 +7,7 @@ import torch
 
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # for configs whose defaults lie past 256
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
@@ -46,6 +47,10 @@ FAMILIES = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14),
         mm_tokens_per_image=4, image_token_index=1000)),
+    # SmolLM3: every other layer without RoPE here (every 4th in SmolLM3-3B); and with a window on those
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, **TOKENS)),
+    "smollm3-window": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, use_sliding_window=True,
+                                                                   sliding_window=16, **TOKENS)),
     # Mistral Small 3.1 / 3.2 (24B) are multimodal too; this one keeps an lm_head of its own
     "mistral3-mm": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
         text_config=dict(model_type="mistral", head_dim=16, sliding_window=None),

@@ -1,7 +1,7 @@
 """Model configuration: one dataclass read from a Hugging Face config.json (or GGUF metadata).
 
-One decoder covers Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4 and Gemma 3 (text); the
-differences are flags here.
+One decoder covers Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, Gemma 3 (text) and SmolLM3;
+the differences are flags here.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": (False, True),
     "Phi3ForCausalLM": (False, False),
     "Gemma3ForCausalLM": (False, True),
+    "SmolLM3ForCausalLM": (False, False),
 }
 # multimodal checkpoints whose language model fitllm runs (the vision tower is not read): the text
 # model's architecture and model_type
@@ -36,6 +37,7 @@ MODEL_TYPE_TO_ARCH = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 # checkpoints that store q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj` matrix
 FUSED_CHECKPOINT_ARCHITECTURES = {"Phi3ForCausalLM"}
@@ -74,6 +76,7 @@ class ModelConfig:
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too, before each residual add
     layer_types: Optional[list[str]] = None  # per layer "sliding_attention" or "full_attention"; None: all alike
     local_rope_theta: Optional[float] = None  # RoPE base of the sliding layers (unscaled); None: one RoPE
+    rope_layers: Optional[list[bool]] = None  # per layer whether it applies RoPE (SmolLM3: 3 of 4); None: all
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -88,6 +91,8 @@ class ModelConfig:
             )
         if arch == "Gemma3ForCausalLM":
             return _gemma3(raw, source)
+        if arch == "SmolLM3ForCausalLM":
+            return _smollm3(raw, source)
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             head_dim = int(raw.get("head_dim") or hidden // heads)
@@ -150,8 +155,14 @@ class ModelConfig:
             return self.sliding_window
         return [self.sliding_window if t == "sliding_attention" else None for t in self.layer_types]
 
-    def uses_local_rope(self, layer: int) -> bool:
-        return self.local_rope_theta is not None and self.layer_types[layer] == "sliding_attention"
+    def layer_rope(self, layer: int) -> Optional[str]:
+        """The RoPE a layer applies: "global" (the model's), "local" (Gemma 3's sliding layers, their own
+        base) or None (SmolLM3's layers without position encoding)."""
+        if self.rope_layers is not None and not self.rope_layers[layer]:
+            return None
+        if self.local_rope_theta is not None and self.layer_types[layer] == "sliding_attention":
+            return "local"
+        return "global"
 
     @property
     def q_size(self) -> int:
@@ -238,6 +249,21 @@ def _gemma3(raw: dict, source: str) -> "ModelConfig":
                    embed_scale=float(full["hidden_size"]) ** 0.5, norm_offset=1.0, sandwich_norms=True,
                    layer_types=list(full["layer_types"]), local_rope_theta=float(rope["sliding_attention"]["rope_theta"]),
                    tie_word_embeddings=bool(full.get("tie_word_embeddings", True)))
+
+
+def _smollm3(raw: dict, source: str) -> "ModelConfig":
+    """SmolLM3: Llama with RoPE left out of every 4th layer (no_rope_layers, 1 where RoPE applies), and
+    optionally a window on those layers; transformers' SmolLM3Config fills both lists."""
+    from transformers import SmolLM3Config
+
+    try:
+        full = SmolLM3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")}).to_dict()
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: not a valid SmolLM3 config ({exc})") from None
+    config = ModelConfig.from_hf_dict({**full, "architectures": ["LlamaForCausalLM"]}, source)
+    sliding = bool(full.get("use_sliding_window")) and full.get("sliding_window") is not None
+    return replace(config, architecture="SmolLM3ForCausalLM", rope_layers=[bool(r) for r in full["no_rope_layers"]],
+                   layer_types=list(full["layer_types"]) if sliding else None)
 
 
 def _text_fields(raw: dict) -> dict:

@@ -1,5 +1,5 @@
-"""One decoder for Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4 and Gemma 3 (differences
-are config flags).
+"""One decoder for Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, Gemma 3 and SmolLM3
+(differences are config flags).
 
 It runs on a flat batch: `input_ids [T]`, `positions [T]` and a context whose `attend` reads and
 writes the KV cache. Linear layers come from a factory (dense, or quantized backends from
@@ -108,7 +108,7 @@ def rope_long_context(config: ModelConfig) -> tuple[Optional[int], float]:
 
 def rope_tables(config: ModelConfig, device="cpu", local: bool = False):
     """(inv_freq, LongRoPE's long inv_freq or None, its switch position, the cos/sin scale): what
-    rope_cos_sin takes after the positions. local: the sliding layers' (ModelConfig.uses_local_rope)."""
+    rope_cos_sin takes after the positions. local: the sliding layers' (ModelConfig.layer_rope)."""
     if local:
         return rope_inv_freq(config, local=True).to(device), None, None, 1.0
     long_from, scale = rope_long_context(config)
@@ -161,11 +161,12 @@ class Attention(nn.Module):
         self._out_cols = None  # (o_proj's input_perm, where the attention writes each column)
 
     def forward(self, x, cos, sin, ctx, defer: bool = False):
-        """defer: the caller hands the output to a fused RMSNorm (o_proj may return a PendingSum)."""
+        """defer: the caller hands the output to a fused RMSNorm (o_proj may return a PendingSum).
+        cos, sin: None in a layer without RoPE (SmolLM3's NoPE layers)."""
         t = x.shape[0]
         # where RoPE rides in the cache write's launch, that launch also takes the qkv GEMM's
         # unfinished split-K sum (see kernels._utils.PendingSum; not with q/k norms or partial RoPE)
-        rope_in_write = getattr(ctx, "fuses_rope", False)
+        rope_in_write = getattr(ctx, "fuses_rope", False) and cos is not None
         qkv = self.qkv_proj(x, defer=rope_in_write and self.q_norm is None and 2 * cos.shape[-1] == self.head_dim)
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                              self.num_kv_heads * self.head_dim], -1)
@@ -183,7 +184,8 @@ class Attention(nn.Module):
         if rope_in_write:  # RoPE in the launch that writes the cache
             out = ctx.attend(self.layer, q, k, v, self.scale, rope=(cos, sin), **cols)
         else:
-            q, k = fused.apply_rope(q, k, cos, sin)  # in place: q and k are views of the qkv output
+            if cos is not None:
+                q, k = fused.apply_rope(q, k, cos, sin)  # in place: q and k are views of the qkv output
             out = ctx.attend(self.layer, q, k, v, self.scale, **cols)
         out = out.reshape(t, -1)
         return self.o_proj(out if perm is None else Gathered(out, perm), defer=defer)
@@ -328,11 +330,12 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
-        rope = self.rope(positions, ctx)
-        local = None if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq)
+        ropes = {"global": self.rope(positions, ctx), None: (None, None)}  # by ModelConfig.layer_rope
+        if self.local_inv_freq is not None:
+            ropes["local"] = rope_cos_sin(positions, self.local_inv_freq)
         x, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            cos, sin = local if local is not None and self.config.uses_local_rope(i) else rope
+            cos, sin = ropes[self.config.layer_rope(i)]
             x, residual = layer.forward_residual(x, residual, cos, sin, ctx, defer=True)
         return self.model.norm(x, residual)[0]
 

@@ -135,7 +135,8 @@ def run_layer(layer, x: torch.Tensor, cos, sin, batch: int, on_input: Optional[C
             xb = x[lo:lo + batch]
             n = xb.shape[0]
             ctx = CalibContext(n, l, layer.self_attn.window)
-            out[lo:lo + n] = layer(xb.reshape(-1, h), cos.repeat(n, 1), sin.repeat(n, 1), ctx).reshape(n, l, h)
+            rope = (None, None) if cos is None else (cos.repeat(n, 1), sin.repeat(n, 1))  # None: a NoPE layer
+            out[lo:lo + n] = layer(xb.reshape(-1, h), *rope, ctx).reshape(n, l, h)
         return out
     finally:
         for hd in handles:
@@ -311,8 +312,9 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
 
     x = F.embedding(ids, src.get("model.embed_tokens.weight").to(device, torch.float32)) * config.embed_scale
     positions = torch.arange(length, device=device)
-    rope = rope_cos_sin(positions, *rope_tables(config, device))
-    local_rope = rope_cos_sin(positions, *rope_tables(config, device, local=True)) if config.local_rope_theta else None
+    ropes = {"global": rope_cos_sin(positions, *rope_tables(config, device)), None: (None, None)}  # config.layer_rope
+    if config.local_rope_theta is not None:
+        ropes["local"] = rope_cos_sin(positions, *rope_tables(config, device, local=True))
     errors: list[float] = []
     write = format_mod.write
     if fmt == "bitsandbytes":  # its quant_state records the model's dtype
@@ -321,7 +323,7 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
         writer = ShardWriter(tmp)
         for i in range(config.num_layers):
             layer = build_layer(config, i, src, device)
-            cos, sin = local_rope if config.uses_local_rope(i) else rope
+            cos, sin = ropes[config.layer_rope(i)]
             quantized, y_float = STEPS[method](layer, x, cos, sin, scheme, batch)
             prefix = f"model.layers.{i}."
             # the next layer sees this layer as it will run: dequantized weights
