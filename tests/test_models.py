@@ -106,6 +106,32 @@ def test_unsupported_architecture_names_the_file(tmp_path):
         ModelConfig.from_file(tmp_path)
 
 
+def test_gemma3_configs_as_the_hub_writes_them():
+    """Gemma 3 4B's multimodal config lists five text fields and leaves the rest to transformers' defaults
+    (and an older spelling of RoPE and the layer pattern); 1B's is complete in that older spelling.
+    Gemma 2's soft-capping and EmbeddingGemma's bidirectional attention are refused by name."""
+    four_b = ModelConfig.from_hf_dict({
+        "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024}})
+    assert (four_b.num_heads, four_b.num_kv_heads, four_b.head_dim, four_b.vocab_size) == (8, 4, 256, 262208)
+    assert four_b.attention_windows[:6] == [1024] * 5 + [None] and four_b.eos_token_ids == [1, 106]
+    assert four_b.rope_theta == 1e6 and four_b.rope_scaling["factor"] == 8.0 and four_b.local_rope_theta == 1e4
+    assert [four_b.layer_rope(i) for i in range(6)] == ["local"] * 5 + ["global"]
+    one_b = ModelConfig.from_hf_dict({
+        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 1152, "intermediate_size": 6912, "head_dim": 256,
+        "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 262144,
+        "query_pre_attn_scalar": 256, "rope_theta": 1000000, "rope_local_base_freq": 10000, "rope_scaling": None,
+        "sliding_window": 512, "sliding_window_pattern": 6})
+    assert one_b.rope_scaling is None and one_b.attention_windows[4:7] == [512, None, 512]
+    for field, value in (("final_logit_softcapping", 30.0), ("use_bidirectional_attention", True)):
+        with pytest.raises(ModelLoadError, match=field):
+            ModelConfig.from_hf_dict({"architectures": ["Gemma3ForCausalLM"], field: value})
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'Gemma2ForCausalLM'"):
+        ModelConfig.from_hf_dict({"architectures": ["Gemma2ForCausalLM"]})
+
+
 PHI3 = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 8192,
         "original_max_position_embeddings": 4096}

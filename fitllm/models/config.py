@@ -225,13 +225,7 @@ def _gemma3(raw: dict, source: str) -> "ModelConfig":
     """Gemma 3's text model. Hub configs leave most fields to transformers' defaults (the 4B-27B ones
     list five or six), and older ones spell the layer pattern and RoPE differently, so transformers'
     own Gemma3TextConfig fills and normalises them (layer_types, rope_parameters per layer type)."""
-    from transformers import Gemma3TextConfig
-
-    text = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
-    try:
-        full = Gemma3TextConfig(**text).to_dict()
-    except (TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{source}: not a valid Gemma 3 text config ({exc})") from None
+    full = _filled_by_transformers("Gemma3TextConfig", raw, source)
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if full.get(key) is not None:
             raise ModelLoadError(f"{source}: {key} = {full[key]} is not supported (Gemma 2's soft-capping)")
@@ -251,15 +245,21 @@ def _gemma3(raw: dict, source: str) -> "ModelConfig":
                    tie_word_embeddings=bool(full.get("tie_word_embeddings", True)))
 
 
+def _filled_by_transformers(config_class: str, raw: dict, source: str) -> dict:
+    """raw with transformers' defaults and derived fields filled in by its own config class."""
+    import transformers
+
+    try:
+        return getattr(transformers, config_class)(
+            **{k: v for k, v in raw.items() if k not in ("architectures", "model_type")}).to_dict()
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: not a valid {config_class} ({exc})") from None
+
+
 def _smollm3(raw: dict, source: str) -> "ModelConfig":
     """SmolLM3: Llama with RoPE left out of every 4th layer (no_rope_layers, 1 where RoPE applies), and
     optionally a window on those layers; transformers' SmolLM3Config fills both lists."""
-    from transformers import SmolLM3Config
-
-    try:
-        full = SmolLM3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")}).to_dict()
-    except (TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{source}: not a valid SmolLM3 config ({exc})") from None
+    full = _filled_by_transformers("SmolLM3Config", raw, source)
     config = ModelConfig.from_hf_dict({**full, "architectures": ["LlamaForCausalLM"]}, source)
     sliding = bool(full.get("use_sliding_window")) and full.get("sliding_window") is not None
     return replace(config, architecture="SmolLM3ForCausalLM", rope_layers=[bool(r) for r in full["no_rope_layers"]],
