@@ -11,8 +11,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
 t0=$SECONDS
+timeout 100 python3 benchmarks/gpu_families_check.py --families gemma3,gemma3-mm,mistral3-mm,smollm3-window,llama 2>&1 | grep -v Warning | tail -12; echo "[$((SECONDS-t0)) s]"
 timeout 90 python3 benchmarks/bnb_gpu_check.py --workdir /tmp/bnb-gpu 2>&1 | grep -v Warning | tail -8; echo "[$((SECONDS-t0)) s]"
 timeout 150 python3 benchmarks/bench_codebook4.py --out $OUT/cb 2>&1 | grep -v Warning | tail -12; echo "[$((SECONDS-t0)) s]"
 timeout 120 python3 benchmarks/structured_gpu_check.py benchmarks/_tok 2>&1 | grep -v Warning | tail -8; echo "[$((SECONDS-t0)) s]"
-timeout 100 python3 benchmarks/gpu_families_check.py --families gemma3,gemma3-mm,mistral3-mm,smollm3-window,llama 2>&1 | grep -v Warning | tail -12; echo "[$((SECONDS-t0)) s]"
 timeout 110 python3 benchmarks/bench_serving.py --parts decode --decode-schemes nf4,int4 --decode-kv auto --no-hf-peer --out $OUT/serve 2>&1 | grep -v Warning | tail -6; echo "[$((SECONDS-t0)) s]"
