@@ -67,7 +67,7 @@ class CalibContext:
 
 class TensorSource:
     """Random access to a checkpoint's tensors by name, without loading the rest. A multimodal
-    checkpoint (Gemma 3 4B-27B) shows its language model's tensors only, under text-only names."""
+    checkpoint (Gemma 3 4B-27B, Mistral Small 3.x) shows its language model's tensors only, under text-only names."""
 
     def __init__(self, folder: Path, multimodal: bool = False):
         self.where: dict[str, tuple[object, str]] = {}  # name -> (file handle, name in the file)
