@@ -72,6 +72,8 @@ def variants(layers, m, dev):
 
     out = {
         "fitllm nf4": run(lambda x, p, t: codebook4_gemm_triton(x, p["nf4"].codes, p["nf4"].absmax, p["nf4"].codebook, 64)),
+        "fitllm nf4 table loads": run(lambda x, p, t: codebook4_gemm_triton(x, p["nf4"].codes, p["nf4"].absmax,
+                                                                            p["nf4"].codebook, 64, select=False)),
         "cuBLAS bf16": run(lambda x, p, t: F.linear(x, p["bf16"])),
         "fitllm int4 tiled": run(lambda x, p, t: w4a16_tiled_gemm(x, t.qtile, t.scales, t.zeros, 128, t.in_features)),
     }
