@@ -46,8 +46,9 @@ def serve(
         help="How tool_choice 'auto' finds calls in the model's text: hermes (<tool_call> blocks: Qwen2.5/3, Hermes), "
              "llama3_json (Llama 3.1-3.3's {\"name\", \"parameters\"} replies), mistral ([TOOL_CALLS] lists or "
              "name[ARGS]{...} calls: Mistral-7B-v0.3, Nemo, Small, Magistral) or none (then 'auto' is a 400; "
-             "'required' and named functions always work). Default: hermes where the chat template mentions <tool_call>, mistral where it mentions "
-             "[TOOL_CALLS], llama3_json where it speaks as Llama 3's, else none."),
+             "'required' and named functions always work). Default: hermes where the chat template mentions "
+             "<tool_call>, mistral where it mentions [TOOL_CALLS], llama3_json where it speaks as Llama 3's, "
+             "else none."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
     speculative: Optional[str] = typer.Option(None, "--speculative",

@@ -9,9 +9,10 @@ Layout (bitsandbytes' own bytes, one row of the weight per row of `codes`):
 Unlike the affine int4 of fitllm.kernels.w4a16 ((q - z) * s), a code is looked up, not converted: each
 program holds the 16 values in registers and picks one per weight by its four bits (a tree of selects; a
 load from the table per weight, the first version, ran 2-47x slower than cuBLAS on an H100); a K tile's
-scales are loaded once per row and block (at M = 1 applied to each block's sum, not to each weight). Each program takes a
-[BM, BN] tile of y and a share of K (split-K, summed with fp32 atomics where one tile's programs
-would not fill the GPU). Not tuned on a GPU yet: see benchmarks/bench_codebook4.py.
+scales are loaded once per row and block (at M = 1 applied to each block's sum, not to each weight).
+Each program takes a [BM, BN] tile of y and a share of K (split-K, summed with fp32 atomics where one
+tile's programs would not fill the GPU). Not tuned; the select tree not yet timed: see
+benchmarks/bench_codebook4.py.
 """
 from __future__ import annotations
 

@@ -241,8 +241,8 @@ def _gemma3(raw: dict, source: str) -> "ModelConfig":
     return replace(config, architecture="Gemma3ForCausalLM", qk_norm=True, activation="gelu_tanh",
                    attn_scale=float(full["query_pre_attn_scalar"]) ** -0.5,
                    embed_scale=float(full["hidden_size"]) ** 0.5, norm_offset=1.0, sandwich_norms=True,
-                   layer_types=list(full["layer_types"]), local_rope_theta=float(rope["sliding_attention"]["rope_theta"]),
-                   tie_word_embeddings=bool(full.get("tie_word_embeddings", True)))
+                   layer_types=list(full["layer_types"]),
+                   local_rope_theta=float(rope["sliding_attention"]["rope_theta"]))
 
 
 def _filled_by_transformers(config_class: str, raw: dict, source: str) -> dict:
@@ -289,15 +289,11 @@ def text_only_config(raw: dict, config: ModelConfig) -> dict:
 
 def _stores_lm_head(folder: Path) -> Optional[bool]:
     """Whether a checkpoint holds an lm_head of its own (None: it cannot be told here; the loader
-    reports broken files)."""
-    from safetensors import safe_open
+    reports broken or missing files when it loads them)."""
+    from fitllm.models.loader import read_safetensors_header, safetensors_files
 
     try:
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            names = list(json.loads(index.read_text())["weight_map"])
-        else:
-            names = [n for f in folder.glob("*.safetensors") for n in safe_open(str(f), framework="pt").keys()]
-    except Exception:  # noqa: BLE001 - any unreadable file: the loader names it
+        names = [name for f in safetensors_files(folder) for name in read_safetensors_header(f)[1]]
+    except ModelLoadError:
         return None
     return any("lm_head" in name.split(".") for name in names)

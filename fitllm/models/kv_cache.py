@@ -498,8 +498,9 @@ class PagedKVCache:
         if self._use_triton():
             # Device tensors only (graph-capturable); the host maxima pick tile sizes and splits.
             out = pa.paged_attention(*args, meta.query_start, meta.seq_lens, scale, self.kind, self.group,
-                                     layer_window(self.sliding_window, layer), out_dtype, max_query_len=meta.max_query_len,
-                                     max_seq_len=meta.max_seq_len, out_cols=out_cols)
+                                     layer_window(self.sliding_window, layer), out_dtype,
+                                     max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+                                     out_cols=out_cols)
         else:
             out = pa.paged_attention_ref(*args, meta.query_start_list, meta.seq_lens_list, scale, self.kind,
                                          self.group, layer_window(self.sliding_window, layer), out_dtype,

@@ -2,7 +2,8 @@
 them up in the weight (and down in the op that feeds the linear, where it is free), searching
 the scale exponent on a grid against the layer's float output; then search per-group clipping
 of the weight range. Groups as in the paper: q|k|v after the input norm, gate|up after the
-norm before the MLP (Llama's post-attention norm, Gemma's pre-feedforward one), down after up, o after v only when their shapes match (not under GQA)."""
+norm before the MLP (Llama's post-attention norm, Gemma's pre-feedforward one), down after up, o after
+v only when their shapes match (not under GQA)."""
 from __future__ import annotations
 
 from typing import Callable

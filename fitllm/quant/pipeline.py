@@ -337,9 +337,10 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
                 if lin.bias is not None:
                     for hf, sl in zip(hf_names(mod_prefix, lin), map(lin.shard_slice, range(len(lin.out_sizes)))):
                         writer.add(f"{hf}.bias", lin.bias[sl])
+            norm_dtype = DTYPES.get(config.torch_dtype, torch.float32)
             for mname, norm in layer.named_modules():
                 if isinstance(norm, RMSNorm):  # (AWQ may have folded scales into them)
-                    writer.add(f"{prefix}{mname}.weight", norm.stored_weight(DTYPES.get(config.torch_dtype, torch.float32)))
+                    writer.add(f"{prefix}{mname}.weight", norm.stored_weight(norm_dtype))
             y = run_layer(layer, x, cos, sin, batch)
             errors.append(float((y - y_float).norm() / (y_float - x).norm().clamp(min=1e-12)))
             x = y
