@@ -1,4 +1,5 @@
 """NF4 (bitsandbytes 4-bit) GEMMs on one Llama-3-8B layer's four linears, on a GPU: fitllm's codebook kernel
+(and its other path, the weight dequantized then cuBLAS; "fitllm nf4" is what the dispatch picks at each M)
 against bitsandbytes' own matmul_4bit (the peer, when the wheel is installed), cuBLAS bf16 and fitllm's int4
 tiled kernel (the affine int4 the same bytes could hold).
 
@@ -46,11 +47,12 @@ def check(layer, ms, dev) -> float:
         exact = nf4.dequantize(torch.float64)
         for m in ms:
             x = torch.randn(m, exact.shape[1], device=dev, dtype=torch.bfloat16)
-            y = codebook4_gemm_triton(x, nf4.codes, nf4.absmax, nf4.codebook, nf4.blocksize)
-            err = rel_err(y, x.double() @ exact.t())
-            worst = max(worst, err)
-            if err > 1e-2:
-                log(f"FAIL {name} M={m}: rel err {err:.2e}")
+            for path in ("kernel", "dequant"):
+                y = codebook4_gemm_triton(x, nf4.codes, nf4.absmax, nf4.codebook, nf4.blocksize, path=path)
+                err = rel_err(y, x.double() @ exact.t())
+                worst = max(worst, err)
+                if err > 1e-2:
+                    log(f"FAIL {name} M={m} {path}: rel err {err:.2e}")
     return worst
 
 
@@ -70,10 +72,14 @@ def variants(layers, m, dev):
                     one(xs[n], p, tiled[li][n])
         return fn
 
+    def nf4(path):
+        return run(lambda x, p, t: codebook4_gemm_triton(x, p["nf4"].codes, p["nf4"].absmax, p["nf4"].codebook, 64,
+                                                         path=path))
+
     out = {
-        "fitllm nf4": run(lambda x, p, t: codebook4_gemm_triton(x, p["nf4"].codes, p["nf4"].absmax, p["nf4"].codebook, 64)),
-        "fitllm nf4 table loads": run(lambda x, p, t: codebook4_gemm_triton(x, p["nf4"].codes, p["nf4"].absmax,
-                                                                            p["nf4"].codebook, 64, select=False)),
+        "fitllm nf4": nf4("auto"),
+        "fitllm nf4 kernel": nf4("kernel"),
+        "fitllm nf4 dequant+cuBLAS": nf4("dequant"),
         "cuBLAS bf16": run(lambda x, p, t: F.linear(x, p["bf16"])),
         "fitllm int4 tiled": run(lambda x, p, t: w4a16_tiled_gemm(x, t.qtile, t.scales, t.zeros, 128, t.in_features)),
     }

@@ -325,12 +325,16 @@ def activation_bytes(config: ModelConfig, tokens: int, sampled_rows: int, scheme
     mlp = 4 * t * c.intermediate_size * ACT_BYTES  # gate|up (2I), silu(gate) (I), product (I)
     if scheme == "fp8":
         mlp += t * c.intermediate_size  # activations quantized to e4m3 for the W8A8 GEMM
-    if scheme in ("awq", "gptq") and dequant_from is None:
+    if scheme == "nf4":
+        from fitllm.kernels.codebook4 import DEQUANT_FROM_M
+
+        dequant_from = DEQUANT_FROM_M
+    elif scheme in ("awq", "gptq") and dequant_from is None:
         dequant_from = dequant_min_tokens(config)
-    if scheme in ("awq", "gptq") and t >= dequant_from:
-        # fitllm's "dequant" W4A16 backend (large M, when its tile table picks it) dequantizes the
-        # whole weight to bf16, then calls cuBLAS; counted as the largest weight, the fused gate|up.
-        # (NF4's codebook kernel dequantizes tile by tile at every M.)
+    if scheme in ("awq", "gptq", "nf4") and t >= dequant_from:
+        # fitllm's "dequant" W4A16 backend (large M, when its tile table picks it) and NF4 from
+        # DEQUANT_FROM_M rows dequantize the whole weight to bf16, then call cuBLAS; counted as the
+        # largest weight, the fused gate|up.
         mlp += 2 * c.hidden_size * 2 * c.intermediate_size
     layers = residual + rope_tables + max(attention, mlp)
     if not sampled_rows:

@@ -7,7 +7,8 @@ import torch
 
 bnb_f = pytest.importorskip("bitsandbytes.functional")
 
-from fitllm.kernels.codebook4 import codebook4_gemm, codebook4_gemm_ref, codebook4_gemm_triton  # noqa: E402
+from fitllm.kernels.codebook4 import (DEQUANT_FROM_M, codebook4_gemm, codebook4_gemm_ref,  # noqa: E402
+                                      codebook4_gemm_triton, dequantize_codebook4, dequantize_codebook4_triton)
 from fitllm.models.errors import ModelLoadError  # noqa: E402
 from fitllm.models.generate import prompt_logits  # noqa: E402
 from fitllm.quant.formats import bitsandbytes as fmt  # noqa: E402
@@ -72,9 +73,12 @@ def test_codebook_kernel_matches_reference(m, n, k, blocksize):
     x = torch.randn(m, k, generator=g)
     args = (w.codes, w.absmax, w.codebook, blocksize)
     ref = codebook4_gemm_ref(x, *args)
-    assert torch.allclose(codebook4_gemm_triton(x, *args), ref, atol=1e-4, rtol=1e-4)
-    if m in (1, 3):  # the table loaded per weight (the first version, kept for the benchmark) agrees too
-        assert torch.allclose(codebook4_gemm_triton(x, *args, select=False), ref, atol=1e-4, rtol=1e-4)
+    for path in ("auto", "kernel", "dequant"):
+        assert torch.allclose(codebook4_gemm_triton(x, *args, path=path), ref, atol=1e-4, rtol=1e-4), path
+    for select in (False, True):  # codes from the table or from the select tree, both paths
+        for path in ("kernel", "dequant"):
+            y = codebook4_gemm_triton(x, *args, path=path, config=dict(select=select))
+            assert torch.allclose(y, ref, atol=1e-4, rtol=1e-4), (path, select)
     exact = x.double() @ w.dequantize(torch.float64).t()  # the reference itself, against float64
     assert torch.allclose(ref.double(), exact, atol=1e-4, rtol=1e-4)
 
@@ -90,6 +94,35 @@ def test_codebook_kernel_in_16_bit(dtype):
         y = codebook4_gemm_triton(x, w.codes, w.absmax, w.codebook, 64)
         ref = x.double() @ exact.t()
         assert y.dtype == dtype and float((y.double() - ref).norm() / ref.norm()) < 1e-2, m
+
+
+@pytest.mark.parametrize("n,k,blocksize", [(40, 256, 64), (33, 128, 32), (17, 512, 256), (64, 384, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_codebook_dequantize_kernel_is_the_reference(n, k, blocksize, dtype):
+    """The dequantization kernel behind the large-M path: the reference's values (both scale in float32 and
+    round once), odd row counts and blocks larger and smaller than a K tile included. Bit for bit but in bf16,
+    which the interpreter rounds toward zero (a GPU to nearest): there within one bf16 step."""
+    g = torch.Generator().manual_seed(n + k)
+    w = nf4_quantize(torch.randn(n, k, generator=g), blocksize).to("cpu")
+    args = (w.codes, w.absmax, w.codebook, blocksize, dtype)
+    got, ref = dequantize_codebook4_triton(*args), dequantize_codebook4(*args)
+    assert got.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7).all()
+    else:
+        assert torch.equal(got, ref)
+
+
+def test_codebook_gemm_takes_the_dequantize_path_from_its_threshold(monkeypatch):
+    from fitllm.kernels import codebook4
+
+    w = nf4_quantize(torch.randn(64, 128), 64).to("cpu")
+    seen = []
+    real = codebook4.dequantize_codebook4_triton
+    monkeypatch.setattr(codebook4, "dequantize_codebook4_triton", lambda *a: seen.append(1) or real(*a))
+    for m in (1, DEQUANT_FROM_M - 1, DEQUANT_FROM_M, 2 * DEQUANT_FROM_M):
+        codebook4_gemm_triton(torch.randn(m, 128), w.codes, w.absmax, w.codebook, 64)
+    assert len(seen) == 2
 
 
 def test_codebook_kernel_split_k_both_ways(monkeypatch):

@@ -193,6 +193,11 @@ def test_dequant_transient_follows_the_cards_tile_tables():
     assert ada["activations"] == bm.activation_bytes(LLAMA3, 2048, 128, "awq", ws, dequant_from=65) > h200["activations"]
     graph_ws = bm.attention_workspace_bytes(LLAMA3, 128, 8192, 128, s.graph_attention)
     assert h200["cuda_graphs"] == bm.activation_bytes(LLAMA3, 128, 0, "bf16", graph_ws)
+    # NF4 dequantizes from codebook4.DEQUANT_FROM_M rows on, on any card
+    from fitllm.kernels.codebook4 import DEQUANT_FROM_M
+    for t in (DEQUANT_FROM_M - 1, DEQUANT_FROM_M, 2048):
+        plain = bm.activation_bytes(LLAMA3, t, 0, "bf16")
+        assert bm.activation_bytes(LLAMA3, t, 0, "nf4") == plain + (gate_up if t >= DEQUANT_FROM_M else 0)
     # the batch-128 graph dequantizes on sm89: the copy lives while the MLP runs
     assert ada["cuda_graphs"] == bm.activation_bytes(LLAMA3, 128, 0, "awq", graph_ws, dequant_from=65) \
         == 3 * 128 * 4096 * 2 + 128 * 128 * 4 + 4 * 128 * 14336 * 2 + gate_up
