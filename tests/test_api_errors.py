@@ -202,10 +202,10 @@ BAD_CHATS = [
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"},
      "tools.0.function.name", None),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "n": {"type": "integer", "multipleOf": 2}}}}}], "tool_choice": "required"}, "tools.0.function.parameters.properties.n",
+        "n": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"}, "tools.0.function.parameters.properties.n",
      None),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object",
-        "properties": {"n": {"type": "integer", "multipleOf": 2}}}}}], "tool_choice": "auto"},
+        "properties": {"n": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "auto"},
      "tools.0.function.parameters.properties.n", None),  # a strict tool's arguments are enforced under 'auto' too
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.0.function.parameters", None),
@@ -785,9 +785,9 @@ def test_tools_and_tool_history_reach_the_template(tokenizer):
 
 def test_tools_shown_but_not_enforced_may_use_any_keyword(client):
     """With tool_choice 'none' (or 'auto') the tools are only rendered for the model: keywords the
-    automaton cannot enforce (a format it does not know, multipleOf) are fine there, as in vLLM and OpenAI."""
+    automaton cannot enforce (a format it does not know, uniqueItems) are fine there, as in vLLM and OpenAI."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "when": {"type": "string", "format": "duration"}, "n": {"type": "integer", "multipleOf": 2}}}}}]
+        "when": {"type": "string", "format": "duration"}, "n": {"type": "array", "uniqueItems": True}}}}}]
     r = client.post("/v1/chat/completions", json={**OK_CHAT, "tools": tools, "tool_choice": "none", "max_tokens": 2})
     assert r.status_code == 200, r.text
     r = client.post("/v1/chat/completions", json={**OK_CHAT, "tools": tools, "tool_choice": "required"})

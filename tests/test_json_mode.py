@@ -218,6 +218,8 @@ def bounded_numbers(draw):
     for side in ("minimum", "maximum"):
         if draw(st.booleans()):
             schema["exclusive" + side.title() if draw(st.booleans()) else side] = draw(values)
+    if draw(st.booleans()):  # (steps exact in binary: jsonschema divides floats, the automaton works exactly)
+        schema["multipleOf"] = draw(st.sampled_from([2, 3, 7, 0.5, 0.25, 1.5]))
     try:
         jm.Schema({"type": "array", "items": schema})
     except jm.SchemaError:
@@ -416,7 +418,12 @@ def test_pydantic_schemas_with_refs_enums_and_recursion():
 
 @pytest.mark.parametrize("schema, message", [
     ({"type": "string"}, "top-level value must be an object or an array"),
-    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}, "'multipleOf' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "'uniqueItems' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 0}}}, "greater than 0"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 4, "multipleOf": 5}}},
+     "no integer lies between its minimum and maximum that is a multiple of its multipleOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 4, "multipleOf": 2.5}}},
+     "that is a multiple"),  # (an integer multiple of 2.5 is a multiple of 5)
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}, "properties.a.pattern: lookaround"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "ipv6"}}}, 'a.format: "ipv6" is not supported'),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "date", "pattern": "a"}}}, "next to 'format'"),
@@ -518,14 +525,33 @@ def test_strings_and_numbers_with_rules():
         assert walk(fine) is not None, fine
 
 
+def test_multiple_of_is_exact_on_the_decimal_text():
+    """multipleOf on the value as written (0.3 is a multiple of 0.1, which float division denies), with and
+    without bounds: a digit is refused as soon as no multiple can follow it; integers take the integer
+    multiples of a fractional step."""
+    schema = jm.Schema({"type": "object", "properties": {
+        "t": {"type": "number", "multipleOf": 0.1}, "q": {"type": "number", "multipleOf": 0.25, "minimum": -1},
+        "k": {"type": "integer", "multipleOf": 7, "maximum": 30}, "h": {"type": "integer", "multipleOf": 2.5}}})
+    walk = lambda doc: schema.walk(schema.start, doc.encode())  # noqa: E731
+    assert schema.done(walk('{"t": 0.3, "q": -0.75, "k": -14, "h": 10}'))
+    assert schema.done(walk('{"t": 12, "q": 3.50, "k": 28, "h": -5}'))
+    for stray in ('{"t": 0.31', '{"t": 0.3e', '{"q": 0.3', '{"q": -1.25', '{"q": 0.7,', '{"k": 2,',
+                  '{"k": 3', '{"k": 35', '{"k": 4', '{"h": 12,', '{"h": 7,'):
+        assert walk(stray) is None, stray  # ('{"k": 3': 30 is past the last multiple of 7 under the maximum)
+    for fine in ('{"t": 0.30', '{"q": 0.2', '{"q": 0.7', '{"q": -1', '{"k": 2', '{"k": -1', '{"h": 1', '{"h": 3'):
+        assert walk(fine) is not None, fine
+
+
 def test_constrained_masks_equal_walking_every_token(grammar):
     """Masks of states inside strings with a pattern, a format or lengths (escapes and multi-byte
-    characters under way included) and inside bounded numbers."""
+    characters under way included) and inside bounded numbers and multiples."""
     schema = jm.Schema({"type": "object", "properties": {
         "w": {"type": "string", "pattern": "^[a-z ]+$"}, "e": {"type": "string", "format": "email"},
         "s": {"type": "string", "minLength": 3, "maxLength": 6}, "f": {"type": "string", "pattern": "é\\d"},
-        "n": {"type": "integer", "minimum": 10, "maximum": 300}, "x": {"type": "number", "maximum": -0.5}}})
-    doc = '{"w": "hello world", "e": "ann.lee@mail.org", "s": "a\\n\\u00e9\u00e9b", "f": "xé1", "n": 250, "x": -3.25}'
+        "n": {"type": "integer", "minimum": 10, "maximum": 300}, "x": {"type": "number", "maximum": -0.5},
+        "m": {"type": "number", "multipleOf": 0.25}}})
+    doc = ('{"w": "hello world", "e": "ann.lee@mail.org", "s": "a\\n\\u00e9\u00e9b", "f": "xé1", "n": 250, "x": -3.25, '
+           '"m": -12.75}')
     data = doc.encode()
     configs = {schema.walk(schema.start, data[:i]) for i in range(len(data) + 1)}
     assert None not in configs and len(configs) > 70
@@ -609,7 +635,7 @@ def test_engine_output_follows_the_schema(embedded_model, embedded_tokenizer):
             jsonschema.validate(json.loads(out.new_text), schema, format_checker=FORMATS)
     assert sum(o.finish_reason == "stop" for o in outs[:-1]) >= 2, [o.new_text for o in outs]
     assert compiled.walk(compiled.start, outs[-1].new_text.encode()) is None  # JSON mode alone strays from it
-    with pytest.raises(ValueError, match="'multipleOf' is not supported"):
+    with pytest.raises(ValueError, match="'uniqueItems' is not supported"):
         eng.generate([prompt], [SamplingParams(json_schema={"type": "object", "properties": {
-            "a": {"type": "integer", "multipleOf": 2}}})])
+            "a": {"type": "array", "uniqueItems": True}}})])
     assert eng.stats()["kv_blocks_used"] == 0

@@ -62,8 +62,8 @@ ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema
 TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
                  "array": {"items", "prefixItems", "minItems", "maxItems"},
                  "string": {"pattern", "format", "minLength", "maxLength"},
-                 "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
-                 "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+                 "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+                 "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
                  "boolean": set(), "null": set()}
 
 # Modes: "value" (a value of detail's node), "key_or_close" (after "{"), "key" (after "," in an object),
@@ -71,7 +71,7 @@ TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
 # "number", "literal", "done" (only EOS). Detail: (whitespace, node) in the whitespace modes (0: none yet, -1:
 # one space, no more; k > 0: a newline and k - 1 bytes of indentation); in a string
 # (key_node: the value's node after an object key, else None; escape; utf8); (part, integer only) in a
-# number, (part, integer only, node, text so far) in a number with bounds; (bytes left, property index
+# number, (part, integer only, node, text so far) in a number with bounds or a multipleOf; (bytes left, property index
 # or -1) in a literal. In "text", a string value with a pattern, format or length: (node, characters
 # so far, the pattern's state, the character under way: () none, ("\\",) after a backslash, ("u", hex
 # digits left, value so far), ("8", UTF-8 bytes left, bits so far, the next byte's range)). Stack
@@ -106,6 +106,12 @@ class Node:
     max_len: Optional[int] = None
     low: Optional[tuple] = None  # numbers: (bound, exclusive) below and above
     high: Optional[tuple] = None
+    step: Optional[Fraction] = None  # numbers: multipleOf (integers: the smallest integer multiple of it)
+
+    @property
+    def tracked(self) -> bool:
+        """A number whose text so far must be kept: its bounds or step decide which digits may follow."""
+        return self.low is not None or self.high is not None or self.step is not None
 
     def keys_from(self, index: int) -> list[int]:
         """The properties that may come next when `index` is the first not yet passed: up to and
@@ -340,23 +346,31 @@ class Schema:
         return self._add(Node("string", text=text, min_len=lo, max_len=hi))
 
     def _number(self, s: dict, t: str, where: str) -> int:
-        """A number or integer, with its bounds (the stricter where two are given on one side)."""
-        low = high = None  # (value, exclusive)
-        for word in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        """A number or integer, with its bounds (the stricter where two are given on one side) and its
+        multipleOf (values exactly as written: 0.1 is 1/10, so 0.3 is a multiple of it)."""
+        low = high = step = None  # (value, exclusive)
+        for word in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "multipleOf"):
             value = s.get(word)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise SchemaError(f"{where}.{word}: expected a number")
             value = Fraction(repr(value)) if isinstance(value, float) else Fraction(value)  # (0.1 is 1/10)
+            if word == "multipleOf":
+                if value <= 0:
+                    raise SchemaError(f"{where}.multipleOf: expected a number greater than 0")
+                # an integer multiple of p/q (lowest terms) is a multiple of p
+                step = Fraction(value.numerator) if t == "integer" else value
+                continue
             exclusive = word.startswith("exclusive")
             if word.endswith("inimum") and (low is None or value > low[0] or (value == low[0] and exclusive)):
                 low = (value, exclusive)
             if word.endswith("aximum") and (high is None or value < high[0] or (value == high[0] and exclusive)):
                 high = (value, exclusive)
-        node = Node(t, low=low, high=high)
+        node = Node(t, low=low, high=high, step=step)
         if not _meets(node, None, False, None, False):
-            raise SchemaError(f"{where}: no {t} lies between its minimum and maximum")
+            raise SchemaError(f"{where}: no {t} lies between its minimum and maximum"
+                              + (" that is a multiple of its multipleOf" if step is not None else ""))
         return self._add(node)
 
     def _literals(self, s: dict, where: str) -> int:
@@ -549,7 +563,7 @@ class Schema:
             return [("text", None, (node, 0, n.text.start, ()))] if n.text else [("string", None, (None, 0, ()))]
         if n.kind in ("number", "integer"):
             part = _number_step("start", b, n.kind == "integer")
-            if part and (n.low or n.high):
+            if part and n.tracked:
                 return [("number", None, (part, n.kind == "integer", node, bytes((b,))))] \
                     if _may_reach(n, bytes((b,)), part) else []
             return [("number", None, (part, n.kind == "integer"))] if part else []
@@ -633,7 +647,8 @@ def _code_points(pending: tuple) -> tuple[int, int]:
 
 
 def _meets(n: Node, lo: Optional[Fraction], lo_in: bool, hi: Optional[Fraction], hi_in: bool) -> bool:
-    """Whether a number of node n lies in the interval lo..hi (None: unbounded; _in: inclusive)."""
+    """Whether a number of node n (within its bounds, a multiple of its step) lies in the interval lo..hi
+    (None: unbounded; _in: inclusive)."""
     if n.low is not None:
         value, inclusive = n.low[0], not n.low[1]
         if lo is None or value > lo or (value == lo and not inclusive):
@@ -642,17 +657,19 @@ def _meets(n: Node, lo: Optional[Fraction], lo_in: bool, hi: Optional[Fraction],
         value, inclusive = n.high[0], not n.high[1]
         if hi is None or value < hi or (value == hi and not inclusive):
             hi, hi_in = value, inclusive
-    if n.kind == "integer" and lo is not None:  # the smallest integer in it
-        first = math.ceil(lo)
-        lo, lo_in = (first + 1 if first == lo and not lo_in else first), True
+    unit = n.step if n.step is not None else 1 if n.kind == "integer" else None
+    if unit is not None and lo is not None:  # the smallest multiple of the unit in it
+        first = math.ceil(lo / unit) * unit
+        lo, lo_in = (first + unit if first == lo and not lo_in else first), True
     if lo is None or hi is None:
         return True
     return lo < hi or (lo == hi and lo_in and hi_in)
 
 
 def _may_reach(n: Node, text: bytes, part: str) -> bool:
-    """Whether a number begun as `text` (no exponent: bounds are checked on plain decimals) can still
-    end within node n's bounds."""
+    """Whether a number begun as `text` (no exponent: bounds and steps are checked on plain decimals) can
+    still end within node n's bounds, on a multiple of its step. (The values a decimal prefix can still
+    become are every decimal in an interval, so a multiple in that interval is one it can reach.)"""
     if part in EXPONENT:
         return False
     negative = text.startswith(b"-")
