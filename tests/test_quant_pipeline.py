@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fitllm.models.errors import ModelLoadError
 from fitllm.models.generate import prompt_logits
 from fitllm.models.loader import load_model
 from fitllm.quant.layers import load_quantized_model
@@ -414,6 +415,65 @@ def test_gemma3_converts_and_loads_back(tiny, method, fmt):
             name = "model.layers.1.pre_feedforward_layernorm.weight"
             assert torch.allclose(a.get_tensor(name), b.get_tensor(name), atol=1e-6)
     assert rel_err(prompt_logits(load_quantized_model(r.output), IDS), ref) < (0.2 if method == "fp8" else 0.5)
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq"])
+def test_multimodal_rules_in_the_checkpoints_own_names(tiny, fmt):
+    """A multimodal checkpoint quantized as llm-compressor / GPTQModel write one keeps its own names
+    (language_model.model.layers... or model.language_model.layers...), and so do its rules: a text layer left dense by an ignore entry (or a
+    `-:` dynamic rule) in that spelling loads dense, exactly as with the text model's spelling."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fitllm.models.linear import DenseLinear
+    from fitllm.models.loader import text_model_name
+    from fitllm.quant.formats import compressed_tensors, gptq
+    from fitllm.quant.layers import QuantLinear
+    from fitllm.quant.rtn import rtn_quantize
+    from fitllm.quant.scheme import QuantScheme
+
+    root = tiny[0]
+    base = root / "gemma3-mm-rules"
+    if not base.exists():
+        make_tiny_gemma3(base, multimodal=True)
+    writer = compressed_tensors if fmt == "compressed-tensors" else gptq
+    scheme = QuantScheme("rtn", bits=4, group_size=32, sym=True)
+    dense_one = "language_model.model.layers.0.mlp.down_proj"  # (transformers saves the older spelling)
+    tensors = {}
+    for name, w in load_file(str(base / "model.safetensors")).items():
+        module, text = name.removesuffix(".weight"), text_model_name(name)
+        if text and ".layers." in text and name.endswith("_proj.weight") and module != dense_one:
+            tensors.update({f"{module}.{k}": v for k, v in writer.write(rtn_quantize(w.float(), scheme)).items()})
+        else:
+            tensors[name] = w
+    config = json.loads((base / "config.json").read_text())
+
+    def checkpoint(rule_name: str) -> Path:
+        qc = writer.quantization_config(scheme)
+        if fmt == "compressed-tensors":
+            qc["ignore"] = ["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*", rule_name]
+        else:
+            qc["dynamic"] = {"-:" + re.escape(rule_name): {}}
+        folder = root / f"gemma3-mm-rules-{fmt}-{re.sub(r'[^a-z0-9]', '_', rule_name)}"
+        folder.mkdir(exist_ok=True)
+        save_file(tensors, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(base / f, folder / f)
+        return folder
+
+    own = load_quantized_model(checkpoint(dense_one))
+    text = load_quantized_model(checkpoint("model.layers.0.mlp.down_proj"))
+    for model in (own, text):
+        mlp = model.model.layers[0].mlp
+        assert isinstance(mlp.down_proj, DenseLinear) and isinstance(mlp.gate_up_proj, QuantLinear)
+    logits = prompt_logits(own, IDS)
+    assert torch.equal(logits, prompt_logits(text, IDS))
+    assert rel_err(logits, prompt_logits(load_model(base), IDS)) < 0.5
+    with pytest.raises(ModelLoadError, match="layers.0.mlp.down_proj: stored dense"):  # a rule naming no module
+        load_quantized_model(checkpoint("language_model.model.layers.0.mlp.down_proj_x"))
 
 
 @pytest.mark.parametrize("model", ["gemma3", "gemma3-mm", "mistral3-mm", "smollm3"])

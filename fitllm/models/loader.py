@@ -134,6 +134,15 @@ def text_model_name(name: str) -> Optional[str]:
     return name if name == "lm_head.weight" else None
 
 
+def checkpoint_spellings(module: str) -> list[str]:
+    """The names a multimodal checkpoint may give text module `module` (text_model_name's inverse), the
+    text name first: the rules of its quantization config (ignore lists, `dynamic` patterns,
+    modules_to_not_convert) are written with the checkpoint's own spelling."""
+    dotted = module + "."
+    return [module] + [(old + dotted[len(new):]).rstrip(".") for old, new in TEXT_MODEL_PREFIXES
+                       if dotted.startswith(new)]
+
+
 def text_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in tensors:
         renamed = text_model_name(name)

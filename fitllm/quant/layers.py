@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from fitllm.kernels._utils import Fp8Activations, Fp8Input, Gathered, backend_for
-from fitllm.models.config import ModelConfig
+from fitllm.models.config import MULTIMODAL, ModelConfig
 from fitllm.models.errors import ModelLoadError
 from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
-from fitllm.models.loader import FUSED_SHARDS, load_model
+from fitllm.models.loader import FUSED_SHARDS, checkpoint_spellings, load_model
 from fitllm.quant.formats.packing import KernelWeight, TiledWeight
 from fitllm.quant.scheme import CodebookWeight, FP8Weight
 
@@ -74,6 +74,9 @@ class QuantLinear(FusedLinear):
         for shard, (tensors, name) in enumerate(zip(self.pending, self.names)):
             if not tensors:
                 raise ModelLoadError(f"{name}: no quantized tensors in the checkpoint")
+            if set(tensors) == {"weight"}:
+                raise ModelLoadError(f"{name}: stored dense (a plain weight), but the quantization config quantizes "
+                                     "it (no ignore / dynamic / modules_to_not_convert rule names it)")
             part = self.reader(tensors, name)
             n, k = _out_features(part), (part.weight.shape[1] if isinstance(part, FP8Weight) else part.in_features)
             if (n, k) != (self.out_sizes[shard], self.in_features):
@@ -306,11 +309,16 @@ def gpu_form(p: KernelWeight, dtype: torch.dtype) -> KernelWeight | TiledWeight:
     return p
 
 
-def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = "config.json") -> LinearFactory:
-    """The make_linear factory for a checkpoint whose config.json holds `qc`."""
+def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = "config.json",
+                  multimodal: bool = False) -> LinearFactory:
+    """The make_linear factory for a checkpoint whose config.json holds `qc`. multimodal: the checkpoint
+    names the text model otherwise (model.language_model.layers...), and so may its quantization rules."""
     if not qc:
         return dense_factory(dtype, device)
     from fitllm.quant.formats import get_format
+
+    def aliases(name: str) -> list[str]:
+        return checkpoint_spellings(name)[1:] if multimodal else []
 
     method = str(qc.get("quant_method", "")).lower()
     dense = dense_factory(dtype, device)
@@ -319,12 +327,13 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
 
         def make(prefix, in_features, out_sizes, bias):
             names = shard_names(prefix, len(out_sizes))
-            groups = [compressed_tensors.scheme_for(qc, n) for n in names]
+            groups = [compressed_tensors.scheme_for(qc, n, aliases(n)) for n in names]
             if all(g is None for g in groups):
                 return dense(prefix, in_features, out_sizes, bias)
             if any(g is None for g in groups):
                 raise ModelLoadError(f"{source}: {prefix} fuses quantized and unquantized matrices ({names})")
-            reader = lambda t, name: compressed_tensors.read(t, compressed_tensors.scheme_for(qc, name), dtype, name)
+            reader = lambda t, name: compressed_tensors.read(t, compressed_tensors.scheme_for(qc, name, aliases(name)),
+                                                             dtype, name)
             return QuantLinear(prefix, in_features, out_sizes, bias, reader, dtype, device)
         return make
     if method == "awq":
@@ -344,18 +353,18 @@ def quant_factory(qc: Optional[dict], dtype: torch.dtype, device, source: str = 
             raise ModelLoadError(f"{source}: quantization_config.pack_dtype {qc['pack_dtype']!r} is not supported "
                                  "(GPTQ words must be int32)")
         gptq = get_format("gptq")
-        reader = lambda t, name: gptq.read(t, gptq.module_config(qc, name), dtype)
+        reader = lambda t, name: gptq.read(t, gptq.module_config(qc, name, aliases(name)), dtype)
     else:
         raise ModelLoadError(f"{source}: quantization_config.quant_method {method!r} is not supported "
                              "(compressed-tensors, awq, gptq, bitsandbytes)")
     skip = set(bnb.skipped_modules(qc) if method == "bitsandbytes" else qc.get("modules_to_not_convert") or [])
 
     def make(prefix, in_features, out_sizes, bias):
-        if any(s and s in prefix for s in skip):
+        if any(s and s in p for s in skip for p in (prefix, *aliases(prefix))):
             return dense(prefix, in_features, out_sizes, bias)
         if method == "gptq":  # `dynamic` rules may leave modules dense
             names = shard_names(prefix, len(out_sizes))
-            kept = [gptq.module_config(qc, n) is not None for n in names]
+            kept = [gptq.module_config(qc, n, aliases(n)) is not None for n in names]
             if not any(kept):
                 return dense(prefix, in_features, out_sizes, bias)
             if not all(kept):
@@ -384,5 +393,6 @@ def load_quantized_model(folder: Path, device="cpu", dtype: Optional[torch.dtype
         factory = at_load_factory(quantize, config, dtype, device)
         config.quantized_at_load = quantize
         return load_model(folder, device, dtype, make_linear=factory, config=config)
-    factory = quant_factory(config.quantization_config, dtype, device, source=str(folder / "config.json"))
+    factory = quant_factory(config.quantization_config, dtype, device, source=str(folder / "config.json"),
+                            multimodal=config.architecture in MULTIMODAL)
     return load_model(folder, device, dtype, make_linear=factory, config=config)

@@ -12,7 +12,7 @@ float-quantized (FP8): weight e4m3 [N, K], weight_scale [N, 1], input_scale [1] 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import compressed_tensors
@@ -77,14 +77,16 @@ def write(qw) -> dict[str, torch.Tensor]:
     return out
 
 
-def scheme_for(qc: dict, name: str) -> Optional[dict]:
-    """The weights/input args dict of the config group that targets module `name` (HF name),
-    or None when the module is ignored or untargeted (it stays dense)."""
-    if any(match_name(name, ig) for ig in qc.get("ignore") or []):
+def scheme_for(qc: dict, name: str, aliases: Sequence[str] = ()) -> Optional[dict]:
+    """The weights/input args dict of the config group that targets module `name` (HF name; aliases: the
+    other names the checkpoint may give it), or None when the module is ignored or untargeted (it stays
+    dense)."""
+    names = (name, *aliases)
+    if any(match_name(n, ig) for ig in qc.get("ignore") or [] for n in names):
         return None
     for group in (qc.get("config_groups") or {}).values():
         targets = group.get("targets") or []
-        if "Linear" in targets or any(t != "Linear" and match_name(name, t) for t in targets):
+        if "Linear" in targets or any(t != "Linear" and match_name(n, t) for t in targets for n in names):
             return group
     return None
 

@@ -20,7 +20,7 @@ the GPTQModel v1 convention GPTQModel's loader requires of asymmetric files (see
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -31,17 +31,17 @@ SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 OVERRIDABLE = ("bits", "group_size", "desc_act", "sym")  # what a `dynamic` rule may change
 
 
-def module_config(qc: dict, name: str) -> Optional[dict]:
-    """The quantization config of module `name` (HF name, e.g. `lm_head`) under GPTQModel's
-    `dynamic` rules, as vLLM applies them: the first pattern that matches the start of the name
-    decides; `-:regex` leaves the module unquantized (None), `+:regex` (or a bare regex) overrides
-    bits / group_size / desc_act / sym."""
+def module_config(qc: dict, name: str, aliases: Sequence[str] = ()) -> Optional[dict]:
+    """The quantization config of module `name` (HF name, e.g. `lm_head`; aliases: the other names the
+    checkpoint may give it) under GPTQModel's `dynamic` rules, as vLLM applies them: the first pattern
+    that matches the start of a name decides; `-:regex` leaves the module unquantized (None),
+    `+:regex` (or a bare regex) overrides bits / group_size / desc_act / sym."""
     for pattern, override in (qc.get("dynamic") or {}).items():
+        if not any(re.match(pattern.removeprefix("-:").removeprefix("+:"), n) for n in (name, *aliases)):
+            continue
         if pattern.startswith("-:"):
-            if re.match(pattern[2:], name):
-                return None
-        elif re.match(pattern.removeprefix("+:"), name):
-            return {**qc, **{k: v for k, v in override.items() if k in OVERRIDABLE}}
+            return None
+        return {**qc, **{k: v for k, v in override.items() if k in OVERRIDABLE}}
     return qc
 
 
