@@ -83,6 +83,37 @@ def test_rms_norm_strided_heads_and_mixed_dtypes():
     assert h.dtype == torch.float32 and torch.equal(h, x + r)
 
 
+def test_gemma_norm_multiplies_in_fp32_as_transformers_does():
+    """Gemma's RMSNorm (weights stored less one): the module keeps 1 + w in float32 through the model's
+    cast to bf16, and the row times it is taken in float32 and rounded once: the reference is
+    transformers' Gemma3RMSNorm bit for bit, the kernel (residual add and a column order included)
+    within a rare ulp of it. Llama's order (the row rounded first, 1 + w in bf16) is further off."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from fitllm.models.decoder import RMSNorm
+
+    N = 96
+    stored = randn(N, scale=0.3).to(torch.bfloat16)
+    theirs = Gemma3RMSNorm(N, eps=1e-6)
+    theirs.weight.data = stored.clone()
+    ours = RMSNorm(N, 1e-6, offset=1.0)
+    ours.load_weight(stored)
+    ours = ours.to(torch.bfloat16)
+    assert ours.weight.dtype == torch.float32 and torch.equal(ours.stored_weight(torch.bfloat16), stored)
+    x, r = randn(5, N, dtype=torch.bfloat16, scale=4.0), randn(5, N, dtype=torch.bfloat16)
+    want = theirs(x)
+    assert torch.equal(ours(x), want)  # CPU: the torch reference
+    llama_order = fused.rms_norm_ref(x, ours.weight.to(torch.bfloat16), 1e-6)
+    assert (llama_order != want).any()
+    assert_close(fused.rms_norm_triton(x, ours.weight, 1e-6, fp32_product=True), want)
+    out, h = fused.rms_norm_triton(x, ours.weight, 1e-6, r, fp32_product=True)
+    assert torch.equal(h, x + r)
+    assert_close(out, theirs(x + r))
+    perm = torch.randperm(N, generator=GEN)
+    got = fused.rms_norm_triton(x, ours.weight, 1e-6, perm=perm, fp32_product=True)
+    assert_close(got.x, want[:, perm])
+
+
 # --------------------------------------------------------------------------- rope
 
 def rope_tables(T, half, theta=10000.0):

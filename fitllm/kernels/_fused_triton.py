@@ -87,13 +87,15 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, s_ptr, idx_ptr, N, n_in
                     HAS_RES: tl.constexpr, RNE: tl.constexpr, RNE_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
                     X_SUM: tl.constexpr = False, FP8: tl.constexpr = 0, ACT: tl.constexpr = tl.bfloat16,
                     EXACT: tl.constexpr = False, PERM: tl.constexpr = False, PDL: tl.constexpr = False,
-                    W_PERMUTED: tl.constexpr = False):
+                    W_PERMUTED: tl.constexpr = False, ROUND_ROW: tl.constexpr = True):
     # Row `row` of x sits at (row // n_inner) * sx_o + (row % n_inner) * sx_i: [T, N] or [T, H, N]
     # views (q|k slices of the qkv output) without a copy. out and h are contiguous. X_SUM: x is a
     # GEMM's pending fp32 sum (taken here; HAS_RES then, whose dtype is the activations'). FP8: out
     # gets e4m3 codes for an fp8 GEMM and s_ptr the scales (see _store_out). PERM: out's column j is
     # the normalised column idx[j] (an act-order GEMM's input order, fused.rms_norm's perm);
     # W_PERMUTED: w holds the weight in that order already (read contiguously, not gathered).
+    # ROUND_ROW: the normalised row is rounded to the activation dtype before the weight multiplies
+    # it (Llama's order); else the product is taken in fp32 (Gemma's, fused.rms_norm_ref).
     # The weight and the residual are read before waiting for the previous kernel (PDL): neither is
     # that kernel's output (the decoder's residual comes from a norm two or more launches back), and
     # their round trip to memory then overlaps the wait instead of following the sum's.
@@ -120,7 +122,9 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, s_ptr, idx_ptr, N, n_in
         tl.store(h_ptr + row * N + cols, h, mask=mask)
         x = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps)
-    y = _cast(x * rstd, DT, RNE)
+    y = x * rstd
+    if ROUND_ROW:
+        y = _cast(y, DT, RNE)
     if PERM:  # gathered in 16 bits, after the rounding: half the shared-memory traffic of fp32
         y = tl.gather(y, src, 0)
     y = y.to(tl.float32)

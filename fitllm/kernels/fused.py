@@ -54,13 +54,16 @@ from ._utils import Fp8Activations, Fp8Input, Gathered, PendingSum, backend_for,
 
 # --------------------------------------------------------------------------- torch references
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 fp32_product: bool = False):
+    """fp32_product (Gemma's order): the normalised row times the weight in float32, rounded once to x's
+    dtype; else Llama's, the row rounded to x's dtype first and the product in the promoted dtype."""
     if residual is not None:
         x = x + residual
         residual = x
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
+    out = (weight.float() * h).to(x.dtype) if fp32_product else weight * h.to(x.dtype)
     return out if residual is None else (out, residual)
 
 
@@ -181,7 +184,8 @@ def _with_fp8(out: torch.Tensor, scale: torch.Tensor, mode: int, dtype: torch.dt
 
 def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None, fp8: Fp8Input | None = None,
-                    perm: torch.Tensor | None = None, permuted_weight: torch.Tensor | None = None):
+                    perm: torch.Tensor | None = None, permuted_weight: torch.Tensor | None = None,
+                    fp32_product: bool = False):
     N = x.shape[-1]
     has_res = residual is not None
     if weight.shape != (N,) or (has_res and residual.shape != x.shape):
@@ -189,14 +193,15 @@ def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: flo
                          f"{tuple(residual.shape) if has_res else None}")
     _check_perm(perm, x, fp8, weight, permuted_weight)
     if perm is not None and not _kernels().HAS_GATHER:  # an older Triton: normalise, then gather
-        return _gathered(rms_norm_triton(x, weight, eps, residual), perm, gather_columns_triton)
+        return _gathered(rms_norm_triton(x, weight, eps, residual, fp32_product=fp32_product), perm,
+                         gather_columns_triton)
     pending = isinstance(x, PendingSum)
     if pending and not (has_res and residual.dtype == x.dtype):  # the kernel takes a sum with a residual only
         x, pending = x.materialize(), False
     if has_res and residual.dtype != x.dtype:  # mixed dtypes promote: not the kernel's case
-        return _gathered(rms_norm_ref(x, weight, eps, residual), perm)
+        return _gathered(rms_norm_ref(x, weight, eps, residual, fp32_product), perm)
     dtype, device = x.dtype, residual.device if pending else x.device
-    out_dtype = torch.promote_types(weight.dtype, dtype)  # `weight * h` promotes, as the reference
+    out_dtype = dtype if fp32_product else torch.promote_types(weight.dtype, dtype)  # as the reference
     rows = x.shape.numel() // N if N else 0
     if len(x.shape) != 2 or out_dtype != dtype or not _kernels().TL_DTYPES.get(dtype):
         fp8 = None  # quantized rows for an fp8 GEMM: only of [T, N] activations in their own dtype
@@ -210,6 +215,7 @@ def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: flo
             x, residual, (weight if permuted_weight is None else permuted_weight).contiguous(), out, h, scale,
             out if perm is None else perm, N, n_inner, sx_o, sx_i,
             sr_o, sr_i, float(eps), HAS_RES=has_res, X_SUM=pending, RNE=_rne(dtype), RNE_OUT=_rne(out_dtype),
+            ROUND_ROW=not fp32_product,
             BLOCK_N=block, PERM=perm is not None, W_PERMUTED=permuted_weight is not None, num_warps=_warps(block),
             **fp8_opts, **pdl_args(h))
     out = _with_fp8(out, scale, mode, out_dtype) if perm is None else Gathered(out, perm)
@@ -356,7 +362,7 @@ def gather_columns_triton(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              fp8: Fp8Input | None = None, perm: torch.Tensor | None = None,
-             permuted_weight: torch.Tensor | None = None):
+             permuted_weight: torch.Tensor | None = None, fp32_product: bool = False):
     """RMSNorm over the last dim, math in float32, output in x's dtype (promoted with weight's).
     With `residual`: h = x + residual first, returns (rms_norm(h), h). x may be a GEMM's
     PendingSum: taken (and its workspace zeroed) here. fp8 (the next GEMM's FusedLinear.fp8_input):
@@ -365,13 +371,14 @@ def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, res
     (both paths); permuted_weight (optional, weight[perm] made once by the caller) spares the kernel
     gathering the weight. The kernel reads `weight`, `residual` and `perm` before it waits for the kernel
     launched just before it (PDL): they must not be that kernel's output (the decoder's residual is
-    a norm's, two or more launches back)."""
+    a norm's, two or more launches back). fp32_product: Gemma's order (rms_norm_ref); the output is then
+    in x's dtype whatever the weight's."""
     if isinstance(x, PendingSum) and backend_for(x.acc) != "triton":
         x = x.materialize()
     if backend_for(x.acc if isinstance(x, PendingSum) else x) == "triton":
-        return rms_norm_triton(x, weight, eps, residual, fp8, perm, permuted_weight)
+        return rms_norm_triton(x, weight, eps, residual, fp8, perm, permuted_weight, fp32_product)
     _check_perm(perm, x, fp8, weight, permuted_weight)
-    return _gathered(rms_norm_ref(x, weight, eps, residual), perm)
+    return _gathered(rms_norm_ref(x, weight, eps, residual, fp32_product), perm)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

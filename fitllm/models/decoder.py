@@ -28,19 +28,33 @@ class RMSNorm(nn.Module):
         self._in_order = None  # (perm, the weight's version, weight[perm])
 
     # Gemma's checkpoints store weight - 1 (offset 1.0): the module holds the weight it multiplies by,
-    # so the kernels are Llama's, and converts on the way in and out.
+    # and converts on the way in and out. It keeps that weight in float32 whatever the model's dtype,
+    # and multiplies the normalised row by it in float32, rounding once (Gemma's reference: 1 + w in
+    # bf16 alone would move each weight by up to 2^-9).
     def load_weight(self, stored: torch.Tensor) -> None:
-        self.weight.data.copy_(stored.float() + self.offset if self.offset else stored)
+        if self.offset:
+            self.weight.data = stored.float().to(self.weight.device) + self.offset
+        else:
+            self.weight.data.copy_(stored)
 
     def stored_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.weight.float() - self.offset).to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        if not self.offset:
+            return super()._apply(fn, recurse)
+        exact = self.weight.data.float()
+        out = super()._apply(fn, recurse)
+        self.weight.data = exact.to(self.weight.device)  # moved, not cast
+        return out
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, fp8=None, perm=None):
         """Normalise in float32 as the reference implementations do, then cast back. With `residual`,
         normalises h = x + residual and returns (norm(h), h): the residual add, fused. fp8: the next
         layer's FusedLinear.fp8_input (the output may come quantized for it); perm: its input_perm
         (the output comes with its columns in that order)."""
-        return fused.rms_norm(x, self.weight, self.eps, residual, fp8, perm, self.weight_in_order(perm))
+        return fused.rms_norm(x, self.weight, self.eps, residual, fp8, perm, self.weight_in_order(perm),
+                              fp32_product=bool(self.offset))
 
     def weight_in_order(self, perm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """weight[perm], which the kernel reads contiguously instead of gathering it (int4-act batch-1
