@@ -445,6 +445,11 @@ def test_cli_commands_for_a_known_name_say_where_the_checkpoint_goes():
     assert "quant convert MODEL_DIR --method awq" in text and "quant serve CONVERTED_DIR" in text
     assert "quant convert llama-3-8b" not in text and "MODEL_DIR" in text and "hub id" in text
     assert _json(["llama-3-8b", "--gpu", "h200"])["command"].startswith("quant serve MODEL_DIR ")
+    # no fit as asked, a shorter context in the same scheme: its rows serve CONVERTED_DIR, so the convert comes too
+    result = runner.invoke(app, ["memory", "gemma-3-27b", "--gpu", "rtx4090", "--quant", "awq"])
+    text = " ".join(result.output.split())
+    assert "Does not fit" in text and "quant serve CONVERTED_DIR" in text
+    assert "First convert: quant convert MODEL_DIR --method awq -o CONVERTED_DIR" in text
 
 
 def test_block_size_defaults_follow_the_kv_dtype():

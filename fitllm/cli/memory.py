@@ -141,6 +141,12 @@ def _scheme_name(s: bm.Settings, config) -> str:
     return f"{s.scheme} {s.bits}-bit" if s.scheme in ("awq", "gptq") else s.scheme
 
 
+def _print_convert(s: bm.Settings, config, model: Optional[str], lm_head: bool) -> None:
+    head = f" --format gptq --quantize-lm-head --lm-head-bits {bm.lm_head_bits(config)}" if lm_head else ""
+    bits = f" --bits {s.bits}" if s.bits != 4 else ""
+    out.print(f"First convert: quant convert {model or ''} --method {s.scheme}{bits}{head} -o CONVERTED_DIR")
+
+
 def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, model: Optional[str],
                 lm_head: bool = False) -> None:
     b, s, card = p.budget, p.budget.settings, p.gpu
@@ -174,9 +180,7 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
             out.print(f"Decode (bandwidth roofline, an upper bound): ~{speed['single_seq_short_ctx']:.0f} tok/s for one "
                       f"sequence; ~{speed['batch_full_ctx']:.0f} tok/s total at {speed['batch_seqs']} x {s.max_model_len} tokens.")
         if needs_convert:
-            head = f" --format gptq --quantize-lm-head --lm-head-bits {bm.lm_head_bits(config)}" if lm_head else ""
-            bits = f" --bits {s.bits}" if s.bits != 4 else ""
-            out.print(f"First convert: quant convert {model or ''} --method {s.scheme}{bits}{head} -o CONVERTED_DIR")
+            _print_convert(s, config, model, lm_head)
         out.print(f"Run: [bold]{p.command}[/]")
         if needs_convert and s.scheme in ("nf4", "fp8") and config.quantization_config is None:  # data-free: no files
             at_load = p.command.replace("CONVERTED_DIR", model or "").replace("  ", " ")
@@ -191,6 +195,8 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
         for a in p.alternatives:
             alt.add_row(a["change"], str(a["max_num_seqs"]), a["command"])
         out.print(alt)
+        if needs_convert and any(a.get("scheme", s.scheme) == s.scheme for a in p.alternatives):
+            _print_convert(s, config, model, lm_head)  # (rows of another scheme say how to convert in theirs)
     else:
         small = _smallest(s)
         cards = bm.cards_that_fit(config, small)
