@@ -202,11 +202,12 @@ BAD_CHATS = [
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "none"},
      "tools.0.function.name", None),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "n": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"}, "tools.0.function.parameters.properties.n",
+        "n": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
+     "tools.0.function.parameters.properties.n.uniqueItems",
      None),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object",
         "properties": {"n": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "auto"},
-     "tools.0.function.parameters.properties.n", None),  # a strict tool's arguments are enforced under 'auto' too
+     "tools.0.function.parameters.properties.n.uniqueItems", None),  # a strict tool's arguments are enforced under 'auto' too
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.0.function.parameters", None),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
@@ -785,7 +786,8 @@ def test_tools_and_tool_history_reach_the_template(tokenizer):
 
 def test_tools_shown_but_not_enforced_may_use_any_keyword(client):
     """With tool_choice 'none' (or 'auto') the tools are only rendered for the model: keywords the
-    automaton cannot enforce (a format it does not know, uniqueItems) are fine there, as in vLLM and OpenAI."""
+    automaton cannot enforce (a format it does not know, uniqueItems over strings) are fine there, as in vLLM and
+    OpenAI."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "when": {"type": "string", "format": "duration"}, "n": {"type": "array", "uniqueItems": True}}}}}]
     r = client.post("/v1/chat/completions", json={**OK_CHAT, "tools": tools, "tool_choice": "none", "max_tokens": 2})

@@ -253,8 +253,21 @@ def arrays(draw, inner):
     return schema
 
 
+@st.composite
+def unique_arrays(draw):
+    """uniqueItems over enum values (pydantic's set of an Enum / Literal), some of them equal as JSON
+    Schema compares (1 and 1.0)."""
+    values = draw(st.lists(SCALARS | st.sampled_from([1, 1.0, True]), min_size=1, max_size=4))
+    distinct = len({jm._identity(json.loads(json.dumps(v))) for v in values})
+    lo = draw(st.integers(0, min(2, distinct)))
+    hi = draw(st.none() | st.integers(lo, distinct + 1))
+    return {"type": "array", "items": {"enum": values}, "uniqueItems": True, "minItems": lo,
+            **({} if hi is None else {"maxItems": hi})}
+
+
 def containers(inner):
-    return objects(inner) | arrays(inner) | inner.map(lambda s: {"type": "object", "additionalProperties": s}) \
+    return objects(inner) | arrays(inner) | unique_arrays() \
+        | inner.map(lambda s: {"type": "object", "additionalProperties": s}) \
         | st.lists(inner, min_size=2, max_size=3).map(lambda options: {"anyOf": options}) \
         | st.tuples(inner, inner).map(lambda pair: {"type": ["object", "string"], "properties": {"x": pair[0]}})
 
@@ -280,6 +293,10 @@ def instances(draw, schema):
                 if name in schema.get("required", []) or draw(st.booleans())}
     if kind == "object":
         return draw(st.dictionaries(NAMES, instances(schema.get("additionalProperties", {})), max_size=3))
+    if kind == "array" and schema.get("uniqueItems"):
+        distinct = list({jm._identity(json.loads(json.dumps(v))): v for v in reversed(schema["items"]["enum"])}.values())
+        hi = min(schema.get("maxItems", len(distinct)), len(distinct))
+        return draw(st.permutations(distinct))[:draw(st.integers(schema.get("minItems", 0), hi))]
     if kind == "array":
         lo, prefix, rest = schema.get("minItems", 0), schema.get("prefixItems", []), schema["items"]
         hi = schema.get("maxItems", lo + 3)
@@ -396,6 +413,29 @@ class Owner(pydantic.BaseModel):
     note: Optional[str] = None
 
 
+class Tagged(pydantic.BaseModel):
+    colours: set[Colour]
+    sizes: frozenset[Literal["s", "m", "l"]] = frozenset()
+
+
+def test_unique_items_of_enums_never_repeat_nor_dead_end():
+    """pydantic's set of an Enum ($ref) or of a Literal: uniqueItems over their values. An item is only
+    begun from the values not taken yet, and a comma only where one is left."""
+    schema = Tagged.model_json_schema()
+    assert schema["properties"]["colours"]["uniqueItems"] is True
+    compiled = jm.Schema(schema)
+    walk = lambda doc: compiled.walk(compiled.start, doc.encode())  # noqa: E731
+    assert compiled.done(walk('{"colours": ["red", "dark red"], "sizes": ["l", "s"]}'))
+    for stray in ('{"colours": ["red", "red"', '{"colours": ["red", "dark red",', '{"colours": [], "sizes": ["m", "s", "l",'):
+        assert walk(stray) is None, stray
+    rng = random.Random(0)
+    for _ in range(20):
+        text = random_text(compiled, rng, limit=400)
+        if compiled.done(compiled.walk(compiled.start, text)):
+            assert is_valid(text, schema), text
+            Tagged.model_validate_json(text)
+
+
 def test_pydantic_schemas_with_refs_enums_and_recursion():
     schema = Owner.model_json_schema()  # $defs, $ref (a recursive one), enum, const, anyOf with null, defaults
     compiled = jm.Schema(schema)
@@ -418,7 +458,10 @@ def test_pydantic_schemas_with_refs_enums_and_recursion():
 
 @pytest.mark.parametrize("schema, message", [
     ({"type": "string"}, "top-level value must be an object or an array"),
-    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "'uniqueItems' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}},
+     "a.uniqueItems: supported where the items are enum / const values"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, 1.0, 2]}, "uniqueItems": True,
+                                             "minItems": 3}}}, "more than the 2 distinct values"),
     ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 0}}}, "greater than 0"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 4, "multipleOf": 5}}},
      "no integer lies between its minimum and maximum that is a multiple of its multipleOf"),
@@ -544,14 +587,15 @@ def test_multiple_of_is_exact_on_the_decimal_text():
 
 def test_constrained_masks_equal_walking_every_token(grammar):
     """Masks of states inside strings with a pattern, a format or lengths (escapes and multi-byte
-    characters under way included) and inside bounded numbers and multiples."""
+    characters under way included), inside bounded numbers and multiples, and in unique items."""
     schema = jm.Schema({"type": "object", "properties": {
         "w": {"type": "string", "pattern": "^[a-z ]+$"}, "e": {"type": "string", "format": "email"},
         "s": {"type": "string", "minLength": 3, "maxLength": 6}, "f": {"type": "string", "pattern": "é\\d"},
         "n": {"type": "integer", "minimum": 10, "maximum": 300}, "x": {"type": "number", "maximum": -0.5},
-        "m": {"type": "number", "multipleOf": 0.25}}})
+        "m": {"type": "number", "multipleOf": 0.25},
+        "u": {"type": "array", "items": {"enum": ["x", "yy", 3]}, "uniqueItems": True}}})
     doc = ('{"w": "hello world", "e": "ann.lee@mail.org", "s": "a\\n\\u00e9\u00e9b", "f": "xé1", "n": 250, "x": -3.25, '
-           '"m": -12.75}')
+           '"m": -12.75, "u": ["yy", 3, "x"]}')
     data = doc.encode()
     configs = {schema.walk(schema.start, data[:i]) for i in range(len(data) + 1)}
     assert None not in configs and len(configs) > 70
@@ -635,7 +679,7 @@ def test_engine_output_follows_the_schema(embedded_model, embedded_tokenizer):
             jsonschema.validate(json.loads(out.new_text), schema, format_checker=FORMATS)
     assert sum(o.finish_reason == "stop" for o in outs[:-1]) >= 2, [o.new_text for o in outs]
     assert compiled.walk(compiled.start, outs[-1].new_text.encode()) is None  # JSON mode alone strays from it
-    with pytest.raises(ValueError, match="'uniqueItems' is not supported"):
+    with pytest.raises(ValueError, match="uniqueItems: supported where"):
         eng.generate([prompt], [SamplingParams(json_schema={"type": "object", "properties": {
             "a": {"type": "array", "uniqueItems": True}}})])
     assert eng.stats()["kv_blocks_used"] == 0

@@ -60,7 +60,7 @@ EXPONENT = frozenset({"e", "esign", "exp"})
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                          "readOnly", "writeOnly", "$defs", "definitions"})
 TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
-                 "array": {"items", "prefixItems", "minItems", "maxItems"},
+                 "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"},
                  "string": {"pattern", "format", "minLength", "maxLength"},
                  "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
                  "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
@@ -75,7 +75,8 @@ TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
 # or -1) in a literal. In "text", a string value with a pattern, format or length: (node, characters
 # so far, the pattern's state, the character under way: () none, ("\\",) after a backslash, ("u", hex
 # digits left, value so far), ("8", UTF-8 bytes left, bits so far, the next byte's range)). Stack
-# frames: ("o", node, next property) and ("a", node, items begun, capped where the count stops mattering).
+# frames: ("o", node, next property) and ("a", node, items begun, capped where the count stops mattering),
+# with a 4th entry in an array of unique items: the frozenset of its items' literal indices so far.
 WHITESPACE_MODES = frozenset({"value", "key_or_close", "key", "value_or_close", "colon", "after"})
 DONE = ("done", (), ())
 State = tuple
@@ -99,6 +100,7 @@ class Node:
     prefix: tuple = ()  # arrays: the nodes of the first items, in order (prefixItems)
     min_items: int = 0
     max_items: Optional[int] = None
+    unique: bool = False  # arrays: uniqueItems (items are then one literals node, each value at most once)
     literals: tuple = ()  # the JSON texts (bytes) of enum / const values, true, false and null
     options: tuple = ()  # a union's node ids
     text: Optional[Regex] = None  # strings with a pattern, format or length (ANY_TEXT: lengths only)
@@ -321,8 +323,29 @@ class Schema:
             if lo > hi:
                 raise SchemaError(f"{where}: minItems ({lo}) is more than the {hi} items 'items: false' allows")
             return self._add(Node("array", prefix=prefix, min_items=lo, max_items=hi))
-        return self._add(Node("array", items=self._compile(s.get("items", True), f"{where}.items"), prefix=prefix,
-                              min_items=lo, max_items=hi))
+        items = self._compile(s.get("items", True), f"{where}.items")
+        unique = s.get("uniqueItems", False)
+        if not isinstance(unique, bool):
+            raise SchemaError(f"{where}.uniqueItems: expected true or false")
+        if unique:
+            items = self._distinct_literals(items, prefix, where)
+            count = len(self.nodes[items].literals)
+            if lo > count:
+                raise SchemaError(f"{where}: minItems ({lo}) is more than the {count} distinct values its items allow")
+            hi = count if hi is None else min(hi, count)
+        return self._add(Node("array", items=items, prefix=prefix, min_items=lo, max_items=hi, unique=unique))
+
+    def _distinct_literals(self, items: int, prefix: tuple, where: str) -> int:
+        """uniqueItems, enforced where the items are values listed by enum / const (pydantic's set of an
+        Enum or Literal): a literals node of the distinct values (equal as JSON Schema compares them)."""
+        options = self._alternatives(items)
+        if prefix or not all(self.nodes[o].kind == "literals" for o in options):
+            raise SchemaError(f"{where}.uniqueItems: supported where the items are enum / const values (no "
+                              "prefixItems)")
+        distinct = {}
+        for text in (t for o in options for t in self.nodes[o].literals):
+            distinct.setdefault(_identity(json.loads(text)), text)
+        return self._add(Node("literals", literals=tuple(distinct.values())))
 
     def _string(self, s: dict, where: str) -> int:
         lo, hi = self._counts(s, "minLength", "maxLength", where)
@@ -486,7 +509,7 @@ class Schema:
         return self._in_container(mode, stack, b)
 
     def _in_container(self, mode: str, stack: tuple, b: int):
-        kind, node, count = stack[-1]
+        kind, node, count = stack[-1][:3]
         n, c = self.nodes[node], chr(b)
         if mode in ("key_or_close", "key"):
             if c == '"':
@@ -512,11 +535,11 @@ class Schema:
         return None
 
     def _item_begun(self, stack: tuple) -> tuple:
-        _, node, count = stack[-1]
+        _, node, count = stack[-1][:3]
         n = self.nodes[node]
         # counts past the minimum (or the maximum) and the prefix are alike
         cap = max(n.max_items if n.max_items is not None else n.min_items, len(n.prefix))
-        return stack[:-1] + (("a", node, min(count + 1, cap)),)
+        return stack[:-1] + (("a", node, min(count + 1, cap)) + stack[-1][3:],)
 
     def _next_keys(self, stack: tuple) -> list[int]:
         """The properties whose key may come next (their values fit); [-1]: any key (a free object)."""
@@ -532,6 +555,8 @@ class Schema:
                           ("literal", stack, (n.props[j][0][1:], j)) for j in self._next_keys(stack)])
 
     def _literal_end(self, stack: tuple, prop: int) -> State:
+        if prop < -1:  # item -2 - prop of an array of unique items
+            return ("after", _with_used(stack, -2 - prop), (0, None))
         if prop < 0:
             return ("after", stack, (0, None))
         _, node, _ = stack[-1]
@@ -539,6 +564,11 @@ class Schema:
 
     def _value_start(self, stack: tuple, node: int, b: int) -> list:
         """The states a value of `node` is in after its first byte b (a list: unions branch)."""
+        if stack and len(stack[-1]) == 4:  # an item of unique items: the values not taken yet
+            used = stack[-1][3]
+            return [("after", _with_used(stack, i), (0, None)) if len(text) == 1 else
+                    ("literal", stack, (text[1:], -2 - i))
+                    for i, text in enumerate(self.nodes[node].literals) if text[0] == b and i not in used]
         row = self._starts.get(node)
         if row is None:
             row = self._starts[node] = [None] * 256
@@ -556,7 +586,8 @@ class Schema:
         if n.kind == "object":
             return [("key_or_close", ("o", node, 0), (0, None))] if c == "{" else []
         if n.kind == "array":
-            return [("value_or_close", ("a", node, 0), (0, None))] if c == "[" else []
+            frame = ("a", node, 0) + ((frozenset(),) if n.unique else ())
+            return [("value_or_close", frame, (0, None))] if c == "[" else []
         if n.kind == "string":
             if c != '"':
                 return []
@@ -626,6 +657,21 @@ class Schema:
             return None
         # (without a maximum, counts past the minimum are alike)
         return ("text", stack, (node, count if n.max_len is not None else min(count, n.min_len), after, ()))
+
+
+def _with_used(stack: tuple, i: int) -> tuple:
+    """The stack with literal i taken in its top frame (an array of unique items)."""
+    top = stack[-1]
+    return stack[:-1] + (top[:3] + (top[3] | {i},),)
+
+
+def _identity(value) -> tuple:
+    """What JSON Schema's equality compares (1 and 1.0 equal, true and 1 not), for uniqueItems."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return type(value).__name__, value
+    if isinstance(value, (int, float)):
+        return "number", Fraction(value)
+    return "json", json.dumps(value, sort_keys=True)
 
 
 def _room(n: Node, count: int) -> tuple[int, Optional[int]]:
