@@ -69,8 +69,7 @@ if triton is not None:
     @triton.jit
     def _codebook4_kernel(x_ptr, codes_ptr, absmax_ptr, cb_ptr, y_ptr, M, N, K, stride_xm, stride_cn, stride_an,
                           stride_ym, BLOCKSIZE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          HALF_K: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr,
-                          SELECT: tl.constexpr = True):
+                          HALF_K: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr):
         """Rows of x on the tensor cores: each [BN, 2 * HALF_K] weight tile dequantized in registers."""
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BM + tl.arange(0, BM)
@@ -85,13 +84,9 @@ if triton is not None:
             # the tile's NB blocks' scales (NB = 1: the tile lies inside one block)
             s = tl.load(absmax_ptr + rn[:, None] * stride_an + (2 * t * HALF_K) // BLOCKSIZE + tl.arange(0, NB)[None, :],
                         mask=n_ok[:, None], other=0.0).to(tl.float32)
-            # [BN, HALF_K]: the code values of columns 2j, and of columns 2j + 1 (SELECT=False: a load from
-            # the table per weight, cached in L1: 3x slower here, faster in the other kernels)
-            if SELECT:
-                v_hi = _lookup(c >> 4, table)
-                v_lo = _lookup(c & 15, table)
-            else:
-                v_hi, v_lo = tl.load(cb_ptr + (c >> 4)), tl.load(cb_ptr + (c & 15))
+            # [BN, HALF_K]: the code values of columns 2j, and of columns 2j + 1 (a load from the table per
+            # weight ran 3x slower here; the other two kernels load them)
+            v_hi, v_lo = _lookup(c >> 4, table), _lookup(c & 15, table)
             x_even = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * byte[None, :], mask=m_ok[:, None], other=0.0)
             x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + 2 * byte[None, :] + 1, mask=m_ok[:, None], other=0.0)
             # scaled per element, rounded to x's dtype, as the tensor cores take it
@@ -140,22 +135,17 @@ if triton is not None:
 
     @triton.jit
     def _dequantize_kernel(codes_ptr, absmax_ptr, cb_ptr, w_ptr, N, K, stride_cn, stride_an, stride_wn,
-                           BLOCKSIZE: tl.constexpr, BN: tl.constexpr, HALF_K: tl.constexpr, NB: tl.constexpr,
-                           SELECT: tl.constexpr):
-        """W [N, K] in w's dtype, one [BN, 2 * HALF_K] tile a program: codes looked up as in the GEMM, the
-        two columns of each byte interleaved back in registers so the tile is stored in one contiguous run."""
+                           BLOCKSIZE: tl.constexpr, BN: tl.constexpr, HALF_K: tl.constexpr, NB: tl.constexpr):
+        """W [N, K] in w's dtype, one [BN, 2 * HALF_K] tile a program: code values loaded from the table (the
+        select tree ran 1.5x slower here), the two columns of each byte interleaved back in registers so the
+        tile is stored in one contiguous run."""
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         byte = tl.program_id(1) * HALF_K + tl.arange(0, HALF_K)
         n_ok = rn < N
-        table = _load_table(cb_ptr)
         c = tl.load(codes_ptr + rn[:, None] * stride_cn + byte[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
         s = tl.load(absmax_ptr + rn[:, None] * stride_an + (2 * tl.program_id(1) * HALF_K) // BLOCKSIZE
                     + tl.arange(0, NB)[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-        if SELECT:
-            v_hi = _lookup(c >> 4, table)
-            v_lo = _lookup(c & 15, table)
-        else:
-            v_hi, v_lo = tl.load(cb_ptr + (c >> 4)), tl.load(cb_ptr + (c & 15))
+        v_hi, v_lo = tl.load(cb_ptr + (c >> 4)), tl.load(cb_ptr + (c & 15))
         w = tl.reshape(tl.join(v_hi, v_lo), [BN, NB, 2 * HALF_K // NB]) * s[:, :, None]
         cols = 2 * tl.program_id(1) * HALF_K + tl.arange(0, 2 * HALF_K)
         tl.store(w_ptr + rn[:, None] * stride_wn + cols[None, :], tl.reshape(w, [BN, 2 * HALF_K]).to(
@@ -174,13 +164,13 @@ def _block_k(k: int, blocksize: int, wanted: int = 128) -> int | None:
 
 
 def _gemm_config(m: int, n: int, k: int, blocksize: int, sms: int, config: dict | None = None) -> dict:
-    """BM, BN, BK, warps, select (the tensor-core kernel's codes looked up by a select tree, else loaded from
-    the table) and SPLIT_K (K split across programs until about `waves` waves of programs run). H100 sweeps, µs a
+    """BM, BN, BK, warps and SPLIT_K (K split across programs until about `waves` waves of programs run). H100
+    sweeps, µs a
     Llama-3-8B layer (RESULTS.md, forty-fifth session): M = 1 the GEMV kernel, 256 rows, 8 warps, 16 waves 126
     (128 rows, 8 waves 150; the first version 213); M = 4 / 16 the tree with 128-row tiles 364 / 384 (table
     loads ~1036 / 1131). Above 16 rows the kernel is not tuned (dequantize + cuBLAS runs there)."""
     cfg = dict(BM=1, BN=256, BK=128, warps=8, waves=16) if m == 1 else dict(
-        BM=16 if m <= 16 else 64, BN=128, BK=128, warps=4, waves=2, select=True)
+        BM=16 if m <= 16 else 64, BN=128, BK=128, warps=4, waves=2)
     cfg |= config or {}
     cfg["BK"] = _block_k(k, blocksize, cfg["BK"])
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
@@ -190,7 +180,7 @@ def _gemm_config(m: int, n: int, k: int, blocksize: int, sms: int, config: dict 
 
 def _dequant_config(k: int, blocksize: int, config: dict | None = None) -> dict:
     """H100 sweep at M = 64, µs a layer with cuBLAS: table loads, 32 x 256 tiles 380 (the tree 556)."""
-    cfg = dict(BN=32, BK=256, warps=4, select=False) | (config or {})
+    cfg = dict(BN=32, BK=256, warps=4) | (config or {})
     cfg["BK"] = _block_k(k, blocksize, cfg["BK"])
     return cfg
 
@@ -210,8 +200,7 @@ def dequantize_codebook4_triton(codes, absmax, codebook, blocksize: int, dtype=t
     w = torch.empty(N, K, device=codes.device, dtype=dtype)
     _dequantize_kernel[(triton.cdiv(N, cfg["BN"]), K // cfg["BK"])](
         codes, absmax, codebook, w, N, K, codes.stride(0), absmax.stride(0), w.stride(0), BLOCKSIZE=blocksize,
-        BN=cfg["BN"], HALF_K=cfg["BK"] // 2, NB=max(cfg["BK"] // blocksize, 1), SELECT=cfg["select"],
-        num_warps=cfg["warps"])
+        BN=cfg["BN"], HALF_K=cfg["BK"] // 2, NB=max(cfg["BK"] // blocksize, 1), num_warps=cfg["warps"])
     return w
 
 
@@ -244,8 +233,7 @@ def codebook4_gemm_triton(x, codes, absmax, codebook, blocksize: int, path: str 
     grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]), split)
     _codebook4_kernel[grid](x, codes, absmax, codebook, y, M, N, K, x.stride(0), codes.stride(0), absmax.stride(0),
                             y.stride(0), BLOCKSIZE=blocksize, BM=cfg["BM"], BN=cfg["BN"], HALF_K=bk // 2,
-                            NB=max(bk // blocksize, 1), SPLIT_K=split, UPCAST=interpreting(),
-                            SELECT=cfg["select"], num_warps=cfg["warps"])
+                            NB=max(bk // blocksize, 1), SPLIT_K=split, UPCAST=interpreting(), num_warps=cfg["warps"])
     return y.to(x.dtype) if split > 1 else y
 
 
