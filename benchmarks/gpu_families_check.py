@@ -78,6 +78,7 @@ def check_family(family: str, args) -> bool:
     for graphs in ((False, True) if args.device == "cuda" else (False,)):
         engine = LLMEngine(EngineConfig(device=args.device, max_model_len=256, max_num_seqs=8, cuda_graphs=graphs,
                                         gpu_memory_utilization=args.gpu_memory_utilization, kv_dtype=args.kv_dtype,
+                                        kv_layout=args.kv_layout,
                                         max_num_batched_tokens=args.max_num_batched_tokens), model=ours, tokenizer=None)
         tag = "engine, CUDA graphs" if graphs else "engine, eager"
         if graphs and not engine.cuda_graphs:
@@ -101,6 +102,8 @@ def main() -> int:
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
     ap.add_argument("--kv-dtype", default="auto", help="the engine's KV cache dtype (EngineConfig.kv_dtype)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    ap.add_argument("--kv-layout", default="auto", help="auto | split | shared (EngineConfig.kv_layout): split puts "
+                    "the sliding-window layers of gemma3 and smollm3-window on a pool of their own")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="the engine's step budget; below 100 the batch's prompts are cut into chunks")
     args = ap.parse_args()
@@ -111,7 +114,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown families {unknown} (known: {', '.join(FAMILIES)})")
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"{name}  torch {torch.__version__}  kv_dtype {args.kv_dtype}", flush=True)
+    print(f"{name}  torch {torch.__version__}  kv_dtype {args.kv_dtype}  kv_layout {args.kv_layout}", flush=True)
     failed = [f for f in args.families.split(",") if not check_family(f, args)]
     print(f"FAILED: {', '.join(failed)}" if failed else "ALL FAMILIES OK", flush=True)
     return 1 if failed else 0

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from fitllm.models.config import ModelConfig
+from fitllm.models.config import ModelConfig, layer_window
 from fitllm.models.errors import FitLLMError
 
 MiB = 1 << 20
@@ -232,8 +232,9 @@ def normalize_kv_dtype(kv_dtype: str) -> str:
     return kv
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bf16") -> int:
-    """K and V, every layer, every KV head (not query head: grouped-query attention shares them)."""
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bf16", num_layers: Optional[int] = None) -> int:
+    """K and V, every layer (or `num_layers` of them), every KV head (not query head: grouped-query
+    attention shares them)."""
     kv = normalize_kv_dtype(kv_dtype)
     d = config.head_dim
 
@@ -241,7 +242,47 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bf16") -> int:
         groups = -(-d // min(group, d)) if kv == "int4" else 1
         return int(d * KV_DTYPES[kv]) + KV_META_BYTES[kv] * groups
 
-    return config.num_layers * config.num_kv_heads * (row(KV_INT4_KEY_GROUP) + row(KV_INT4_GROUP))
+    layers = config.num_layers if num_layers is None else num_layers
+    return layers * config.num_kv_heads * (row(KV_INT4_KEY_GROUP) + row(KV_INT4_GROUP))
+
+
+# ---------------------------------------------------------------- sliding-window layers
+KV_LAYOUTS = ("auto", "split", "shared")  # = `quant serve --kv-layout`
+SPLIT_MIN_GAIN = 1.25  # auto splits when the full layers' pool then holds this many times the tokens
+
+
+def sliding_layers(config: ModelConfig) -> tuple[int, Optional[int]]:
+    """(how many layers attend over a sliding window, the widest window); (0, None) without."""
+    windows = [layer_window(config.attention_windows, i) for i in range(config.num_layers)]
+    slid = [w for w in windows if w is not None]
+    return len(slid), max(slid, default=None)
+
+
+def window_pool_blocks(window: int, block_size: int, num_seqs: int, max_batched_tokens: int) -> int:
+    """The most blocks the sliding layers' pool ever holds at once: each running sequence keeps
+    the window behind its first new token, rounded out to whole blocks at both ends (the pool
+    gives back only whole blocks wholly behind it), and a step adds at most max_batched_tokens."""
+    return num_seqs * (blocks_for_tokens(window - 1, block_size) + 2) + blocks_for_tokens(max_batched_tokens, block_size)
+
+
+def split_kv_blocks(kv_bytes: int, full_block_bytes: int, window_block_bytes: int, window_cap: int,
+                    layout: str = "auto") -> Optional[tuple[int, int]]:
+    """(full-attention pool, sliding-window pool) blocks of a split cache in `kv_bytes`, or None for
+    one shared pool. The sliding pool needs at most `window_cap` blocks (window_pool_blocks) and
+    never more than the full pool (a sequence holds no more of its window than of its context),
+    so it gets the smaller; the full pool the rest. "auto" splits only where the full pool then
+    holds SPLIT_MIN_GAIN times the tokens of a shared pool: a prefix cached in a split cache is found
+    only while the small sliding pool still holds its last window, so it is lost sooner."""
+    if layout not in KV_LAYOUTS:
+        raise FitLLMError(f"--kv-layout {layout!r}: choose one of {', '.join(KV_LAYOUTS)}")
+    if layout == "shared" or full_block_bytes <= 0 or window_block_bytes <= 0:
+        return None
+    shared = kv_bytes // (full_block_bytes + window_block_bytes)
+    window = min(window_cap, shared)
+    full = (kv_bytes - window * window_block_bytes) // full_block_bytes
+    if layout == "auto" and full < SPLIT_MIN_GAIN * shared:
+        return None
+    return full, window
 
 
 def default_block_size(kv_dtype: str) -> int:
@@ -364,6 +405,7 @@ class Settings:
     # The card's architecture ('sm90', 'sm89', ...), which picks the kernels' tile tables (what the
     # 4-bit GEMMs dequantize, and from how many tokens); None: not known, the soonest of them.
     gpu_arch: Optional[str] = None
+    kv_layout: str = "auto"  # sliding-window layers: their own pool ("split") or not ("shared"); see split_kv_blocks
 
     def __post_init__(self):
         if self.block_size is None:
@@ -376,6 +418,8 @@ class Settings:
                 raise FitLLMError(f"{option} {value}: must be at least 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise FitLLMError(f"--gpu-memory-utilization {self.gpu_memory_utilization:g}: must be in (0, 1]")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise FitLLMError(f"--kv-layout {self.kv_layout!r}: choose one of {', '.join(KV_LAYOUTS)}")
 
 
 TERM_HELP = {
@@ -396,8 +440,21 @@ class Budget:
     weights: Weights
     kv_bytes_per_token: int
     terms: dict[str, int]  # every term but kv_cache, in allocation order
-    num_kv_blocks: int
+    num_kv_blocks: int  # with a split cache: the full-attention layers' pool
     model_max_len: int
+    window: Optional[int] = None  # the sliding layers' window (None: no layer slides)
+    window_bytes_per_token: int = 0  # the sliding layers' share of kv_bytes_per_token
+    num_window_blocks: Optional[int] = None  # the sliding layers' own pool (a split cache); None: one shared pool
+    window_only: bool = False  # every layer slides: the one pool keeps only each sequence's window
+
+    @property
+    def split(self) -> bool:
+        return self.num_window_blocks is not None
+
+    def _window_held(self, context: int) -> int:
+        """Blocks a sequence of `context` tokens holds in a pool that keeps only its window."""
+        bs = self.settings.block_size
+        return min(blocks_for_tokens(context, bs), blocks_for_tokens(self.window - 1, bs) + 2)
 
     @property
     def usable(self) -> int:
@@ -405,7 +462,11 @@ class Budget:
 
     @property
     def kv_cache(self) -> int:
-        return self.num_kv_blocks * self.settings.block_size * self.kv_bytes_per_token
+        bs = self.settings.block_size
+        if self.split:
+            full = self.kv_bytes_per_token - self.window_bytes_per_token
+            return bs * (self.num_kv_blocks * full + self.num_window_blocks * self.window_bytes_per_token)
+        return self.num_kv_blocks * bs * self.kv_bytes_per_token
 
     @property
     def fixed(self) -> int:
@@ -427,12 +488,25 @@ class Budget:
 
     def max_seqs_at(self, context: int) -> int:
         """Concurrent sequences whose KV fits when each holds `context` tokens."""
-        return self.num_kv_blocks // blocks_for_tokens(context, self.settings.block_size)
+        if self.window_only:
+            return self.num_kv_blocks // self._window_held(context)
+        seqs = self.num_kv_blocks // blocks_for_tokens(context, self.settings.block_size)
+        if self.split:  # a sequence keeps at most its window in the sliding pool
+            seqs = min(seqs, self.num_window_blocks // self._window_held(context))
+        return seqs
+
+    def kv_read_bytes(self, context: int) -> int:
+        """K/V one decode step reads for a sequence of `context` tokens: the sliding layers only
+        their window (in either layout)."""
+        slid = min(context, self.window or context)
+        return (self.kv_bytes_per_token - self.window_bytes_per_token) * context + self.window_bytes_per_token * slid
 
     def longest_context_at(self, num_seqs: int) -> int:
         """The longest context each of `num_seqs` sequences can reach together (model limit too)."""
-        per_seq = self.num_kv_blocks // max(1, num_seqs) * self.settings.block_size
-        return min(per_seq, self.model_max_len)
+        per_seq = self.num_kv_blocks // max(1, num_seqs)
+        if self.window_only and per_seq >= self._window_held(self.model_max_len):
+            return self.model_max_len  # each holds no more than its window, however long
+        return min(per_seq * self.settings.block_size, self.model_max_len)
 
     @property
     def fits(self) -> bool:
@@ -448,6 +522,7 @@ class Budget:
             "weights_bytes": {**asdict(self.weights), "total": self.weights.total},
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_blocks": self.num_kv_blocks,
+            "kv_window_blocks": self.num_window_blocks,
             "kv_tokens": self.kv_tokens,
             "total_bytes": self.total,
             "torch_peak_bytes": self.torch_peak,
@@ -458,11 +533,12 @@ class Budget:
 
 
 def estimate(config: ModelConfig, settings: Settings, gpu_memory_bytes: int,
-             num_kv_blocks: Optional[int] = None) -> Budget:
+             num_kv_blocks: Optional[int] = None, num_window_blocks: Optional[int] = None) -> Budget:
     """The budget of serving `config` with `settings` on a card of `gpu_memory_bytes`.
 
     Without `num_kv_blocks` the KV cache takes what is left of gpu_memory * utilization (what
-    the server will allocate); pass the server's real block count to predict its actual peak.
+    the server will allocate), split between the full and the sliding layers where
+    split_kv_blocks says so; pass the server's real block counts to predict its actual peak.
     """
     s = replace(settings, kv_dtype=normalize_kv_dtype(settings.kv_dtype))
     weights = weight_bytes(config, s.scheme, s.group_size, s.bits)
@@ -486,18 +562,28 @@ def estimate(config: ModelConfig, settings: Settings, gpu_memory_bytes: int,
         "allocator_slack": max(ALLOCATOR_SLACK_MIN_BYTES, int(ALLOCATOR_SLACK_FRACTION * (activations + graphs))),
     }
     per_token = kv_bytes_per_token(config, s.kv_dtype)
+    num_sliding, window = sliding_layers(config)
+    window_per_token = kv_bytes_per_token(config, s.kv_dtype, num_sliding)
+    # (every layer sliding: one pool keeping windows only, LLMEngine._window_only's rule)
+    window_only = num_sliding == config.num_layers and window < ctx and s.kv_layout != "shared"
     if num_kv_blocks is None:
         free = int(gpu_memory_bytes * s.gpu_memory_utilization) - sum(terms.values())
         num_kv_blocks = kv_cache_blocks_for(free, config, s.kv_dtype, s.block_size)
+        if 0 < num_sliding < config.num_layers:
+            cap = window_pool_blocks(min(window, ctx), s.block_size, seqs, t)
+            split = split_kv_blocks(max(0, free), s.block_size * (per_token - window_per_token),
+                                    s.block_size * window_per_token, cap, s.kv_layout)
+            if split is not None:
+                num_kv_blocks, num_window_blocks = split
     return Budget(s, int(gpu_memory_bytes), weights, per_token, terms, num_kv_blocks,
-                  config.max_position_embeddings)
+                  config.max_position_embeddings, window, window_per_token, num_window_blocks, window_only)
 
 
 def decode_tokens_per_s(budget: Budget, bandwidth_gbs: float, num_seqs: int, context: int) -> float:
     """Aggregate decode tokens/s from the bandwidth roofline: a step streams every weight once
     and each sequence's KV once. An upper bound: it ignores compute (large batches) and launch
     overheads (tiny models)."""
-    step_bytes = budget.weights.read_per_step + num_seqs * context * budget.kv_bytes_per_token
+    step_bytes = budget.weights.read_per_step + num_seqs * budget.kv_read_bytes(context)
     return num_seqs * bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY / step_bytes
 
 
@@ -598,6 +684,8 @@ def serve_command(model: Optional[str], s: Settings, num_seqs: int) -> str:
         parts.append(f"--max-num-batched-tokens {s.max_batched_tokens}")
     if not s.cuda_graphs:
         parts.append("--no-cuda-graphs")
+    if s.kv_layout != "auto":
+        parts.append(f"--kv-layout {s.kv_layout}")
     return " ".join(parts)
 
 
@@ -646,6 +734,9 @@ def plan(config: ModelConfig, settings: Settings, gpu_memory_bytes: int, gpu: Op
                              "command": command(alt)})
         return True
 
+    fewer = _fewer_seqs_that_fit(config, s, gpu_memory_bytes)
+    if fewer is not None:
+        attempt("fewer sequences at once (a smaller pool for the sliding-window layers)", max_num_seqs=fewer)
     any(attempt(f"KV cache in {kv}", kv_dtype=kv) for kv in _smaller_kv(s.kv_dtype, gpu))
     for scheme in _smaller_schemes(s.scheme):  # each smaller scheme, alone or with the first KV dtype that fits
         attempt(f"weights in {scheme} (quant convert --method {scheme})", scheme=scheme) or any(
@@ -663,6 +754,18 @@ def plan(config: ModelConfig, settings: Settings, gpu_memory_bytes: int, gpu: Op
         if longest >= 1024 and attempt(why, max_model_len=longest, **changes):
             break
     return Plan(budget, gpu, None, alternatives)
+
+
+def _fewer_seqs_that_fit(config: ModelConfig, s: Settings, gpu_memory_bytes: int) -> Optional[int]:
+    """The most sequences below s.max_num_seqs at which a split KV cache fits (a split cache sizes the
+    sliding layers' pool by them), or None: no sliding layers, --kv-layout shared, or none fits."""
+    num_sliding, _ = sliding_layers(config)
+    if not 0 < num_sliding < config.num_layers or s.kv_layout == "shared":
+        return None
+    n = s.max_num_seqs - 1
+    while n >= 1 and not estimate(config, replace(s, max_num_seqs=n), gpu_memory_bytes).fits:
+        n = n // 2 if n > 8 else n - 1
+    return n if n >= 1 else None
 
 
 def cards_that_fit(config: ModelConfig, settings: Settings) -> list[Gpu]:
@@ -732,6 +835,13 @@ KNOWN_MODELS = {
 }
 
 
+# Fields of a known model's config.json that the rows above leave to transformers' defaults, where
+# those differ (Gemma3TextConfig's default window is 4096, Phi3Config's none).
+KNOWN_MODEL_FIELDS = {"gemma-3-1b": {"sliding_window": 512}, "gemma-3-4b": {"sliding_window": 1024},
+                      "gemma-3-12b": {"sliding_window": 1024}, "gemma-3-27b": {"sliding_window": 1024},
+                      "phi-3-mini-4k": {"sliding_window": 2047}, "phi-3-medium-4k": {"sliding_window": 2047}}
+
+
 def known_model(name: str) -> Optional[ModelConfig]:
     # "meta-llama/Meta-Llama-3-8B-Instruct" -> "llama-3-8b"
     key = name.split("/")[-1].lower().replace("_", "-").removeprefix("meta-")
@@ -744,6 +854,7 @@ def known_model(name: str) -> Optional[ModelConfig]:
         "architectures": [arch], "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
         "head_dim": head_dim, "tie_word_embeddings": tied, "max_position_embeddings": max_len,
+        **KNOWN_MODEL_FIELDS.get(key, {}),
     }, source=name)
 
 

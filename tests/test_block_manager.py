@@ -1,4 +1,5 @@
-"""Block pool invariants under random allocate / compute / fork / truncate / free sequences."""
+"""Block pool invariants under random allocate / compute / fork / truncate / free sequences, with
+and without a sliding window (blocks behind it given back)."""
 from __future__ import annotations
 
 import random
@@ -14,7 +15,7 @@ BS = 4
 def check_invariants(bm: BlockManager) -> None:
     refs = [0] * bm.num_blocks
     for seq in bm.seqs.values():
-        for b in seq.table:
+        for b in seq.table[seq.num_dropped:]:
             refs[b] += 1
     free, evictable = list(bm._free), list(bm._evictable)
     assert len(set(free)) == len(free) and not set(free) & set(evictable), "a block is free twice"
@@ -34,9 +35,9 @@ def check_invariants(bm: BlockManager) -> None:
 class Sim:
     """Drives the pool like the scheduler does, tracking what each sequence holds."""
 
-    def __init__(self, num_blocks: int):
-        self.bm = BlockManager(num_blocks, BS)
-        self.seqs: dict[int, dict] = {}  # id -> {"tokens": [...], "computed": n}
+    def __init__(self, num_blocks: int, window: int | None = None):
+        self.bm, self.window = BlockManager(num_blocks, BS, window), window
+        self.seqs: dict[int, dict] = {}  # id -> {"tokens": [...], "computed": n, "floor": n}
         self.next_id = 0
         self.kv = [[None] * BS for _ in range(num_blocks)]  # what the "cache" holds, per slot
 
@@ -51,8 +52,10 @@ class Sim:
     def check_contents(self) -> None:
         for sid, s in self.seqs.items():
             table = self.bm.table(sid)
-            seen = [self.kv[table[p // BS]][p % BS] for p in range(s["computed"])]
-            assert seen == s["tokens"][: s["computed"]], f"seq {sid} reads wrong K/V"
+            # With a window: what the next query (at position `floor` or later) can see.
+            first = 0 if self.window is None else max(0, s["floor"] - self.window + 1)
+            seen = [self.kv[table[p // BS]][p % BS] for p in range(first, s["computed"])]
+            assert seen == s["tokens"][first: s["computed"]], f"seq {sid} reads wrong K/V"
 
     def new(self, tokens: list[int]) -> None:
         sid, self.next_id = self.next_id, self.next_id + 1
@@ -62,13 +65,14 @@ class Sim:
         if self.bm.allocate(sid, computed, n, prefix):
             self.write(sid, tokens, computed)
             self.bm.cache_full_blocks(sid, tokens, computed + n)
-            self.seqs[sid] = {"tokens": list(tokens), "computed": computed + n}
+            self.seqs[sid] = {"tokens": list(tokens), "computed": computed + n, "floor": computed}
         else:
             self.bm.seqs.pop(sid, None)  # match_prefix left hashes only
 
     def step(self, sid: int, token: int) -> None:
         s = self.seqs[sid]
         if self.bm.allocate(sid, s["computed"], 1):
+            s["floor"] = s["computed"]  # a rolled-back draft goes back no further than this
             s["tokens"].append(token)
             self.write(sid, s["tokens"], s["computed"])
             s["computed"] += 1
@@ -77,11 +81,11 @@ class Sim:
     def fork(self, sid: int) -> None:
         child, self.next_id = self.next_id, self.next_id + 1
         self.bm.fork(sid, child)
-        self.seqs[child] = {"tokens": list(self.seqs[sid]["tokens"]), "computed": self.seqs[sid]["computed"]}
+        self.seqs[child] = {**self.seqs[sid], "tokens": list(self.seqs[sid]["tokens"])}
 
     def truncate(self, sid: int, keep: int) -> None:
         s = self.seqs[sid]
-        keep = max(1, min(keep, s["computed"]))
+        keep = max(1, min(keep, s["computed"]), s["floor"] if self.window else 0)
         self.bm.truncate(sid, keep)
         s["tokens"], s["computed"] = s["tokens"][:keep], keep
 
@@ -100,9 +104,9 @@ op = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(4, 24), st.lists(st.tuples(op, st.integers(0, 1000)), max_size=60))
-def test_random_operations_keep_the_pool_consistent(num_blocks, ops):
-    sim = Sim(num_blocks)
+@given(st.integers(4, 24), st.lists(st.tuples(op, st.integers(0, 1000)), max_size=60), st.sampled_from([None, 1, 5, 9]))
+def test_random_operations_keep_the_pool_consistent(num_blocks, ops, window):
+    sim = Sim(num_blocks, window)
     for (kind, arg), pick in ops:
         ids = sorted(sim.seqs)
         if kind == "new":

@@ -470,3 +470,70 @@ def test_plan_offers_quantization_at_load_for_data_free_schemes():
     assert "--quantization nf4" in " ".join(result.output.split())
     result = runner.invoke(app, ["memory", "llama-3-8b", "--gpu", "rtx4090", "--quant", "awq"])
     assert result.exit_code == 0 and "--quantization" not in result.output  # AWQ needs its calibration
+
+
+def test_split_kv_pools_by_hand():
+    """A sliding pool needs at most `cap` blocks and never more than the full pool; auto splits only for 1.25x."""
+    assert bm.window_pool_blocks(1024, 16, 4, 2048) == 4 * (64 + 2) + 128  # 1023 tokens: 64 blocks
+    # 1000 bytes, a full block 1 byte, a sliding one 4: a shared pool holds 200 blocks of each
+    assert bm.split_kv_blocks(1000, 1, 4, 50) == (800, 50)
+    assert bm.split_kv_blocks(1000, 1, 4, 180) == (280, 180)  # 280 >= 1.25 x 200
+    assert bm.split_kv_blocks(1000, 1, 4, 190) is None  # 240 < 250: not worth the prefix cache
+    assert bm.split_kv_blocks(1000, 1, 4, 190, "split") == (240, 190)
+    assert bm.split_kv_blocks(1000, 1, 4, 300, "split") == (200, 200)  # the sliding pool never outgrows the full one
+    assert bm.split_kv_blocks(1000, 1, 4, 50, "shared") is None
+    with pytest.raises(FitLLMError, match="--kv-layout"):
+        bm.split_kv_blocks(1000, 1, 4, 50, "ring")
+
+
+def test_gemma3_27b_on_a_24gb_card_with_a_split_cache():
+    """Gemma 3 27B AWQ on an RTX 4090: 52 of 62 layers slide over 1,024 tokens. With one sequence the
+    split cache's full pool holds ~5x the tokens of one shared pool, in the same bytes."""
+    cfg = bm.known_model("gemma-3-27b")
+    assert bm.sliding_layers(cfg) == (52, 1024)
+    per_layer = 16 * 128 * 2 * 2  # K and V, 16 KV heads of 128, bf16
+    gpu = bm.find_gpu("rtx4090")
+    s = bm.Settings(scheme="awq", max_model_len=32768, max_num_seqs=1, gpu_arch=gpu.arch)
+    split = bm.estimate(cfg, s, gpu.memory_bytes)
+    shared = bm.estimate(cfg, replace(s, kv_layout="shared"), gpu.memory_bytes)
+    assert split.split and not shared.split and shared.terms == split.terms
+    assert split.num_window_blocks == 1 * (64 + 2) + 128
+    assert split.kv_cache == 16 * (split.num_kv_blocks * 10 * per_layer + split.num_window_blocks * 52 * per_layer)
+    assert shared.kv_cache == 16 * shared.num_kv_blocks * 62 * per_layer
+    free = split.usable - sum(split.terms.values())
+    assert free - 16 * 10 * per_layer < split.kv_cache <= free and shared.kv_cache <= free
+    assert split.kv_tokens > 4.5 * shared.kv_tokens and split.fits and not shared.fits
+    assert split.max_seqs_at(32768) == 1 and split.longest_context_at(1) == split.kv_tokens
+    # a step of one sequence at 32k reads the sliding layers' window only, in either layout
+    assert split.kv_read_bytes(32768) == shared.kv_read_bytes(32768) == (10 * 32768 + 52 * 1024) * per_layer
+
+
+def test_cli_offers_fewer_sequences_for_a_split_cache():
+    res = CliRunner().invoke(app, ["memory", "gemma-3-27b", "--gpu", "rtx4090", "--quant", "awq",
+                                   "--max-model-len", "32768", "--json"])
+    doc = json.loads(res.output)
+    assert not doc["fits"] and doc["alternatives"][0]["change"].startswith("fewer sequences")
+    fewer = doc["alternatives"][0]["max_num_seqs"]
+    res = CliRunner().invoke(app, ["memory", "gemma-3-27b", "--gpu", "rtx4090", "--quant", "awq",
+                                   "--max-model-len", "32768", "--max-num-seqs", str(fewer), "--json"])
+    doc = json.loads(res.output)
+    assert doc["fits"] and doc["kv_window_blocks"] is not None
+    res = CliRunner().invoke(app, ["memory", "gemma-3-27b", "--gpu", "rtx4090", "--quant", "awq",
+                                   "--max-model-len", "32768", "--max-num-seqs", str(fewer), "--kv-layout", "shared"])
+    assert res.exit_code == 0 and "Does not fit" in res.output
+
+
+def test_every_layer_sliding_keeps_windows_only():
+    """Phi-3-mini-4k slides every layer over 2047 tokens: one pool, each sequence holding at most its
+    window (2046 tokens behind the newest: 128 blocks of 16, and one more at each end)."""
+    cfg = bm.known_model("phi-3-mini-4k")
+    assert bm.sliding_layers(cfg) == (32, 2047)
+    s = bm.Settings(max_model_len=4096, max_num_seqs=64)
+    win = bm.estimate(cfg, s, 24 * bm.GiB)
+    shared = bm.estimate(cfg, replace(s, kv_layout="shared"), 24 * bm.GiB)
+    assert win.window_only and not win.split and not shared.window_only
+    assert win.num_kv_blocks == shared.num_kv_blocks and win.kv_cache == shared.kv_cache
+    assert win.max_seqs_at(4096) == win.num_kv_blocks // 130 > shared.max_seqs_at(4096) == shared.num_kv_blocks // 256
+    assert win.max_seqs_at(1000) == shared.max_seqs_at(1000) == win.num_kv_blocks // 63
+    assert win.longest_context_at(win.num_kv_blocks // 130) == 4096
+    assert not bm.estimate(cfg, replace(s, max_model_len=2047), 24 * bm.GiB).window_only  # the window is the context

@@ -392,6 +392,85 @@ def test_per_layer_windows_and_ropes_in_the_engine_equal_transformers(tmp_path, 
     assert [o.new_token_ids for o in outs] == want and engine.block_manager.hit_tokens >= 40
 
 
+WINDOWED_PARAMS = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+WINDOWED_CONFIG = dict(max_num_batched_tokens=24, block_size=8, max_model_len=256, max_num_seqs=4)
+
+
+def windowed_model(folder, family: str, seed: int):
+    """(transformers' model, ours in fp32, 4 prompts of 70, 33, 9 and 50 tokens) for a tiny family."""
+    from fitllm.models.loader import load_model
+    from tiny_models import write_tiny_model
+
+    hf = write_tiny_model(family, folder)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (70, 33, 9, 50)]
+    return hf, load_model(folder, dtype=torch.float32), prompts
+
+
+def assert_transformers_argmax(hf, prompts, outs) -> None:
+    """Each greedy token is transformers' argmax over the prompt and the tokens before it, in one
+    forward pass of the whole text."""
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + o.new_token_ids])).logits[0, len(p) - 1:-1]
+        assert logits.argmax(-1).tolist() == o.new_token_ids
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_split_kv_cache_for_sliding_layers_equals_transformers(tmp_path, graphs):
+    """Gemma 3 with its sliding layers on a pool of their own (--kv-layout split): that pool keeps only
+    each sequence's 16-token window, so it is far smaller than the full layers' pool and gives blocks
+    back as sequences advance. Prompts of up to 70 tokens in chunks of 24, a full pool small enough to
+    preempt, eager and graph (emulated) steps, a prefix found in both pools' caches. Each greedy token must be transformers' argmax over the
+    prompt and the tokens before it (assert_transformers_argmax: its own generate, with its sliding
+    cache, departed from that on a 70-token prompt here), and equal the shared pool's."""
+    from fitllm.serve.block_manager import SplitBlockManager
+
+    hf, ours, prompts = windowed_model(tmp_path, "gemma3", seed=6)
+    params, config = WINDOWED_PARAMS, WINDOWED_CONFIG
+    shared = LLMEngine(EngineConfig(num_kv_blocks=64, **config), model=ours, tokenizer=None).generate(prompts, params)
+    engine = LLMEngine(EngineConfig(num_kv_blocks=30, kv_layout="split", **config), model=ours, tokenizer=None)
+    bm = engine.block_manager
+    # the sliding pool: 4 sequences of (window - 1 = 15 tokens: 2 blocks) + 2 blocks, a step's 3 blocks, a scratch block
+    assert isinstance(bm, SplitBlockManager) and engine.runner.cache.window.num_blocks == 4 * (2 + 2) + 3 + 1
+    if graphs:
+        assert engine.runner.capture_graphs(4, emulate_on_cpu=True)
+    held = []
+    allocate = bm.window.allocate
+    bm.window.allocate = lambda *a: (allocate(*a), held.append(bm.window.num_used_blocks))[0]
+    outs = engine.generate(prompts, params)
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in shared]
+    assert_transformers_argmax(hf, prompts, outs)
+    assert engine.scheduler.num_preemptions > 0  # 4 sequences of up to 100 tokens in 30 blocks of 8
+    assert 0 < max(held) <= bm.window.num_blocks and bm.window.num_used_blocks == bm.full.num_used_blocks == 0
+
+    # The prefix cache: a prompt that starts with another's first 60 tokens finds 7 blocks (56 tokens) in
+    # the full pool, and in the sliding pool the two whose tokens a query at position 56 still sees.
+    fresh = LLMEngine(EngineConfig(num_kv_blocks=30, kv_layout="split", **config), model=ours, tokenizer=None)
+    fresh.generate(prompts[:1], params)
+    again = prompts[0][:60] + prompts[1][:10]
+    out = fresh.generate([again], params)[0]
+    assert out.num_cached_tokens == 56 and fresh.block_manager.window.seqs == {}
+    assert_transformers_argmax(hf, [again], [out])
+
+
+def test_a_model_sliding_on_every_layer_keeps_only_its_windows(tmp_path):
+    """Phi-3 with a 24-token window on every layer (Phi-3-mini-4k: 2047): the one pool gives back
+    the blocks behind each sequence's window ("auto"): 4 prompts growing to 330 tokens together run
+    in 24 blocks of 8 (192 tokens). Greedy tokens: transformers' argmax over the
+    text before each, and equal to the pool that keeps everything (--kv-layout shared)."""
+    hf, ours, prompts = windowed_model(tmp_path, "phi3-window", seed=8)
+    params, config = WINDOWED_PARAMS, WINDOWED_CONFIG
+    shared = LLMEngine(EngineConfig(num_kv_blocks=64, kv_layout="shared", **config), model=ours, tokenizer=None)
+    want = [o.new_token_ids for o in shared.generate(prompts, params)]
+    engine = LLMEngine(EngineConfig(num_kv_blocks=24, **config), model=ours, tokenizer=None)
+    assert engine.block_manager.window == 24 and engine.max_model_len == 192  # 24 blocks of 8
+    outs = engine.generate(prompts, params)
+    assert [o.new_token_ids for o in outs] == want and engine.scheduler.num_preemptions == 0
+    assert_transformers_argmax(hf, prompts, outs)
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_longrope_factors_go_by_the_prompt_then_by_each_token(tmp_path):
     """The positions an engine step gives LongRoPE (original context 64): a prompt chunk's tokens
     go by their prompt's last position (a 100-token prompt: long from its first chunk on), later

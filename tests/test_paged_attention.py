@@ -309,6 +309,21 @@ def test_decode_defaults():
     assert cfg(pa.KIND_FLOAT, 2, 1, 4096)["num_splits"] <= pa.FUSED_COMBINE_MAX_SPLITS
 
 
+def test_decode_tiles_of_wide_heads_fit_in_shared_memory():
+    """Gemma 3's 256-wide heads: 16-bit and fp32 tiles hold half the tokens, as many bytes as at 128
+    (a double-buffered 128-token bf16 tile of them would need 256 KB; an H100 has 227); quantized
+    rows (a byte or less) keep their tiles."""
+    for b in (1, 16, 80, 256):
+        for nbytes in (2, 4):
+            at128 = pa.decode_config(pa.KIND_FLOAT, nbytes, b, 8, 32768, 132)
+            at256 = pa.decode_config(pa.KIND_FLOAT, nbytes, b, 8, 32768, 132, head_dim=256)
+            assert at256 == {**at128, "block_n": at128["block_n"] // 2}
+            buffers = 2 if at256["num_stages"] >= 5 else 1  # (Triton double-buffers this loop from 5 stages)
+            assert at256["block_n"] * 256 * nbytes * 2 * buffers <= 128 << 10  # K and V tiles
+    for kind in (pa.KIND_FP8, pa.KIND_INT8, pa.KIND_INT4):
+        assert pa.decode_config(kind, 1, 1, 8, 32768, 132, head_dim=256) == pa.decode_config(kind, 1, 1, 8, 32768, 132)
+
+
 def test_decode_defaults_narrow_programs():
     """fp8 and int8: a small batch with enough tokens fills one wave of narrow programs; a split batch
     whose wide programs would not fit in one wave keeps its splits on narrow ones; else the wide

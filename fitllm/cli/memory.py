@@ -58,6 +58,9 @@ def memory(
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV block "
                                              "(default: 64 with --kv-dtype fp8 or int8, else 16; as `quant serve`)"),
     utilization: float = typer.Option(bm.DEFAULT_GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization"),
+    kv_layout: str = typer.Option("auto", "--kv-layout", help="auto | split | shared: sliding-window layers' KV "
+                                  "in a pool of their own that keeps only the window, or with the others "
+                                  "(as `quant serve`)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (bytes) instead of tables."),
 ) -> None:
     """Memory budget: weights, KV cache, workspace; how many sequences fit at what context."""
@@ -81,7 +84,7 @@ def memory(
                                max_model_len=config.max_position_embeddings if max_model_len is None else max_model_len,
                                max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
                                block_size=block_size, gpu_memory_utilization=utilization,
-                               cuda_graphs=not no_cuda_graphs, group_size=group, bits=bits)
+                               cuda_graphs=not no_cuda_graphs, group_size=group, bits=bits, kv_layout=kv_layout)
         if gpu is not None and gpu_mem is not None:
             raise FitLLMError("give --gpu or --gpu-mem, not both")
         if gpu_mem is not None and not gpu_mem > 0:
@@ -163,7 +166,11 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
             w = b.weights
             what += f" (linears {_size(w.linears)}, embeddings {_size(w.embeddings)}, " + \
                 (f"lm_head {_size(w.lm_head)})" if w.lm_head else "lm_head tied)")
-        if name == "kv_cache":
+        if name == "kv_cache" and b.split:
+            full = b.kv_bytes_per_token - b.window_bytes_per_token
+            what += (f" (full-attention layers {b.num_kv_blocks} x {s.block_size} tokens x {full} B; sliding-window "
+                     f"layers {b.num_window_blocks} x {s.block_size} tokens x {b.window_bytes_per_token} B)")
+        elif name == "kv_cache":
             what += f" ({b.num_kv_blocks} x {s.block_size} tokens x {b.kv_bytes_per_token} B)"
         table.add_row(name, _size(value), what)
     table.add_row("[bold]total[/]", f"[bold]{_size(b.total)}[/]",
@@ -179,6 +186,7 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
         if speed:
             out.print(f"Decode (bandwidth roofline, an upper bound): ~{speed['single_seq_short_ctx']:.0f} tok/s for one "
                       f"sequence; ~{speed['batch_full_ctx']:.0f} tok/s total at {speed['batch_seqs']} x {s.max_model_len} tokens.")
+        _print_layout(b, config)
         if needs_convert:
             _print_convert(s, config, model, lm_head)
         out.print(f"Run: [bold]{p.command}[/]")
@@ -186,9 +194,11 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
             at_load = p.command.replace("CONVERTED_DIR", model or "").replace("  ", " ")
             out.print(f"Or, without converting: {at_load} --quantization {s.scheme}")
         return
+    one = bm.kv_cache_bytes(config, s.kv_dtype, s.max_model_len, s.block_size)
+    if s.kv_layout != "shared" and 0 < bm.sliding_layers(config)[0] < config.num_layers:
+        one = b.kv_read_bytes(s.max_model_len)  # (a split cache keeps only the window of the sliding layers)
     short = "the model's limit is " + str(b.model_max_len) if s.max_model_len > b.model_max_len else \
-        f"{_size(b.fixed)} before any KV cache, {_size(bm.kv_cache_bytes(config, s.kv_dtype, s.max_model_len, s.block_size))} " \
-        f"for one sequence of {s.max_model_len} tokens"
+        f"{_size(b.fixed)} before any KV cache, {_size(one)} for one sequence of {s.max_model_len} tokens"
     out.print(f"[red]Does not fit[/] in {_size(b.usable)}: {short}.")
     if p.alternatives:
         alt = Table("what would fit", "sequences", "command", show_edge=False)
@@ -202,6 +212,27 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
         cards = bm.cards_that_fit(config, small)
         out.print(f"Nothing fits on this card. With awq weights and {small.kv_dtype} KV it fits on: "
                   + (", ".join(g.key for g in cards) or "none of the catalog's cards"))
+
+
+def _print_layout(b: bm.Budget, config) -> None:
+    """How the sliding-window layers' KV is kept, where the model has some."""
+    count, window = bm.sliding_layers(config)
+    if b.window_only:
+        out.print(f"Every layer slides over {window} tokens: a sequence keeps only its last window's blocks "
+                  "(--kv-layout shared keeps all).")
+    if not 0 < count < config.num_layers:
+        return
+    s = b.settings
+    if b.split:
+        out.print(f"KV split: the {count} sliding-window layers keep only their last {window} tokens, in a pool of "
+                  f"their own sized for {s.max_num_seqs} sequences; the other {config.num_layers - count} layers' pool "
+                  "holds the context above (--kv-layout shared keeps one pool).")
+        return
+    other = bm.estimate(config, replace(s, kv_layout="split"), b.gpu_memory)
+    if s.kv_layout == "auto" and other.split:
+        out.print(f"KV shared: the {count} sliding-window layers keep every token beside the others. "
+                  f"With --kv-layout split: {other.kv_tokens:,} tokens instead of {b.kv_tokens:,}; "
+                  "fewer --max-num-seqs splits by itself.")
 
 
 def _catalog(config, label: str, s: bm.Settings, json_out: bool) -> None:

@@ -50,6 +50,14 @@ def serve(
              "<tool_call>, mistral where it mentions [TOOL_CALLS], llama3_json where it speaks as Llama 3's, "
              "else none."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
+    kv_layout: str = typer.Option(
+        "auto", "--kv-layout",
+        help="Models with sliding-window layers (Gemma 3: five of six see the last 1,024 tokens): split gives those "
+             "layers a KV pool of their own that keeps only each sequence's window, so the full layers' pool holds "
+             "several times the context; shared keeps every token of every layer in one pool (a cached prefix "
+             "stays whole longer); auto splits where that holds at least 1.25x the tokens (fewer --max-num-seqs: "
+             "more). "
+             "`quant memory --kv-layout` shows both."),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
     speculative: Optional[str] = typer.Option(None, "--speculative",
                                               help="Speculative decoding drafter: ngram | self-int4 | PATH of a "
@@ -77,7 +85,7 @@ def serve(
     _check_port_free(host, port)
     engine = _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                            num_kv_blocks, gpu_memory_utilization, not no_prefix_caching, not no_cuda_graphs,
-                           speculative, num_speculative_tokens, block_size, quantization)
+                           speculative, num_speculative_tokens, block_size, quantization, kv_layout)
     from fitllm.serve.app import ServerConfig, create_app
 
     name = served_model_name or _default_name(model)
@@ -136,7 +144,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
                   num_kv_blocks, gpu_memory_utilization, prefix_caching, cuda_graphs, speculative=None,
-                  num_speculative_tokens=4, block_size=None, quantization=None):
+                  num_speculative_tokens=4, block_size=None, quantization=None, kv_layout="auto"):
     from fitllm.models.errors import FitLLMError
     from fitllm.serve.engine import EngineConfig, LLMEngine
 
@@ -149,7 +157,7 @@ def _build_engine(model, device, dtype, kv_dtype, max_model_len, max_num_seqs, m
                               speculative=(speculative if speculative in (None, "ngram", "self-int4")
                                            else f"draft-model:{speculative}"),
                               num_speculative_tokens=num_speculative_tokens, block_size=block_size,
-                              quantization=quantization)
+                              quantization=quantization, kv_layout=kv_layout)
         console.print(f"loading {model or 'the embedded SmolLM2-135M-Instruct'}"
                       + (f", quantizing it to {quantization} as it loads" if quantization else "") + " ...",
                       highlight=False)
@@ -178,13 +186,25 @@ def _print_summary(engine, name: str, host: str, port: int, api_key: Optional[st
     kv = getattr(engine, "kv_dtype", cfg.kv_dtype)
     console.print(f"model      {name}   weights {weights_label(engine.model_config)}\n"
                   f"device     {device}   dtype {dtype}   kv-dtype {kv}\n"
-                  f"kv cache   {blocks} blocks x {cfg.block_size} = {tokens}\n"
+                  f"kv cache   {blocks} blocks x {cfg.block_size} = {tokens}{_window_pool(engine, stats)}\n"
                   f"context    max_model_len {engine.max_model_len}   max_num_seqs {cfg.max_num_seqs}   "
                   f"step budget {cfg.max_num_batched_tokens} tokens", highlight=False)
     if host not in LOCAL_HOSTS and not api_key:
         console.print(f"[bold yellow]warning:[/] listening on {host} without --api-key: anyone who can reach "
                       "this port can use the model.", highlight=False)
     console.print(f"serving    http://{host}:{port}/v1  (auth {'on' if api_key else 'off'})", highlight=False)
+
+
+def _window_pool(engine, stats: dict) -> str:
+    """The summary's note on a split cache's sliding-window pool ("" for one pool)."""
+    blocks = stats.get("kv_window_blocks_total")
+    if blocks is None:
+        return ""
+    from fitllm.budget import sliding_layers
+
+    count, window = sliding_layers(engine.model_config)
+    return (f" for the full-attention layers; the {count} sliding-window layers (window {window}) "
+            f"{blocks} blocks of their own (--kv-layout split)")
 
 
 def _run(app, host: str, port: int, log_level: str, request_timeout: float) -> None:

@@ -814,7 +814,7 @@ def narrow_program(kind: int) -> dict:
 
 
 def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int,
-                  sms: int = 132) -> dict:
+                  sms: int = 132, head_dim: int = 128) -> dict:
     """Default split count, tile, warps and pipeline depth of the decode kernel, from the H200 sweeps
     (benchmarks/RESULTS.md, 2026-12-01 fourth session; nineteenth session for the narrow programs).
     Splits are at least 256 tokens (shorter ones cost more in the combine than they win), or one
@@ -838,7 +838,18 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
       unpacking bounds it, is faster on narrow programs with twice the splits at nearly every
       shape (5-28 %; B=1 at 8k 4 % slower).
     - fp32 KV (tests, parity runs): 64-token tiles, one buffer (a double-buffered 128 x 128 fp32
-      K and V tile would not fit in shared memory)."""
+      K and V tile would not fit in shared memory).
+    The sweeps ran at head_dim 128. Wider float heads (Gemma 3 1B-12B: 256) take tiles of as many
+    bytes (fewer tokens): a double-buffered 128-token 16-bit tile of 256-wide heads needs 256 KB of
+    shared memory (an H100 has 227). Quantized rows are 1 byte or less: their tiles fit as they are."""
+    cfg = _decode_config_d128(kind, code_bytes, batch, kv_heads, max_seq_len, sms)
+    if kind == KIND_FLOAT and head_dim > 128:
+        cfg["block_n"] = max(16, cfg["block_n"] * 128 // head_dim)
+    return cfg
+
+
+def _decode_config_d128(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int, sms: int) -> dict:
+    """decode_config at head_dim 128."""
     per_wave = batch * kv_heads
     # Splits of >= 256 tokens, or from 512 tokens on of >= 128 up to SHORT_SPLITS_MAX: one program
     # per 128-token tile beats two to eight tiles in a row (H200, B=1: 512 tokens 7.3 -> 6.3 µs, 1024
@@ -871,11 +882,11 @@ def decode_config(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
 
 def decode_launch(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq_len: int, sms: int,
                   num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: Optional[int] = None,
-                  num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None) -> dict:
+                  num_stages: Optional[int] = None, fused_reduce: Optional[bool] = None, head_dim: int = 128) -> dict:
     """decode_config with the caller's overrides, and what the split count decides: `direct` (one
     split writes the output), `fused` (the last split to finish combines; else _reduce_kernel) and
     `sp`, the combine's tile of splits."""
-    cfg = decode_config(kind, code_bytes, batch, kv_heads, max_seq_len, sms)
+    cfg = decode_config(kind, code_bytes, batch, kv_heads, max_seq_len, sms, head_dim)
     splits, warps = num_splits or cfg["num_splits"], num_warps or cfg["num_warps"]
     direct = splits == 1
     if fused_reduce is None:
@@ -886,14 +897,14 @@ def decode_launch(kind: int, code_bytes: int, batch: int, kv_heads: int, max_seq
 
 
 def decode_batch_classes(kind: int, code_bytes: int, kv_heads: int, max_seq_len: int, max_batch: int,
-                         sms: int) -> list[int]:
+                         sms: int, head_dim: int = 128) -> list[int]:
     """The smallest batch size of each distinct compiled decode program for batches 1..max_batch
     at this max_seq_len: decoding these sizes once compiles every variant a step can meet (an eager
     step that met a new one would stall on the compiler mid-serving). Besides the launch, Triton
     keys a compile on the split count's divisibility by 16."""
     first: dict[tuple, int] = {}
     for b in range(1, max_batch + 1):
-        launch = decode_launch(kind, code_bytes, b, kv_heads, max_seq_len, sms)
+        launch = decode_launch(kind, code_bytes, b, kv_heads, max_seq_len, sms, head_dim=head_dim)
         key = tuple(sorted((k, v) for k, v in launch.items() if k != "num_splits")) + (launch["num_splits"] % 16,)
         first.setdefault(key, b)
     return sorted(first.values())
@@ -927,7 +938,7 @@ def paged_attention(q, k_cache, v_cache, k_scales, v_scales, k_zeros, v_zeros, b
     if max_query_len == 1 and t == batch:
         launch = decode_launch(kind, k_cache.element_size(), batch, h, max_seq_len, num_sms(device_index(q)),
                                num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                               fused_reduce=fused_reduce)
+                               fused_reduce=fused_reduce, head_dim=d)
         num_splits, bn, direct, fused, sp = (launch[k] for k in ("num_splits", "block_n", "direct", "fused", "sp"))
         po = pml = cnt = out
         if not direct:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ class AttentionMetadata:
     # the position each token's LongRoPE factors go by (decoder.rope_long_context); without it,
     # its sequence's last position in the step (last_positions)
     rope_last_positions: Optional[torch.Tensor] = None
+    # A SplitKVCache's sliding layers: the same step over their own pool (its slot_mapping and
+    # block_tables; the other fields shared)
+    window: Optional["AttentionMetadata"] = None
 
     @property
     def num_seqs(self) -> int:
@@ -126,6 +129,10 @@ class KVCalibration:
     k_rot_max: Optional[torch.Tensor] = None
     v_rot_min: Optional[torch.Tensor] = None
     v_rot_max: Optional[torch.Tensor] = None
+
+    def layers(self, indices: list[int]) -> "KVCalibration":
+        """The statistics of these layers only (a SplitKVCache's pools each take theirs)."""
+        return KVCalibration(**{k: None if t is None else t[indices] for k, t in vars(self).items()})
 
     @property
     def has_rotated(self) -> bool:
@@ -516,7 +523,7 @@ class PagedKVCache:
         if not self._use_triton():
             return []
         return pa.decode_batch_classes(self.kind, self.k.element_size(), self.num_kv_heads, max_seq_len, max_batch,
-                                       num_sms(device_index(self.k)))
+                                       num_sms(device_index(self.k)), self.head_dim)
 
     @staticmethod
     def _m(t: Optional[torch.Tensor], layer: int) -> Optional[torch.Tensor]:
@@ -560,6 +567,67 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
     )
     return out.transpose(0, 1)
+
+
+class SplitKVCache:
+    """Two paged caches behind one: the full-attention layers' and the sliding-window layers', each
+    on its own pool of blocks (serve.block_manager.SplitBlockManager hands out both). The sliding
+    pool needs only the window of each running sequence, so on a model like Gemma 3 (five layers
+    of six slide over 1,024 tokens) most of the memory goes to the few full layers' long contexts.
+    A layer's attention runs in its pool's cache with its pool's metadata (meta.window for the
+    sliding layers); everything else is the same PagedKVCache."""
+
+    def __init__(self, num_layers: int, num_blocks: int, num_window_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 sliding_window: list[Optional[int]], calibration: Optional[KVCalibration] = None, **cache_kwargs):
+        windows = [layer_window(sliding_window, i) for i in range(num_layers)]
+        full_layers = [i for i, w in enumerate(windows) if w is None]
+        window_layers = [i for i, w in enumerate(windows) if w is not None]
+        if not full_layers or not window_layers:
+            raise ValueError("a split KV cache needs both full-attention and sliding-window layers")
+
+        def pool(layers: list[int], blocks: int) -> PagedKVCache:
+            return PagedKVCache(len(layers), blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                                sliding_window=[windows[i] for i in layers],
+                                calibration=None if calibration is None else calibration.layers(layers), **cache_kwargs)
+
+        self.full, self.window = pool(full_layers, num_blocks), pool(window_layers, num_window_blocks)
+        self.route = [(self.window, window_layers.index(i)) if w is not None else (self.full, full_layers.index(i))
+                      for i, w in enumerate(windows)]
+        self.num_layers, self.block_size, self.sliding_window = num_layers, block_size, sliding_window
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.num_blocks, self.num_window_blocks = num_blocks, num_window_blocks
+        for name in ("kind", "kv_dtype", "dtype", "transformed", "supports_cuda_graphs", "fuses_rope"):
+            setattr(self, name, getattr(self.full, name))
+        self._attend = self.routed(self.full.attend, self.window.attend)
+
+    @property
+    def k(self) -> torch.Tensor:  # (its dtype, element size and device stand for both pools')
+        return self.full.k
+
+    @property
+    def pool_bytes_per_token(self) -> tuple[int, int]:
+        """(full pool, sliding pool) bytes per token."""
+        return self.full.bytes_per_token, self.window.bytes_per_token
+
+    def routed(self, attend_full: Callable, attend_window: Callable) -> Callable:
+        """An `attend(layer, q, k, v, meta, ...)` that sends each layer to its pool's function (with
+        the pool's layer index and metadata): the caches' own `attend`, or stand-ins for them."""
+        def attend(layer: int, q, k, v, meta: AttentionMetadata, *args, **kwargs):
+            cache, i = self.route[layer]
+            if cache is self.window:
+                return attend_window(i, q, k, v, meta.window, *args, **kwargs)
+            return attend_full(i, q, k, v, meta, *args, **kwargs)
+        return attend
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               scale: float, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+               out_cols: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._attend(layer, q, k, v, meta, scale, rope, out_cols)
+
+    def decode_batch_classes(self, max_batch: int, max_seq_len: int) -> list[int]:
+        return sorted(set(self.full.decode_batch_classes(max_batch, max_seq_len))
+                      | set(self.window.decode_batch_classes(max_batch, max_seq_len)))
 
 
 class ForwardContext:

@@ -19,6 +19,15 @@ model runner performs it before the step's forward pass.
 A sequence's table list only ever grows in place (append); any other change (copy-on-write,
 truncate) puts a new list in its place. The model runner relies on it to update its device
 block tables incrementally (same list object and length: nothing changed).
+
+Sliding-window layers (`window`): attention reads only a sequence's last `window` positions, so
+the blocks wholly behind that are given back as the sequence advances ("dropped"). Their ids stay
+in the table (it still only grows; no attention kernel uses a position outside the window, and a
+stale id names a block of finite values). Dropped blocks keep their place in the prefix cache
+until evicted, and a prefix hit there needs only the blocks of the window before the first token
+to compute: `match_prefix` returns None for the leading blocks it does not need. `SplitBlockManager`
+pairs a pool for the full-attention layers with one for the sliding layers (Gemma 3: five layers
+of six slide over 1,024 tokens): a prefix is a hit where both pools hold what they need of it.
 """
 from __future__ import annotations
 
@@ -44,6 +53,7 @@ class SeqBlocks:
     hashes: list[int] = field(default_factory=list)  # chained hashes of its first full blocks
     num_registered: int = 0  # leading blocks already offered to the prefix cache
     salt: Optional[int] = None  # the chain's root (see the module docstring)
+    num_dropped: int = 0  # leading blocks given back: behind the sliding window (ids left in the table)
 
 
 def chain_hash(parent: Optional[int], tokens: tuple[int, ...]) -> int:
@@ -51,10 +61,12 @@ def chain_hash(parent: Optional[int], tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, window: Optional[int] = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window of {window} tokens: must be at least 1")
+        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
@@ -78,18 +90,32 @@ class BlockManager:
         return self.seqs[seq_id].table
 
     def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int], max_tokens: int,
-                     salt: Optional[int] = None) -> list[int]:
+                     salt: Optional[int] = None) -> list[Optional[int]]:
         """Cached blocks holding the longest prefix of `token_ids` (whole blocks, at most
-        `max_tokens` tokens) under this `salt`. Takes nothing: pass the result to `allocate`."""
+        `max_tokens` tokens) under this `salt`. With a window, the blocks of that prefix wholly
+        behind the window of its end are not needed: None stands for each (they lead the list).
+        Takes nothing: pass the result to `allocate`."""
         seq = self._seq(seq_id, salt)
         self._extend_hashes(seq, token_ids, max_tokens // self.block_size)
-        hits: list[int] = []
+        hits: list[Optional[int]] = []
         for i, h in enumerate(seq.hashes[: max_tokens // self.block_size]):
             block_id = self._cached.get(h)
             if block_id is None or not self._same_content(block_id, self._parent(seq, i), token_ids, i):
-                break
+                if self.window is None:
+                    break
+                block_id = None  # a gap: only a prefix ending a window later can use what follows
             hits.append(block_id)
-        return hits
+        if self.window is None:
+            return hits
+        # The longest prefix whose window (the blocks a token right after it still sees) has no gap.
+        gaps = [i for i, b in enumerate(hits) if b is None]
+        for end in range(len(hits), 0, -1):
+            while gaps and gaps[-1] >= end:
+                gaps.pop()
+            need = self._behind_window(end * self.block_size)
+            if not gaps or gaps[-1] < need:
+                return [None] * need + hits[need:end]
+        return []
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.query_tokens += num_tokens
@@ -97,7 +123,10 @@ class BlockManager:
 
     def can_allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = ()) -> bool:
         needed = self._blocks_needed(seq_id, num_computed, num_new, prefix)
-        return needed <= self.num_free_blocks - self._evictable_in(prefix)
+        seq = self.seqs.get(seq_id)
+        # Blocks this call drops behind the window come free first, unless another sequence (a fork) holds them too.
+        freed = sum(1 for i in self._droppable(seq, num_computed) if self.blocks[seq.table[i]].ref == 1)
+        return needed <= self.num_free_blocks + freed - self._evictable_in(prefix)
 
     def allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = (),
                  salt: Optional[int] = None) -> bool:
@@ -114,8 +143,12 @@ class BlockManager:
         seq = self._seq(seq_id, salt)
         if prefix:
             assert not seq.table and num_computed == len(prefix) * self.block_size
-            seq.table.extend(self._take(b) for b in prefix)
+            # (blocks of a windowed prefix that are not needed: a stale id of the prefix stands in)
+            stand_in = next((b for b in prefix if b is not None), 0)
+            seq.table.extend(stand_in if b is None else self._take(b) for b in prefix)
+            seq.num_dropped = sum(1 for b in prefix if b is None)
             seq.num_registered = len(prefix)
+        self._drop_behind_window(seq, num_computed)
         if self._needs_copy(seq, num_computed, num_new):
             self._copy_on_write(seq, num_computed // self.block_size)
         self._forget_overwritten(seq, num_computed, num_new)
@@ -146,21 +179,24 @@ class BlockManager:
         blocks (less likely to be shared) are evicted before its earlier ones."""
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
-            for block_id in reversed(seq.table):
+            for block_id in reversed(seq.table[seq.num_dropped:]):
                 self._release(block_id)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """The child shares every block of the parent (e.g. parallel samples of one prompt)."""
         parent = self.seqs[parent_id]
         assert child_id not in self.seqs or not self.seqs[child_id].table
-        for block_id in parent.table:
+        for block_id in parent.table[parent.num_dropped:]:
             self.blocks[block_id].ref += 1
-        self.seqs[child_id] = SeqBlocks(list(parent.table), list(parent.hashes), parent.num_registered, salt=parent.salt)
+        self.seqs[child_id] = SeqBlocks(list(parent.table), list(parent.hashes), parent.num_registered,
+                                        salt=parent.salt, num_dropped=parent.num_dropped)
 
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens (rejected draft tokens are rolled back)."""
         seq = self.seqs[seq_id]
         keep = -(-num_tokens // self.block_size)
+        if keep < seq.num_dropped:
+            raise ValueError(f"truncating to {num_tokens} tokens needs blocks already dropped behind the window")
         for block_id in reversed(seq.table[keep:]):
             self._release(block_id)
         seq.table = seq.table[:keep]  # a new list: see the module docstring
@@ -182,6 +218,25 @@ class BlockManager:
         held = (len(seq.table) if seq else 0) + len(prefix)
         needed = max(0, -(-(num_computed + num_new) // self.block_size) - held)
         return needed + (1 if seq is not None and self._needs_copy(seq, num_computed, num_new) else 0)
+
+    def _droppable(self, seq: Optional[SeqBlocks], num_computed: int) -> range:
+        """Table indices of the blocks behind the window that `allocate(num_computed, ...)` gives
+        back: every position in them is at least `window` before the first token still to be
+        written (num_computed), so no query from here on sees them (a rolled-back draft only goes
+        back to num_computed)."""
+        if self.window is None or seq is None:
+            return range(0)
+        return range(seq.num_dropped, min(self._behind_window(num_computed), len(seq.table)))
+
+    def _behind_window(self, position: int) -> int:
+        """How many leading blocks lie wholly behind the window of a query at `position`."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def _drop_behind_window(self, seq: SeqBlocks, num_computed: int) -> None:
+        dropped = self._droppable(seq, num_computed)
+        for i in reversed(dropped):
+            self._release(seq.table[i])
+        seq.num_dropped = max(seq.num_dropped, dropped.stop)
 
     def _evictable_in(self, prefix: Sequence[int]) -> int:
         """Prefix hits sitting in the evictable list stop being available once taken."""
@@ -268,3 +323,86 @@ class BlockManager:
         if block.hash is not None and self._cached.get(block.hash) == block.id:
             del self._cached[block.hash]
         block.hash, block.parent, block.tokens = None, None, ()
+
+
+class SplitBlockManager:
+    """Two pools behind the scheduler's interface: `full` for the full-attention layers and
+    `window` (a BlockManager with a window) for the sliding ones, each with its own table per
+    sequence; a sequence is given room in both or in neither, and a cached prefix is used as far
+    as both pools hold what they need of it. No fork."""
+
+    def __init__(self, num_blocks: int, num_window_blocks: int, block_size: int, window: int):
+        self.full = BlockManager(num_blocks, block_size)
+        self.window = BlockManager(num_window_blocks, block_size, window)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self._window_hits: dict[Hashable, list[Optional[int]]] = {}  # match_prefix's, for allocate
+        self.query_tokens = self.hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """The tighter pool's free blocks: a step that takes one block per sequence needs that many in both."""
+        return min(self.full.num_free_blocks, self.window.num_free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.full.num_used_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def table(self, seq_id: Hashable) -> list[int]:
+        return self.full.table(seq_id)
+
+    def window_table(self, seq_id: Hashable) -> list[int]:
+        return self.window.table(seq_id)
+
+    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int], max_tokens: int,
+                     salt: Optional[int] = None) -> list[int]:
+        """The full pool's hits for the longest prefix both pools hold (the sliding pool: its
+        window's blocks); the sliding pool's wait for `allocate`."""
+        full = self.full.match_prefix(seq_id, token_ids, max_tokens, salt)
+        window = self.window.match_prefix(seq_id, token_ids, len(full) * self.block_size, salt)
+        self._window_hits[seq_id] = window
+        return full[:len(window)]
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.query_tokens += num_tokens
+        self.hit_tokens += num_hit_tokens
+
+    def can_allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = ()) -> bool:
+        return (self.full.can_allocate(seq_id, num_computed, num_new, prefix)
+                and self.window.can_allocate(seq_id, num_computed, num_new, self._window_prefix(seq_id, prefix)))
+
+    def allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = (),
+                 salt: Optional[int] = None) -> bool:
+        if not self.can_allocate(seq_id, num_computed, num_new, prefix):
+            return False
+        window_prefix = self._window_prefix(seq_id, prefix)
+        self._window_hits.pop(seq_id, None)
+        return (self.full.allocate(seq_id, num_computed, num_new, prefix, salt)
+                and self.window.allocate(seq_id, num_computed, num_new, window_prefix, salt))
+
+    def _window_prefix(self, seq_id: Hashable, prefix: Sequence[int]) -> list[Optional[int]]:
+        if not prefix:
+            return []
+        window = self._window_hits.get(seq_id, [])
+        assert len(window) == len(prefix), "a prefix from match_prefix, for the same sequence"
+        return window
+
+    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        self.full.cache_full_blocks(seq_id, token_ids, num_computed)
+        self.window.cache_full_blocks(seq_id, token_ids, num_computed)
+
+    def free(self, seq_id: Hashable) -> None:
+        self._window_hits.pop(seq_id, None)
+        self.full.free(seq_id)
+        self.window.free(seq_id)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        self.full.truncate(seq_id, num_tokens)
+        self.window.truncate(seq_id, num_tokens)
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copy-on-write copies of each pool: (the full pool's, the sliding pool's)."""
+        return self.full.take_copies(), self.window.take_copies()

@@ -43,11 +43,11 @@ from typing import Optional, Union
 
 import torch
 
-from fitllm.budget import default_block_size
+from fitllm.budget import KV_LAYOUTS, default_block_size, sliding_layers, split_kv_blocks, window_pool_blocks
 from fitllm.models.kv_cache import KVCalibration, check_kv_dtype
 from fitllm.models.tokenizer import vocabulary_bytes
 from fitllm.serve import json_mode
-from fitllm.serve.block_manager import BlockManager
+from fitllm.serve.block_manager import BlockManager, SplitBlockManager
 from fitllm.serve.detokenizer import IncrementalDetokenizer
 from fitllm.serve.model_runner import ModelRunner, StepSeq
 from fitllm.serve.sampling import (DeviceSample, HostFetch, LogprobTensors, SampleInput, Sampler, SamplingParams,
@@ -77,6 +77,10 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None  # None: sized from memory
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Sliding-window layers (Gemma 3): "split" gives them a pool of their own that keeps only each
+    # sequence's window, "shared" keeps every token in one pool, "auto" splits where that holds
+    # budget.SPLIT_MIN_GAIN times the tokens
+    kv_layout: str = "auto"
     cuda_graphs: bool = True
     kv_calibration: Optional[KVCalibration] = None  # K/V statistics for fp8/int4 KV (else measured)
     speculative: Optional[str] = None  # None | "ngram" | "self-int4" | "draft-model:PATH"
@@ -95,6 +99,8 @@ class EngineConfig:
                 raise ValueError("--speculative self-int4 drafts with an int4 copy of a dense model; with "
                                  f"--quantization {self.quantization} the model is no longer dense")
         check_kv_dtype(self.kv_dtype)  # before the model loads, not when its cache is made
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, not {self.kv_layout!r}")
         if self.block_size is None:
             self.block_size = default_block_size(self.kv_dtype)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
@@ -139,8 +145,8 @@ class LLMEngine:
         self.drafter = None if config.speculative is None else build_drafter(
             config.speculative, model, config.block_size, draft_model,
             lambda path: load_model_and_tokenizer(replace(config, model=path), self.device, self.dtype)[0])
-        self.max_model_len, num_blocks = self._size_kv_cache()
-        self.runner.allocate_cache(num_blocks, self.max_model_len)
+        self.max_model_len, num_blocks, num_window_blocks = self._size_kv_cache()
+        self.runner.allocate_cache(num_blocks, self.max_model_len, num_window_blocks)
         if self.drafter is not None and self.drafter.needs_cache:
             self.drafter.allocate(num_blocks, config.max_num_seqs, self.max_model_len,
                                   config.max_num_batched_tokens, config.cuda_graphs)
@@ -149,7 +155,11 @@ class LLMEngine:
         self.cuda_graphs = config.cuda_graphs and self.runner.capture_graphs(
             config.max_num_seqs, query_lens=tuple(range(1, spec_k + 2)),
             max_batched_tokens=config.max_num_batched_tokens)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        window = sliding_layers(self.model_config)[1]
+        if num_window_blocks is not None:
+            self.block_manager = SplitBlockManager(num_blocks, num_window_blocks, config.block_size, window)
+        else:  # (every layer sliding: one pool that gives back what falls behind the window)
+            self.block_manager = BlockManager(num_blocks, config.block_size, window if self._window_only() else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    prefix_caching=config.enable_prefix_caching)
         self.sampler = Sampler()
@@ -209,15 +219,21 @@ class LLMEngine:
         return sorted({m for t in tables for m in row_bounds(t, arch)}
                       | {self.config.max_num_batched_tokens, fp8.TMA_EAGER_MIN_M - 1})
 
-    def _size_kv_cache(self) -> tuple[int, int]:
+    def _size_kv_cache(self) -> tuple[int, int, Optional[int]]:
+        """(max_model_len, KV blocks, the sliding layers' own blocks or None: one pool)."""
         c = self.config
         model_len = self.model_config.max_position_embeddings
         if c.max_model_len is not None:
             if c.max_model_len > model_len:
                 log.warning("max_model_len %d exceeds the model's %d positions", c.max_model_len, model_len)
             model_len = c.max_model_len
-        num_blocks = c.num_kv_blocks or self.runner.choose_num_blocks(
-            c.max_num_seqs, model_len, c.max_num_batched_tokens, c.gpu_memory_utilization, c.cuda_graphs)
+        split = self._split_kv_blocks(model_len)
+        if split is not None:
+            num_blocks, num_window_blocks = split
+        else:
+            num_window_blocks = None
+            num_blocks = c.num_kv_blocks or self.runner.choose_num_blocks(
+                c.max_num_seqs, model_len, c.max_num_batched_tokens, c.gpu_memory_utilization, c.cuda_graphs)
         if c.num_kv_blocks is None and self.device.type == "cuda" and getattr(self.drafter, "needs_cache", False):
             # The drafter's cache holds the same tokens: split the KV memory between the two.
             target, draft = self.runner.bytes_per_block(), self.drafter.bytes_per_block()
@@ -226,7 +242,39 @@ class LLMEngine:
         if num_blocks * c.block_size < model_len:
             log.warning("the KV cache holds %d tokens: max_model_len lowered from %d", num_blocks * c.block_size,
                         model_len)
-        return min(model_len, num_blocks * c.block_size), num_blocks
+        return min(model_len, num_blocks * c.block_size), num_blocks, num_window_blocks
+
+    def _window_only(self) -> bool:
+        """Every layer slides over a window shorter than the context, and kv_layout lets the one
+        pool give back the blocks behind it (budget.window_only: the same rule)."""
+        num_sliding, window = sliding_layers(self.model_config)
+        return (num_sliding == self.model_config.num_layers and window < self.max_model_len
+                and self.config.kv_layout != "shared" and not getattr(self.drafter, "needs_cache", False))
+
+    def _split_kv_blocks(self, model_len: int) -> Optional[tuple[int, int]]:
+        """(full layers' blocks, sliding layers' blocks) when the model has both kinds of layers and
+        c.kv_layout asks for (or, "auto", gains by) a pool of their own; else None."""
+        c = self.config
+        num_sliding, window = sliding_layers(self.model_config)
+        if not 0 < num_sliding < self.model_config.num_layers or c.kv_layout == "shared":
+            return None
+        if self.drafter is not None and self.drafter.needs_cache:
+            if c.kv_layout == "split":
+                raise ValueError("--kv-layout split: not with a draft model (its cache shares the target's blocks)")
+            return None
+        cap = window_pool_blocks(min(window, model_len), c.block_size, c.max_num_seqs, c.max_num_batched_tokens)
+        if c.num_kv_blocks is not None:  # a block count asked for: the full pool's, and a split only if asked
+            split = (c.num_kv_blocks, min(cap, c.num_kv_blocks)) if c.kv_layout == "split" else None
+        else:
+            kv_bytes = self.runner.kv_cache_bytes(c.max_num_seqs, model_len, c.max_num_batched_tokens,
+                                                  c.gpu_memory_utilization, c.cuda_graphs)
+            split = split_kv_blocks(kv_bytes, *self.runner.pool_bytes_per_block(), cap, c.kv_layout)
+        if split is None:
+            return None
+        log.info("KV cache split: %d blocks for the %d full-attention layers, %d for the %d sliding-window "
+                 "layers (window %d)", split[0],
+                 self.model_config.num_layers - num_sliding, split[1], num_sliding, window)
+        return split
 
     # ---- requests --------------------------------------------------------------------------------
     def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -348,7 +396,8 @@ class LLMEngine:
             if not bm.allocate(req.request_id, req.num_computed, 1):
                 return None  # (checked before; what was allocated is what the next step takes anyway)
             sched.num_tokens[req] = 1
-            seqs.append(StepSeq([0], req.num_computed, bm.table(req.request_id), 1))  # token: on the device
+            seqs.append(StepSeq([0], req.num_computed, bm.table(req.request_id), 1,  # token: on the device
+                                window_table=self._window_table(req)))
         try:
             self.runner.copy_blocks(bm.take_copies())
             logits = self.runner.execute(seqs, input_ids=pending.sampled.token_ids.clamp_min(0))
@@ -416,7 +465,12 @@ class LLMEngine:
         else:
             num_logits = 1 if start + n == len(req.token_ids) else 0
         return StepSeq(req.token_ids[start:start + n], start, self.block_manager.table(req.request_id), num_logits,
-                       len(req.prompt_ids))
+                       len(req.prompt_ids), self._window_table(req))
+
+    def _window_table(self, req: Request) -> Optional[list[int]]:
+        """The request's table in the sliding layers' pool of a split cache (else None)."""
+        bm = self.block_manager
+        return bm.window_table(req.request_id) if isinstance(bm, SplitBlockManager) else None
 
     def _queue_outputs(self, sched: SchedulerOutput, seqs: list[StepSeq], logits: torch.Tensor,
                        ahead: int = 0) -> "_Pending":
@@ -674,6 +728,8 @@ class LLMEngine:
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_block_size": bm.block_size,
+            # a split cache's sliding-window pool (None: one pool for every layer)
+            "kv_window_blocks_total": bm.window.num_blocks if isinstance(bm, SplitBlockManager) else None,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "preemptions": self.scheduler.num_preemptions,
             "generated_tokens": self.num_generated_tokens,

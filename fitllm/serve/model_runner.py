@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, Optional
 
@@ -40,7 +40,7 @@ from fitllm.kernels.fused import apply_rope
 from fitllm.models.config import layer_window
 from fitllm.models.decoder import CausalLM
 from fitllm.models.kv_cache import (AttentionMetadata, ForwardContext, KVCalibration, PagedKVCache,
-                                    calibrate_kv_scales)
+                                    SplitKVCache, calibrate_kv_scales)
 from fitllm.serve.sampling import to_device
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class StepSeq:
     block_table: list[int]
     num_logits: int = 1  # logits for the last `num_logits` new tokens (0: none)
     prompt_len: int = 0  # the request's prompt length: LongRoPE chooses a prompt's factors by all of it
+    window_table: Optional[list[int]] = None  # a split cache's: the sequence's table in the sliding layers' pool
 
 
 class ModelRunner:
@@ -83,21 +84,35 @@ class ModelRunner:
         del probe
         return per_token * self.block_size
 
+    def pool_bytes_per_block(self) -> tuple[int, int]:
+        """(full-attention layers, sliding-window layers) bytes per block, as a split cache has them."""
+        probe = self._new_cache(1, 1)
+        full, window = probe.pool_bytes_per_token
+        del probe
+        return full * self.block_size, window * self.block_size
+
+    def kv_cache_bytes(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                       gpu_memory_utilization: float, cuda_graphs: bool) -> int:
+        """The memory the KV cache may take: on a GPU what is left after the weights and what steps
+        will need; on the CPU enough for every sequence at full length, within a fixed budget."""
+        if self.device.type != "cuda":
+            wanted = max_num_seqs * math.ceil(max_model_len / self.block_size) * self.bytes_per_block()
+            return min(wanted, CPU_KV_CACHE_BYTES)
+        return self._cuda_kv_budget(max_num_seqs, max_model_len, max_num_batched_tokens,
+                                    gpu_memory_utilization, cuda_graphs)
+
     def choose_num_blocks(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                           gpu_memory_utilization: float, cuda_graphs: bool) -> int:
         """How many KV blocks to allocate (the scratch block comes on top)."""
         per_block = self.bytes_per_block()
-        if self.device.type != "cuda":  # enough for every sequence at full length, within a budget
-            wanted = max_num_seqs * math.ceil(max_model_len / self.block_size)
-            return max(1, min(wanted, CPU_KV_CACHE_BYTES // per_block))
-        free_bytes = self._cuda_kv_budget(max_num_seqs, max_model_len, max_num_batched_tokens,
-                                          gpu_memory_utilization, cuda_graphs)
-        if free_bytes < per_block:
+        free_bytes = self.kv_cache_bytes(max_num_seqs, max_model_len, max_num_batched_tokens,
+                                         gpu_memory_utilization, cuda_graphs)
+        if free_bytes < per_block and self.device.type == "cuda":
             raise RuntimeError(
                 f"no GPU memory left for the KV cache after the weights and step buffers "
                 f"({free_bytes / 2**20:.0f} MiB); raise --gpu-memory-utilization, lower --max-num-seqs, "
                 "or use a smaller model or --kv-dtype")
-        return free_bytes // per_block  # all of it: spare blocks keep more prefixes cached
+        return max(1, free_bytes // per_block)  # all of it: spare blocks keep more prefixes cached
 
     def _cuda_kv_budget(self, max_num_seqs, max_model_len, max_num_batched_tokens, utilization, cuda_graphs) -> int:
         """Usable card memory minus what is in use now (context, weights) and what steps will need."""
@@ -134,21 +149,27 @@ class ModelRunner:
         del hidden
         return int(1.25 * (torch.cuda.max_memory_allocated(self.device) - before))  # 25%: allocator slack
 
-    def allocate_cache(self, num_blocks: int, max_model_len: int) -> None:
-        """`num_blocks` usable blocks plus one scratch block (the last) for padded graph rows.
+    def allocate_cache(self, num_blocks: int, max_model_len: int, num_window_blocks: Optional[int] = None) -> None:
+        """`num_blocks` usable blocks plus one scratch block (the last) for padded graph rows;
+        with `num_window_blocks`, a split cache whose sliding-window layers have a pool of their own
+        of that many blocks (plus its own scratch block, also the last).
         Every step then tells attention that its sequences may be `max_model_len` long: the decode
         kernel's tiles and splits (each sequence still cuts its own span) depend on the batch size
         alone, in eager steps as in the graphs, so a warm-up can compile all of them
         (`warm_up_decode`)."""
-        self.cache = self._new_cache(num_blocks + 1)
+        split = num_window_blocks is not None
+        self.cache = self._new_cache(num_blocks + 1, num_window_blocks + 1 if split else None)
         self.scratch_block = num_blocks
+        self.window_scratch_block = num_window_blocks if split else None
         self.max_model_len = max_model_len
 
-    def _new_cache(self, num_blocks: int) -> PagedKVCache:
+    def _new_cache(self, num_blocks: int, num_window_blocks: Optional[int] = None) -> PagedKVCache | SplitKVCache:
         c = self.model.config
-        return PagedKVCache(c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
-                            dtype=self.model.dtype, device=self.device, sliding_window=c.attention_windows,
-                            kv_dtype=self.kv_dtype, calibration=self.kv_calibration)
+        args = (c.num_kv_heads, c.head_dim, self.model.dtype, self.device)
+        options = dict(sliding_window=c.attention_windows, kv_dtype=self.kv_dtype, calibration=self.kv_calibration)
+        if num_window_blocks is not None:
+            return SplitKVCache(c.num_layers, num_blocks, num_window_blocks, self.block_size, *args, **options)
+        return PagedKVCache(c.num_layers, num_blocks, self.block_size, *args, **options)
 
     def capture_graphs(self, max_num_seqs: int, emulate_on_cpu: bool = False,
                        query_lens: tuple[int, ...] = (1,), max_batched_tokens: Optional[int] = None) -> bool:
@@ -173,7 +194,8 @@ class ModelRunner:
         for q in sorted(set(query_lens) - {1}):  # speculation: small batches, within the step budget
             shapes[q] = [b for b in sizes if b <= MULTI_TOKEN_GRAPH_MAX_BATCH
                          and (max_batched_tokens is None or b * q <= max_batched_tokens)] or [1]
-        self.graphs = StepGraphs(self.model, self.cache, attend, shapes, max_model_len, self.scratch_block)
+        self.graphs = StepGraphs(self.model, self.cache, attend, shapes, max_model_len, self.scratch_block,
+                                 self.window_scratch_block)
         return True
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -201,14 +223,9 @@ class ModelRunner:
         n = np.fromiter((len(s.token_ids) for s in seqs), np.int64, b)
         starts = np.fromiter((s.start for s in seqs), np.int64, b)
         first = np.cumsum(n) - n  # each sequence's first row in the flat batch
-        # Table width rounded up to 16: Triton keys a compile on an integer argument (the table's
-        # row stride) being 1 or a multiple of 16, and the width changes from step to step.
-        width = max((len(s.block_table) for s in seqs), default=1)
-        tables = np.zeros((b, -(-max(width, 1) // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE), np.int32)
-        _fill_rows(tables, [s.block_table for s in seqs])
         owner = np.repeat(np.arange(b), n)
         pos = np.arange(int(n.sum())) - first[owner] + starts[owner]
-        slots = tables[owner, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        tables, slots = self._tables_and_slots([s.block_table for s in seqs], owner, pos)
         seq_lens, query_start = starts + n, np.concatenate([[0], np.cumsum(n)])
         dev = self.device
         rope_last = None
@@ -220,6 +237,10 @@ class ModelRunner:
             seq_lens=to_device(seq_lens, torch.int32, dev), block_tables=to_device(tables, torch.int32, dev),
             query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(),
             max_query_len=int(n.max(initial=0)), max_seq_len=self.max_model_len, rope_last_positions=rope_last)
+        if isinstance(self.cache, SplitKVCache):  # the sliding layers' pool: its own tables and slots
+            tables, slots = self._tables_and_slots([s.window_table for s in seqs], owner, pos)
+            meta.window = replace(meta, slot_mapping=to_device(slots, torch.long, dev),
+                                  block_tables=to_device(tables, torch.int32, dev))
         ids = input_ids if input_ids is not None else to_device(
             np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64), torch.long, dev)
         hidden = self.model(ids, to_device(pos, torch.long, dev), ForwardContext(self.cache, meta))
@@ -228,13 +249,29 @@ class ModelRunner:
             return hidden, slice(0, len(rows))
         return hidden, to_device(rows, torch.long, dev)
 
+    def _tables_and_slots(self, rows: list[list[int]], owner: np.ndarray, pos: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """The step's block tables [B, W] and each new token's cache slot. The table width is
+        rounded up to 16: Triton keys a compile on an integer argument (the table's row stride)
+        being 1 or a multiple of 16, and the width changes from step to step."""
+        width = max((len(r) for r in rows), default=1)
+        tables = np.zeros((len(rows), -(-max(width, 1) // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE), np.int32)
+        _fill_rows(tables, rows)
+        slots = tables[owner, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        return tables, slots
+
     @torch.inference_mode()
     def warm_up_decode(self, max_num_seqs: int) -> None:
         """Eager decode steps (no graphs, which compile theirs at capture) at one batch size per
         compiled variant of the decode attention kernel, so that no step meets a new one: empty
         sequences of one token on the scratch block."""
         for b in self.cache.decode_batch_classes(max_num_seqs, self.max_model_len):
-            self.execute([StepSeq([0], 0, [self.scratch_block]) for _ in range(b)])
+            self.execute([StepSeq([0], 0, [self.scratch_block], window_table=self._window_scratch_table)
+                          for _ in range(b)])
+
+    @property
+    def _window_scratch_table(self) -> Optional[list[int]]:
+        return None if self.window_scratch_block is None else [self.window_scratch_block]
 
     def _inside_long_prompt(self, seqs: list[StepSeq]) -> bool:
         """A LongRoPE step with prompt tokens before their prompt's last: their factors go by that
@@ -242,27 +279,36 @@ class ModelRunner:
         return self.model.long_inv_freq is not None and any(s.start < s.prompt_len - 1 for s in seqs)
 
     @torch.inference_mode()
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write copies queued by the block manager, before the step writes."""
-        if not pairs:
-            return
-        if hasattr(self.cache, "copy_blocks"):
-            self.cache.copy_blocks(pairs)
-            return
-        src = to_device([s for s, _ in pairs], torch.long, self.device)
-        dst = to_device([d for _, d in pairs], torch.long, self.device)
-        for t in self.cache.block_tensors:  # [layers, blocks, ...]: K, V, scales, zeros
-            t[:, dst] = t[:, src]
+    def copy_blocks(self, pairs) -> None:
+        """Copy-on-write copies queued by the block manager, before the step writes: (src, dst)
+        pairs, or for a split cache a pair of such lists (the full pool's, the sliding pool's)."""
+        if isinstance(self.cache, SplitKVCache):
+            for cache, pool_pairs in zip((self.cache.full, self.cache.window), pairs):
+                _copy_blocks(cache, pool_pairs)
+        else:
+            _copy_blocks(self.cache, pairs)
+
+
+def _copy_blocks(cache: PagedKVCache, pairs: list[tuple[int, int]]) -> None:
+    if not pairs:
+        return
+    src = to_device([s for s, _ in pairs], torch.long, cache.device)
+    dst = to_device([d for _, d in pairs], torch.long, cache.device)
+    for t in cache.block_tensors:  # [layers, blocks, ...]: K, V, scales, zeros
+        t[:, dst] = t[:, src]
 
 
 # ---- CUDA graphs -------------------------------------------------------------------------------
-def graph_safe_attention(cache: PagedKVCache) -> Optional[Callable]:
+def graph_safe_attention(cache: PagedKVCache | SplitKVCache) -> Optional[Callable]:
     """The step's write + attention, `attend(layer, q, k, v, meta, scale, rope=None)`, reading only device
     tensors, so a captured graph stays valid when the batch's lengths and block tables change (the
     torch reference loops over host lengths: capturing it would freeze them). The Triton path says
     so with `supports_cuda_graphs` (then the cache's own `attend`, whose q/k/v maps share one
     launch); for an unquantized cache without it (CPU emulation in tests) a padded torch attention
-    stands in after the cache's write."""
+    stands in after the cache's write. A split cache routes each layer to its pool's."""
+    if isinstance(cache, SplitKVCache):
+        full, window = graph_safe_attention(cache.full), graph_safe_attention(cache.window)
+        return None if full is None or window is None else cache.routed(full, window)
     if getattr(cache, "supports_cuda_graphs", False):
         return cache.attend
     if cache.k.dtype in (torch.float32, torch.float16, torch.bfloat16) and not getattr(cache, "transformed", False):
@@ -319,53 +365,69 @@ class StepGraphs:
     mirror per step: int64 [ids | positions | slots | logit rows] and int32 [seq_lens | block
     tables]. Each graph reads its own views at the front of the buffers (for q tokens x b
     sequences: ids = longs[:T], positions = longs[T:2T], ...), so a step copies only what its
-    graph reads."""
+    graph reads. A split cache's sliding pool adds its slots after the slots and its tables after
+    the tables (`window_scratch_block`: that pool's scratch block)."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, attend: Callable, shapes: dict[int, list[int]],
-                 max_model_len: int, scratch_block: int):
+    def __init__(self, model: CausalLM, cache: PagedKVCache | SplitKVCache, attend: Callable,
+                 shapes: dict[int, list[int]], max_model_len: int, scratch_block: int,
+                 window_scratch_block: Optional[int] = None):
         self.model, self.cache = model, cache
         self.shapes = {q: sorted(set(sizes)) for q, sizes in sorted(shapes.items())}
         self.block_size, self.max_model_len = cache.block_size, max_model_len
         # Padded tokens sit up to q - 1 positions past a sequence's end: room in the table for them.
         self.width = math.ceil((max_model_len + max(self.shapes)) / cache.block_size)
-        self.scratch_block = scratch_block
+        self.scratch_block, self.window_scratch_block = scratch_block, window_scratch_block
+        self.pools = 1 if window_scratch_block is None else 2  # block tables (and slots) per sequence
         max_tokens = max(q * sizes[-1] for q, sizes in self.shapes.items())
         max_seqs = max(sizes[-1] for sizes in self.shapes.values())
         dev = model.device
-        self.longs = torch.zeros(4 * max_tokens, dtype=torch.long, device=dev)
-        self.ints = torch.zeros(max_seqs * (1 + self.width), dtype=torch.int32, device=dev)
+        self.longs = torch.zeros((3 + self.pools) * max_tokens, dtype=torch.long, device=dev)
+        self.ints = torch.zeros(max_seqs * (1 + self.pools * self.width), dtype=torch.int32, device=dev)
         pin = dev.type == "cuda"
         self.host_longs = torch.zeros(self.longs.shape, dtype=torch.long, pin_memory=pin)
         self.host_ints = torch.zeros(self.ints.shape, dtype=torch.int32, pin_memory=pin)
         self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
         self._host_longs, self._host_ints = self.host_longs.numpy(), self.host_ints.numpy()  # same memory
-        # Block tables by batch row, kept across steps (`_update_tables`), and where each row came from.
-        self._tables = np.full((max_seqs, self.width), scratch_block, np.int32)
-        self._table_rows: list[tuple[Optional[list[int]], int]] = [(None, 0)] * max_seqs
+        # Block tables by pool and batch row, kept across steps (`_update_tables`), and where each row came from.
+        self._tables = [np.full((max_seqs, self.width), block, np.int32) for block in self._scratch_blocks]
+        self._table_rows: list[list[tuple[Optional[list[int]], int]]] = [[(None, 0)] * max_seqs
+                                                                         for _ in range(self.pools)]
         self.query_starts = {q: torch.arange(0, q * (max_seqs + 1), q, dtype=torch.int32, device=dev)
                              for q in self.shapes}
         self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}  # (q, batch size) -> run the graph
         self._capture(attend)
 
+    @property
+    def _scratch_blocks(self) -> list[int]:
+        return [self.scratch_block] if self.pools == 1 else [self.scratch_block, self.window_scratch_block]
+
     def _views(self, q: int, b: int, buf: Optional[torch.Tensor] = None, ints: Optional[torch.Tensor] = None):
-        """(ids, positions, slots, seq_lens, tables) of the (q, b) graph, in the device buffers
-        or in the given (host) ones."""
+        """(ids, positions, [slots per pool], seq_lens, [tables per pool]) of the (q, b) graph, in
+        the device buffers or in the given (host) ones."""
         longs = self.longs if buf is None else buf
         ints = self.ints if ints is None else ints
-        t = q * b
-        return (longs[:t], longs[t: 2 * t], longs[2 * t: 3 * t], ints[:b],
-                ints[b: b * (1 + self.width)].view(b, self.width))
+        t, w = q * b, self.width
+        slots = [longs[(2 + p) * t: (3 + p) * t] for p in range(self.pools)]
+        tables = [ints[b + p * b * w: b + (p + 1) * b * w].view(b, w) for p in range(self.pools)]
+        return longs[:t], longs[t: 2 * t], slots, ints[:b], tables
+
+    def _rows_offset(self, t: int) -> int:
+        """Where the logit rows start in the longs buffer of a graph of t tokens."""
+        return (2 + self.pools) * t
 
     def _meta(self, q: int, b: int) -> AttentionMetadata:
         _, pos, slots, seq_lens, tables = self._views(q, b)
         # Host-side fields are fixed at capture: the worst case (kernels may size grids from them).
         # A LongRoPE model's graph steps hold no prompt token but a prompt's last
         # (ModelRunner._inside_long_prompt), so each token's own position is the one its factors go by.
-        return AttentionMetadata(
-            slot_mapping=slots, query_start=self.query_starts[q][: b + 1], seq_lens=seq_lens, block_tables=tables,
-            query_start_list=list(range(0, q * (b + 1), q)), seq_lens_list=[self.max_model_len] * b,
-            max_query_len=q, max_seq_len=self.max_model_len,
+        meta = AttentionMetadata(
+            slot_mapping=slots[0], query_start=self.query_starts[q][: b + 1], seq_lens=seq_lens,
+            block_tables=tables[0], query_start_list=list(range(0, q * (b + 1), q)),
+            seq_lens_list=[self.max_model_len] * b, max_query_len=q, max_seq_len=self.max_model_len,
             rope_last_positions=pos if self.model.long_inv_freq is not None else None)
+        if self.pools == 2:
+            meta.window = replace(meta, slot_mapping=slots[1], block_tables=tables[1])
+        return meta
 
     @torch.inference_mode()
     def _capture(self, attend: Callable) -> None:
@@ -373,9 +435,10 @@ class StepGraphs:
         shapes = sorted(((q, b) for q, sizes in self.shapes.items() for b in sizes), key=lambda s: -s[0] * s[1])
         for q, b in shapes:  # most tokens first: the smaller graphs fit in its pool
             ids, pos, slots, seq_lens, tables = self._views(q, b)
-            # Capture on a padded batch (only the scratch block is touched).
-            slots.fill_(self.scratch_block * self.block_size)
-            tables.fill_(self.scratch_block)
+            # Capture on a padded batch (only the scratch blocks are touched).
+            for pool_slots, pool_tables, block in zip(slots, tables, self._scratch_blocks):
+                pool_slots.fill_(block * self.block_size)
+                pool_tables.fill_(block)
             seq_lens.fill_(q)
             pos.copy_(torch.arange(q, device=pos.device).repeat(b))
             run = partial(self.model, ids, pos, GraphContext(self.cache, self._meta(q, b), attend))
@@ -407,15 +470,12 @@ class StepGraphs:
         """Replay the graph for this step: (hidden [q * size, H], the rows that need logits).
         `input_ids` (decode only): the sequences' tokens, on the device."""
         q, size = self._shape(seqs)
-        b, t, width = len(seqs), q * size, self.width
-        scratch_slot = self.scratch_block * self.block_size
+        b, t, width, pools = len(seqs), q * size, self.width, self.pools
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's inputs have left the host mirrors
         # Fill the host mirrors in place (numpy views of the pinned tensors), one sequence per row.
-        seq_lens, tables = self._host_ints[:size], self._host_ints[size: size * (1 + width)].reshape(size, width)
-        self._update_tables(seqs)
-        tables[:b], tables[b:] = self._tables[:b], self.scratch_block
-        ids, pos, slots = (self._host_longs[i * t: (i + 1) * t].reshape(size, q) for i in range(3))
+        seq_lens = self._host_ints[:size]
+        ids, pos = (self._host_longs[i * t: (i + 1) * t].reshape(size, q) for i in range(2))
         n = np.fromiter((len(s.token_ids) for s in seqs), np.int64, b)
         starts = np.fromiter((s.start for s in seqs), np.int64, b)
         real = np.arange(q) < n[:, None]  # [b, q]: padded tokens come after the real ones
@@ -427,35 +487,43 @@ class StepGraphs:
         pos[:b] = starts[:, None] + np.arange(q)  # padded tokens: any valid position
         pos[b:] = np.arange(q)  # whole padded sequences: positions 0..q-1 in the scratch block
         seq_lens[:b], seq_lens[b:] = starts + q, q
-        slots.fill(scratch_slot)
-        p = pos[:b]
-        block = np.take_along_axis(tables[:b], p // self.block_size, axis=1)
-        slots[:b] = np.where(real, block * self.block_size + p % self.block_size, scratch_slot)
+        self._update_tables(seqs)
+        for i, scratch in enumerate(self._scratch_blocks):  # each pool's tables and slots
+            tables = self._host_ints[size * (1 + i * width): size * (1 + (i + 1) * width)].reshape(size, width)
+            tables[:b], tables[b:] = self._tables[i][:b], scratch
+            slots = self._host_longs[(2 + i) * t: (3 + i) * t].reshape(size, q)
+            slots.fill(scratch * self.block_size)
+            p = pos[:b]
+            block = np.take_along_axis(tables[:b], p // self.block_size, axis=1)
+            slots[:b] = np.where(real, block * self.block_size + p % self.block_size, scratch * self.block_size)
         rows = logit_rows(n, np.fromiter((s.num_logits for s in seqs), np.int64, b), np.arange(b) * q)
-        self._host_longs[3 * t: 3 * t + len(rows)] = rows
-        n_longs, n_ints = 3 * t + len(rows), size * (1 + width)
+        at = self._rows_offset(t)
+        self._host_longs[at: at + len(rows)] = rows
+        n_longs, n_ints = at + len(rows), size * (1 + pools * width)
         self.longs[:n_longs].copy_(self.host_longs[:n_longs], non_blocking=True)
         self.ints[:n_ints].copy_(self.host_ints[:n_ints], non_blocking=True)
         if input_ids is not None:  # after the host copy, in stream order
             self.longs[:b].copy_(input_ids)
         if self.copied is not None:
             self.copied.record()
-        return self.replays[q, size](), self.longs[3 * t: 3 * t + len(rows)]
+        return self.replays[q, size](), self.longs[at: at + len(rows)]
 
     def _update_tables(self, seqs: list[StepSeq]) -> None:
-        """Row i of `_tables` := seqs[i].block_table (scratch-padded), writing only what changed:
-        the block manager grows a table list in place and replaces it on any other change, so
-        the same list object at the same row needs only its new tail."""
-        for i, s in enumerate(seqs):
-            table, (cached, written) = s.block_table, self._table_rows[i]
-            if cached is table:
-                if len(table) != written:
-                    self._tables[i, written: len(table)] = table[written:]
-                    self._table_rows[i] = (table, len(table))
-                continue
-            self._tables[i, : len(table)] = table
-            self._tables[i, len(table):] = self.scratch_block
-            self._table_rows[i] = (table, len(table))
+        """Row i of `_tables[pool]` := seqs[i]'s table in that pool (scratch-padded), writing only
+        what changed: the block manager grows a table list in place and replaces it on any other
+        change, so the same list object at the same row needs only its new tail."""
+        for pool, scratch in enumerate(self._scratch_blocks):
+            rows, known = self._tables[pool], self._table_rows[pool]
+            for i, s in enumerate(seqs):
+                table, (cached, written) = s.block_table if pool == 0 else s.window_table, known[i]
+                if cached is table:
+                    if len(table) != written:
+                        rows[i, written: len(table)] = table[written:]
+                        known[i] = (table, len(table))
+                    continue
+                rows[i, : len(table)] = table
+                rows[i, len(table):] = scratch
+                known[i] = (table, len(table))
 
 
 def _fill_rows(out: np.ndarray, rows: list[list[int]], mask: Optional[np.ndarray] = None) -> None:

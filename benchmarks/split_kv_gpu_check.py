@@ -1,0 +1,115 @@
+"""The split KV cache (`--kv-layout split`) on a GPU, at Gemma 3 4B's shapes with random weights.
+
+    python benchmarks/split_kv_gpu_check.py [--kv-bytes-gib 3] [--prompt-len 20000]
+    python benchmarks/split_kv_gpu_check.py --device cpu --shape gemma-3-1b --kv-bytes-gib 0.05 \
+        --prompt-len 700 --new-tokens 4      # a dry run (no CUDA graphs)
+
+Two engines on the same model and the same KV memory: one pool for every layer (shared), and the
+split layout (the 29 sliding-window layers in a pool that keeps only each sequence's 1,024-token
+window). For each: the KV tokens it holds, greedy tokens of three prompts (one long, chunked prefill
+past the window many times over) decoded together with CUDA graphs, the long prompt's prefill time
+and batch-1 decode speed at its length. The split engine's tokens must equal the shared one's
+(same kernels, same numbers: only the block ids differ). Exit status 1 if not.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks")]
+from gpu_engine_check import free, sync  # noqa: E402
+
+from fitllm import budget  # noqa: E402
+from fitllm.models.decoder import CausalLM  # noqa: E402
+from fitllm.serve.engine import EngineConfig, LLMEngine  # noqa: E402
+from fitllm.serve.sampling import SamplingParams  # noqa: E402
+
+
+def random_gemma3(shape: str, device: str) -> CausalLM:
+    config = replace(budget.known_model(shape), eos_token_ids=[])
+    torch.manual_seed(0)
+    model = CausalLM(config, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(0.0)  # Gemma's norms scale by 1 + w
+            else:
+                p.normal_(0.0, 1.0 if "embed_tokens" in name else 0.02)
+    return model.eval()
+
+
+def run(model: CausalLM, layout: str, kv_blocks: int, prompts: list[list[int]], new: int) -> dict:
+    # (no prefix cache in either: the long prompt's timed runs would hit it in the shared one)
+    engine = LLMEngine(EngineConfig(device=str(model.device), max_model_len=32768, max_num_seqs=4, kv_layout=layout,
+                                    num_kv_blocks=kv_blocks, max_num_batched_tokens=2048,
+                                    enable_prefix_caching=False), model=model, tokenizer=None)
+    stats = engine.stats()
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    outs = [o.new_token_ids for o in engine.generate(prompts, greedy)]
+    prefill, decode = float("inf"), 0.0
+    for _ in range(3):  # best of three
+        sync()
+        t0 = time.perf_counter()
+        engine.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        sync()
+        prefill = min(prefill, time.perf_counter() - t0)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        engine.generate([prompts[0]], SamplingParams(max_tokens=129, temperature=0.0, ignore_eos=True))
+        sync()
+        decode = max(decode, 128 / max(1e-9, time.perf_counter() - t0 - prefill))
+    row = dict(layout=layout, blocks=stats["kv_blocks_total"], window_blocks=stats["kv_window_blocks_total"],
+               tokens=stats["kv_blocks_total"] * stats["kv_block_size"], outs=outs, prefill_s=prefill, decode=decode,
+               graphs=engine.cuda_graphs)
+    free(engine)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv-bytes-gib", type=float, default=3.0, help="KV memory both engines get")
+    ap.add_argument("--prompt-len", type=int, default=20000)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--shape", default="gemma-3-4b", help="a Gemma 3 of budget.KNOWN_MODELS")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--split-first", action="store_true", help="build and time the split engine first")
+    args = ap.parse_args()
+    model = random_gemma3(args.shape, args.device)
+    cfg = model.config
+    num_sliding, window = budget.sliding_layers(cfg)
+    per_token = budget.kv_bytes_per_token(cfg, "bf16")
+    window_share = budget.kv_bytes_per_token(cfg, "bf16", num_sliding)
+    kv_bytes = int(args.kv_bytes_gib * budget.GiB)
+    shared_blocks = kv_bytes // (16 * per_token)
+    cap = budget.window_pool_blocks(window, 16, 4, 2048)
+    full_blocks, _ = budget.split_kv_blocks(kv_bytes, 16 * (per_token - window_share), 16 * window_share, cap, "split")
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{name}  torch {torch.__version__}  {args.shape} shapes, random weights; "
+          f"{cfg.num_layers} layers, {num_sliding} sliding (window {window}); KV {args.kv_bytes_gib:g} GiB", flush=True)
+    g = torch.Generator().manual_seed(3)
+    lens = (args.prompt_len, min(3000, args.prompt_len // 2), 100)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    order = [("shared", shared_blocks), ("split", full_blocks)]
+    rows = [run(model, layout, blocks, prompts, args.new_tokens)
+            for layout, blocks in (order[::-1] if args.split_first else order)]
+    rows.sort(key=lambda r: r["layout"] == "split")
+    print("| layout | KV blocks (full / sliding) | KV tokens | graphs | prefill of the long prompt (s, best of 3) | "
+          "batch-1 decode at its length (tok/s, best of 2) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['blocks']} / {r['window_blocks'] or '-'} | {r['tokens']:,} | {r['graphs']} | "
+              f"{r['prefill_s']:.2f} | {r['decode']:.1f} |")
+    same = rows[0]["outs"] == rows[1]["outs"]
+    first = [sum(a == b for a, b in zip(x, y)) for x, y in zip(rows[0]["outs"], rows[1]["outs"])]
+    print(f"split tokens == shared tokens: {'PASS' if same else 'FAIL'} (equal per prompt: {first} of {args.new_tokens})")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
