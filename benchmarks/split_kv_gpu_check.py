@@ -3,6 +3,7 @@
     python benchmarks/split_kv_gpu_check.py [--kv-bytes-gib 3] [--prompt-len 20000]
     python benchmarks/split_kv_gpu_check.py --device cpu --shape gemma-3-1b --kv-bytes-gib 0.05 \
         --prompt-len 700 --new-tokens 4      # a dry run (no CUDA graphs)
+    python benchmarks/split_kv_gpu_check.py --card-gib 12 --context 32768 --seqs 4   # memory against the plan
 
 Two engines on the same model and the same KV memory: one pool for every layer (shared), and the
 split layout (the 29 sliding-window layers in a pool that keeps only each sequence's 1,024-token
@@ -71,6 +72,54 @@ def run(model: CausalLM, layout: str, kv_blocks: int, prompts: list[list[int]], 
     return row
 
 
+def outside_torch() -> int:
+    """Device memory in use that torch's allocator does not hold (this process alone on the card)."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+
+def memory_check(model: CausalLM, card_gib: float, context: int, seqs: int) -> bool:
+    """The split cache sized from memory on an emulated card of `card_gib`, against `quant memory`'s
+    plan: the pools' blocks, and torch's peak under full load (sequences of `context` tokens)."""
+    from fitllm.kernels._utils import gpu_arch
+
+    card = int(card_gib * budget.GiB)
+    total = torch.cuda.mem_get_info()[1]
+    settings = budget.Settings(scheme="bf16", kv_dtype="bf16", max_model_len=context, max_num_seqs=seqs,
+                               max_batched_tokens=2048, gpu_memory_utilization=0.9, gpu_arch=gpu_arch(0))
+    plan = budget.estimate(model.config, settings, card)
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(card / total)
+    torch.cuda.reset_peak_memory_stats()
+    outside_before = outside_torch()
+    engine = LLMEngine(EngineConfig(device="cuda", max_model_len=context, max_num_seqs=seqs, max_num_batched_tokens=2048,
+                                    gpu_memory_utilization=0.9 * card / total), model=model, tokenizer=None)
+    stats = engine.stats()
+    blocks, window_blocks = stats["kv_blocks_total"], stats["kv_window_blocks_total"]
+    n = max(1, min(seqs, plan.max_seqs_at(context)))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, model.config.vocab_size, (context - 64,), generator=g).tolist() for _ in range(n)]
+    engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    sync()
+    measured = torch.cuda.max_memory_allocated()
+    predicted = budget.estimate(model.config, settings, card, num_kv_blocks=blocks + 1,
+                                num_window_blocks=None if window_blocks is None else window_blocks + 1).torch_peak
+    used = budget.compare_with_measured(budget.estimate(
+        model.config, settings, card, num_kv_blocks=blocks + 1,
+        num_window_blocks=None if window_blocks is None else window_blocks + 1))["device_used"]
+    print(f"memory outside torch (CUDA context, kernel images): {outside_before / 2**20:.0f} MiB before the engine, "
+          f"{outside_torch() / 2**20:.0f} MiB after its load (the plan: {budget.CUDA_CONTEXT_BYTES / 2**20:.0f}); "
+          f"device memory used predicted {used['predicted'] / 2**30:.2f} GiB, measured {used['measured'] / 2**30:.2f} GiB",
+          flush=True)
+    print(f"emulated {card_gib:g} GiB card, {n} x {context} tokens: KV blocks full / sliding planned "
+          f"{plan.num_kv_blocks} / {plan.num_window_blocks}, allocated {blocks} / {window_blocks}; torch peak "
+          f"predicted {predicted / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB "
+          f"({(predicted - measured) / measured:+.1%})", flush=True)
+    free(engine)
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return window_blocks is not None and abs(predicted - measured) / measured < 0.03
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-bytes-gib", type=float, default=3.0, help="KV memory both engines get")
@@ -79,8 +128,16 @@ def main() -> int:
     ap.add_argument("--shape", default="gemma-3-4b", help="a Gemma 3 of budget.KNOWN_MODELS")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--split-first", action="store_true", help="build and time the split engine first")
+    ap.add_argument("--card-gib", type=float, help="instead: size a split cache from memory on an emulated card of "
+                    "this many GiB and compare it with quant memory's plan (with --context, --seqs)")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--seqs", type=int, default=4)
     args = ap.parse_args()
     model = random_gemma3(args.shape, args.device)
+    if args.card_gib:
+        ok = memory_check(model, args.card_gib, args.context, args.seqs)
+        print("memory: PASS (split, torch peak within 3 % of the plan)" if ok else "memory: FAIL", flush=True)
+        return 0 if ok else 1
     cfg = model.config
     num_sliding, window = budget.sliding_layers(cfg)
     per_token = budget.kv_bytes_per_token(cfg, "bf16")

@@ -231,7 +231,7 @@ def test_attention_workspace_by_hand():
 def test_estimate_fills_the_card_and_answers_fit_questions():
     s = bm.Settings(scheme="awq", kv_dtype="bf16", max_model_len=8192, max_num_seqs=64)
     b = bm.estimate(LLAMA3, s, 24 * bm.GiB)
-    assert b.terms["weights"] == 5_809_643_520 and b.terms["cuda_context"] == 500 * bm.MiB
+    assert b.terms["weights"] == 5_809_643_520 and b.terms["cuda_context"] == 768 * bm.MiB
     assert b.total <= b.usable < b.total + 16 * 131072  # KV takes what is left, short of one block
     assert b.max_seqs_at(8192) == b.num_kv_blocks // 512
     assert b.longest_context_at(64) == b.num_kv_blocks // 64 * 16

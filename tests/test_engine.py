@@ -454,6 +454,29 @@ def test_split_kv_cache_for_sliding_layers_equals_transformers(tmp_path, graphs)
     assert_transformers_argmax(hf, [again], [out])
 
 
+def test_auto_layout_splits_only_where_it_pays_and_says_what_would(tmp_path, monkeypatch, caplog):
+    """1 MiB of KV for tiny Gemma 3 (one full layer, two sliding over 16 tokens): 64 sequences' windows
+    would take the sliding pool past what one shared pool holds, so auto keeps one pool and logs the
+    --max-num-seqs that would split; with 4 sequences it splits."""
+    import logging
+
+    from fitllm.serve import model_runner
+    from fitllm.serve.block_manager import BlockManager, SplitBlockManager
+
+    monkeypatch.setattr(model_runner, "CPU_KV_CACHE_BYTES", 1 << 20)
+    _, ours, _ = windowed_model(tmp_path, "gemma3", seed=0)
+    config = dict(max_model_len=512, block_size=8, max_num_batched_tokens=32)
+    with caplog.at_level(logging.INFO, logger="fitllm.serve.engine"):
+        one_pool = LLMEngine(EngineConfig(max_num_seqs=64, **config), model=ours, tokenizer=None)
+    assert isinstance(one_pool.block_manager, BlockManager) and "with --max-num-seqs 16 the sliding" in caplog.text
+    split = LLMEngine(EngineConfig(max_num_seqs=4, **config), model=ours, tokenizer=None)
+    assert isinstance(split.block_manager, SplitBlockManager)
+    # the sliding pool: 4 windows of (2 + 2) blocks and a step's 4; the full pool the rest of the MiB
+    assert split.block_manager.window.num_blocks == 20
+    per_block = 8 * 2 * 2 * 32 * 4  # 8 tokens, K and V, 2 heads of 32, fp32: one layer
+    assert split.block_manager.num_blocks == ((1 << 20) - 20 * 2 * per_block) // per_block
+
+
 def test_a_model_sliding_on_every_layer_keeps_only_its_windows(tmp_path):
     """Phi-3 with a 24-token window on every layer (Phi-3-mini-4k: 2047): the one pool gives back
     the blocks behind each sequence's window ("auto"): 4 prompts growing to 330 tokens together run

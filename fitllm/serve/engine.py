@@ -251,6 +251,22 @@ class LLMEngine:
         return (num_sliding == self.model_config.num_layers and window < self.max_model_len
                 and self.config.kv_layout != "shared" and not getattr(self.drafter, "needs_cache", False))
 
+    def _hint_fewer_seqs(self, kv_bytes: int, window: int, model_len: int) -> None:
+        """Log how few --max-num-seqs would let auto split, and the tokens that would hold."""
+        c = self.config
+        full_bytes, window_bytes = self.runner.pool_bytes_per_block()
+        shared = kv_bytes // (full_bytes + window_bytes)
+        seqs = c.max_num_seqs // 2
+        while seqs >= 1:
+            cap = window_pool_blocks(min(window, model_len), c.block_size, seqs, c.max_num_batched_tokens)
+            split = split_kv_blocks(kv_bytes, full_bytes, window_bytes, cap)
+            if split is not None:
+                log.info("one KV pool for all layers: %d tokens; with --max-num-seqs %d the sliding-window layers "
+                         "would keep only their window and the full layers %d tokens", shared * c.block_size, seqs,
+                         split[0] * c.block_size)
+                return
+            seqs //= 2
+
     def _split_kv_blocks(self, model_len: int) -> Optional[tuple[int, int]]:
         """(full layers' blocks, sliding layers' blocks) when the model has both kinds of layers and
         c.kv_layout asks for (or, "auto", gains by) a pool of their own; else None."""
@@ -269,6 +285,8 @@ class LLMEngine:
             kv_bytes = self.runner.kv_cache_bytes(c.max_num_seqs, model_len, c.max_num_batched_tokens,
                                                   c.gpu_memory_utilization, c.cuda_graphs)
             split = split_kv_blocks(kv_bytes, *self.runner.pool_bytes_per_block(), cap, c.kv_layout)
+            if split is None:
+                self._hint_fewer_seqs(kv_bytes, window, model_len)
         if split is None:
             return None
         log.info("KV cache split: %d blocks for the %d full-attention layers, %d for the %d sliding-window "

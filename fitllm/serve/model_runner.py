@@ -130,8 +130,11 @@ class ModelRunner:
                                        bits=budget.checkpoint_bits(self.model.config),
                                        gpu_arch=gpu_arch(self.device.index))
             terms = budget.estimate(self.model.config, settings, total, num_kv_blocks=0).terms
-            # Weights and the CUDA context are already in `total - free`: count them as measured.
+            # Weights and the CUDA context are already in `total - free`: count them as measured, but keep room
+            # for the kernel images the warm-up and the first steps will still load outside torch.
             reserve = sum(v for k, v in terms.items() if k not in ("weights", "cuda_context"))
+            outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+            reserve += max(0, terms["cuda_context"] - outside_torch)
         except ImportError:  # no memory model: measure one full step instead
             reserve = self._measure_step_peak(max_num_batched_tokens, max_num_seqs)
         return max(0, int(total * utilization) - (total - free) - reserve)
