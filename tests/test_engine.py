@@ -454,6 +454,35 @@ def test_split_kv_cache_for_sliding_layers_equals_transformers(tmp_path, graphs)
     assert_transformers_argmax(hf, [again], [out])
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_a_split_quantized_cache_equals_the_shared_one(tmp_path, kv_dtype):
+    """Each pool takes its layers' share of the K/V calibration (int4: shifts, scales, the rotation),
+    so a split int4 or int8 cache stores the same codes as one shared pool: the same greedy tokens."""
+    from fitllm.models.kv_cache import calibrate_kv_scales
+
+    _, ours, prompts = windowed_model(tmp_path, "gemma3", seed=10)
+    calibration = calibrate_kv_scales(ours)
+    config = dict(WINDOWED_CONFIG, num_kv_blocks=64, kv_dtype=kv_dtype, kv_calibration=calibration)
+    outs = {layout: [o.new_token_ids for o in LLMEngine(EngineConfig(kv_layout=layout, **config), model=ours,
+                                                        tokenizer=None).generate(prompts, WINDOWED_PARAMS)]
+            for layout in ("shared", "split")}
+    assert outs["split"] == outs["shared"]
+
+
+def test_speculation_over_a_split_cache_is_token_identical(tmp_path):
+    """n-gram drafts verified and rolled back in both pools of a split cache (the sliding pool keeps
+    the window of the last verified token, never of a draft): greedy tokens equal plain decoding's."""
+    _, ours, prompts = windowed_model(tmp_path, "gemma3", seed=9)
+    prompts = [p[:12] * 4 for p in prompts]  # repeats, for the n-gram drafter to propose
+    config = dict(WINDOWED_CONFIG, num_kv_blocks=40, kv_layout="split")
+    plain = LLMEngine(EngineConfig(**config), model=ours, tokenizer=None).generate(prompts, WINDOWED_PARAMS)
+    engine = LLMEngine(EngineConfig(speculative="ngram", **config), model=ours, tokenizer=None)
+    outs = engine.generate(prompts, WINDOWED_PARAMS)
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in plain]
+    assert engine.spec_counts["drafted"] > engine.spec_counts["accepted"] > 0  # drafts kept and rolled back
+    assert engine.block_manager.full.seqs == engine.block_manager.window.seqs == {}
+
+
 def test_auto_layout_splits_only_where_it_pays_and_says_what_would(tmp_path, monkeypatch, caplog):
     """1 MiB of KV for tiny Gemma 3 (one full layer, two sliding over 16 tokens): 64 sequences' windows
     would take the sliding pool past what one shared pool holds, so auto keeps one pool and logs the
@@ -475,6 +504,10 @@ def test_auto_layout_splits_only_where_it_pays_and_says_what_would(tmp_path, mon
     assert split.block_manager.window.num_blocks == 20
     per_block = 8 * 2 * 2 * 32 * 4  # 8 tokens, K and V, 2 heads of 32, fp32: one layer
     assert split.block_manager.num_blocks == ((1 << 20) - 20 * 2 * per_block) // per_block
+    from fitllm.cli.serve import _window_pool  # quant serve's summary line
+
+    assert "the 2 sliding-window layers (window 16) 20 blocks of their own" in _window_pool(split, split.stats())
+    assert _window_pool(one_pool, one_pool.stats()) == ""
 
 
 def test_a_model_sliding_on_every_layer_keeps_only_its_windows(tmp_path):

@@ -82,6 +82,7 @@ def bench_offline(
     output_len: int = typer.Option(128, "--output-len"),
     dist: str = typer.Option("fixed", "--dist", help="fixed | sharegpt"),
     kv_dtype: str = typer.Option("auto", "--kv-dtype"),
+    kv_layout: str = typer.Option("auto", "--kv-layout", help="auto | split | shared (as quant serve)"),
     max_num_seqs: int = typer.Option(256, "--max-num-seqs"),
     max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens"),
     quantization: Optional[str] = typer.Option(None, "--quantization",
@@ -95,7 +96,7 @@ def bench_offline(
     from fitllm.serve.engine import EngineConfig, LLMEngine
 
     try:
-        engine = LLMEngine(EngineConfig(model=model, kv_dtype=kv_dtype, max_num_seqs=max_num_seqs,
+        engine = LLMEngine(EngineConfig(model=model, kv_dtype=kv_dtype, kv_layout=kv_layout, max_num_seqs=max_num_seqs,
                                         max_num_batched_tokens=max_num_batched_tokens, quantization=quantization))
         workload = make_workload(num_prompts, input_len, output_len, dist,
                                  engine.model_config.vocab_size, max_len=engine.max_model_len)
