@@ -508,6 +508,11 @@ def test_auto_layout_splits_only_where_it_pays_and_says_what_would(tmp_path, mon
 
     assert "the 2 sliding-window layers (window 16) 20 blocks of their own" in _window_pool(split, split.stats())
     assert _window_pool(one_pool, one_pool.stats()) == ""
+    from fitllm.serve.metrics import EngineCollector  # /metrics: the sliding pool's gauges only where there is one
+
+    gauges = {f.name: f.samples[0].value for f in EngineCollector(split.stats).collect()}
+    assert gauges["fitllm_kv_window_blocks_total"] == 20 and gauges["fitllm_kv_window_blocks_used"] == 0
+    assert "fitllm_kv_window_blocks_total" not in {f.name for f in EngineCollector(one_pool.stats).collect()}
 
 
 def test_a_model_sliding_on_every_layer_keeps_only_its_windows(tmp_path):

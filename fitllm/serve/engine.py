@@ -748,6 +748,7 @@ class LLMEngine:
             "kv_block_size": bm.block_size,
             # a split cache's sliding-window pool (None: one pool for every layer)
             "kv_window_blocks_total": bm.window.num_blocks if isinstance(bm, SplitBlockManager) else None,
+            "kv_window_blocks_used": bm.window.num_used_blocks if isinstance(bm, SplitBlockManager) else None,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "preemptions": self.scheduler.num_preemptions,
             "generated_tokens": self.num_generated_tokens,
