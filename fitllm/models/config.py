@@ -164,6 +164,12 @@ class ModelConfig:
             return "local"
         return "global"
 
+    def layer_ropes(self, global_rope, local_rope=None) -> list:
+        """Each layer's (cos, sin) from the model's RoPE and, where it has one, the sliding layers'
+        (layer_rope); (None, None) for a layer without position encoding."""
+        ropes = {"global": global_rope, "local": local_rope, None: (None, None)}
+        return [ropes[self.layer_rope(i)] for i in range(self.num_layers)]
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

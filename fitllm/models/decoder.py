@@ -344,12 +344,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of T tokens."""
-        ropes = {"global": self.rope(positions, ctx), None: (None, None)}  # by ModelConfig.layer_rope
-        if self.local_inv_freq is not None:
-            ropes["local"] = rope_cos_sin(positions, self.local_inv_freq)
+        local = rope_cos_sin(positions, self.local_inv_freq) if self.local_inv_freq is not None else None
+        ropes = self.config.layer_ropes(self.rope(positions, ctx), local)
         x, residual = self.embed(input_ids), None
-        for i, layer in enumerate(self.model.layers):
-            cos, sin = ropes[self.config.layer_rope(i)]
+        for layer, (cos, sin) in zip(self.model.layers, ropes):
             x, residual = layer.forward_residual(x, residual, cos, sin, ctx, defer=True)
         return self.model.norm(x, residual)[0]
 

@@ -312,9 +312,10 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
 
     x = F.embedding(ids, src.get("model.embed_tokens.weight").to(device, torch.float32)) * config.embed_scale
     positions = torch.arange(length, device=device)
-    ropes = {"global": rope_cos_sin(positions, *rope_tables(config, device)), None: (None, None)}  # config.layer_rope
+    local = None
     if config.local_rope_theta is not None:
-        ropes["local"] = rope_cos_sin(positions, *rope_tables(config, device, local=True))
+        local = rope_cos_sin(positions, *rope_tables(config, device, local=True))
+    ropes = config.layer_ropes(rope_cos_sin(positions, *rope_tables(config, device)), local)
     errors: list[float] = []
     write = format_mod.write
     if fmt == "bitsandbytes":  # its quant_state records the model's dtype
@@ -323,7 +324,7 @@ def quantize_model(folder: Path, out: Path, method: str, bits: int = 4, group_si
         writer = ShardWriter(tmp)
         for i in range(config.num_layers):
             layer = build_layer(config, i, src, device)
-            cos, sin = ropes[config.layer_rope(i)]
+            cos, sin = ropes[i]
             quantized, y_float = STEPS[method](layer, x, cos, sin, scheme, batch)
             prefix = f"model.layers.{i}."
             # the next layer sees this layer as it will run: dequantized weights
