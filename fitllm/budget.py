@@ -261,11 +261,30 @@ def sliding_layers(config: ModelConfig) -> tuple[int, Optional[int]]:
     return len(slid), max(slid, default=None)
 
 
+def has_sliding_and_full_layers(config: ModelConfig) -> bool:
+    """Both kinds of layers (Gemma 3): a split cache can give the sliding ones a pool of their own."""
+    return 0 < sliding_layers(config)[0] < config.num_layers
+
+
+def keeps_windows_only(config: ModelConfig, context: int, layout: str) -> bool:
+    """Every layer slides over a window shorter than the context, and `layout` lets the one pool give
+    back the blocks behind each sequence's window (the server also needs no draft model's cache)."""
+    num_sliding, window = sliding_layers(config)
+    return num_sliding == config.num_layers and window < context and layout != "shared"
+
+
+def sliding_pool_cap(config: ModelConfig, block_size: int, num_seqs: int, max_batched_tokens: int,
+                     context: int) -> int:
+    """window_pool_blocks for this model's widest window (a sequence holds no more than its context)."""
+    return window_pool_blocks(min(sliding_layers(config)[1], context), block_size, num_seqs, max_batched_tokens)
+
+
 def window_pool_blocks(window: int, block_size: int, num_seqs: int, max_batched_tokens: int) -> int:
     """The most blocks the sliding layers' pool ever holds at once: each running sequence keeps
     the window behind its first new token, rounded out to whole blocks at both ends (the pool
     gives back only whole blocks wholly behind it), and a step adds at most max_batched_tokens."""
-    return num_seqs * (blocks_for_tokens(window - 1, block_size) + 2) + blocks_for_tokens(max_batched_tokens, block_size)
+    per_seq = blocks_for_tokens(window - 1, block_size) + 2
+    return num_seqs * per_seq + blocks_for_tokens(max_batched_tokens, block_size)
 
 
 def split_kv_blocks(kv_bytes: int, full_block_bytes: int, window_block_bytes: int, window_cap: int,
@@ -567,19 +586,18 @@ def estimate(config: ModelConfig, settings: Settings, gpu_memory_bytes: int,
     per_token = kv_bytes_per_token(config, s.kv_dtype)
     num_sliding, window = sliding_layers(config)
     window_per_token = kv_bytes_per_token(config, s.kv_dtype, num_sliding)
-    # (every layer sliding: one pool keeping windows only, LLMEngine._window_only's rule)
-    window_only = num_sliding == config.num_layers and window < ctx and s.kv_layout != "shared"
     if num_kv_blocks is None:
         free = int(gpu_memory_bytes * s.gpu_memory_utilization) - sum(terms.values())
         num_kv_blocks = kv_cache_blocks_for(free, config, s.kv_dtype, s.block_size)
-        if 0 < num_sliding < config.num_layers:
-            cap = window_pool_blocks(min(window, ctx), s.block_size, seqs, t)
+        if has_sliding_and_full_layers(config):
+            cap = sliding_pool_cap(config, s.block_size, seqs, t, ctx)
             split = split_kv_blocks(max(0, free), s.block_size * (per_token - window_per_token),
                                     s.block_size * window_per_token, cap, s.kv_layout)
             if split is not None:
                 num_kv_blocks, num_window_blocks = split
     return Budget(s, int(gpu_memory_bytes), weights, per_token, terms, num_kv_blocks,
-                  config.max_position_embeddings, window, window_per_token, num_window_blocks, window_only)
+                  config.max_position_embeddings, window, window_per_token, num_window_blocks,
+                  keeps_windows_only(config, ctx, s.kv_layout))
 
 
 def decode_tokens_per_s(budget: Budget, bandwidth_gbs: float, num_seqs: int, context: int) -> float:
@@ -762,8 +780,7 @@ def plan(config: ModelConfig, settings: Settings, gpu_memory_bytes: int, gpu: Op
 def _fewer_seqs_that_fit(config: ModelConfig, s: Settings, gpu_memory_bytes: int) -> Optional[int]:
     """The most sequences below s.max_num_seqs at which a split KV cache fits (a split cache sizes the
     sliding layers' pool by them), or None: no sliding layers, --kv-layout shared, or none fits."""
-    num_sliding, _ = sliding_layers(config)
-    if not 0 < num_sliding < config.num_layers or s.kv_layout == "shared":
+    if not has_sliding_and_full_layers(config) or s.kv_layout == "shared":
         return None
     n = s.max_num_seqs - 1
     while n >= 1 and not estimate(config, replace(s, max_num_seqs=n), gpu_memory_bytes).fits:

@@ -195,7 +195,7 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
             out.print(f"Or, without converting: {at_load} --quantization {s.scheme}")
         return
     one = bm.kv_cache_bytes(config, s.kv_dtype, s.max_model_len, s.block_size)
-    if s.kv_layout != "shared" and 0 < bm.sliding_layers(config)[0] < config.num_layers:
+    if s.kv_layout != "shared" and bm.has_sliding_and_full_layers(config):
         one = b.kv_read_bytes(s.max_model_len)  # (a split cache keeps only the window of the sliding layers)
     short = "the model's limit is " + str(b.model_max_len) if s.max_model_len > b.model_max_len else \
         f"{_size(b.fixed)} before any KV cache, {_size(one)} for one sequence of {s.max_model_len} tokens"
@@ -220,7 +220,7 @@ def _print_layout(b: bm.Budget, config) -> None:
     if b.window_only:
         out.print(f"Every layer slides over {window} tokens: a sequence keeps only its last window's blocks "
                   "(--kv-layout shared keeps all).")
-    if not 0 < count < config.num_layers:
+    if not bm.has_sliding_and_full_layers(config):
         return
     s = b.settings
     if b.split:

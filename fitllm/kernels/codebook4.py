@@ -165,10 +165,9 @@ def _block_k(k: int, blocksize: int, wanted: int = 128) -> int | None:
 
 def _gemm_config(m: int, n: int, k: int, blocksize: int, sms: int, config: dict | None = None) -> dict:
     """BM, BN, BK, warps and SPLIT_K (K split across programs until about `waves` waves of programs run). H100
-    sweeps, µs a
-    Llama-3-8B layer (RESULTS.md, forty-fifth session): M = 1 the GEMV kernel, 256 rows, 8 warps, 16 waves 126
-    (128 rows, 8 waves 150; the first version 213); M = 4 / 16 the tree with 128-row tiles 364 / 384 (table
-    loads ~1036 / 1131). Above 16 rows the kernel is not tuned (dequantize + cuBLAS runs there)."""
+    sweeps, µs a Llama-3-8B layer (RESULTS.md, forty-fifth session): M = 1 the GEMV kernel, 256 rows, 8 warps,
+    16 waves 126 (128 rows, 8 waves 150; the first version 213); M = 4 / 16 the tree with 128-row tiles 364 / 384
+    (table loads ~1036 / 1131). Above 16 rows the kernel is not tuned (dequantize + cuBLAS runs there)."""
     cfg = dict(BM=1, BN=256, BK=128, warps=8, waves=16) if m == 1 else dict(
         BM=16 if m <= 16 else 64, BN=128, BK=128, warps=4, waves=2)
     cfg |= config or {}

@@ -594,9 +594,7 @@ class SplitKVCache:
         self.full, self.window = pool(full_layers, num_blocks), pool(window_layers, num_window_blocks)
         self.route = [(self.window, window_layers.index(i)) if w is not None else (self.full, full_layers.index(i))
                       for i, w in enumerate(windows)]
-        self.num_layers, self.block_size, self.sliding_window = num_layers, block_size, sliding_window
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.num_blocks, self.num_window_blocks = num_blocks, num_window_blocks
+        self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
         for name in ("kind", "kv_dtype", "dtype", "transformed", "supports_cuda_graphs", "fuses_rope"):
             setattr(self, name, getattr(self.full, name))
         self._attend = self.routed(self.full.attend, self.window.attend)

@@ -135,8 +135,7 @@ class BlockManager:
         `match_prefix`, for a sequence holding no blocks yet; then `num_computed` counts its
         tokens) is shared rather than allocated. `salt`: the chain root of a new sequence (as in
         match_prefix). False, changing nothing, when the pool is short."""
-        seq = self.seqs.get(seq_id)
-        if seq is not None and not prefix and self._writes_in_place(seq, num_computed, num_new):
+        if not prefix and self.writes_in_place(seq_id, num_computed, num_new):
             return True  # the common decode step: nothing to take, copy or forget
         if not self.can_allocate(seq_id, num_computed, num_new, prefix):
             return False
@@ -242,11 +241,12 @@ class BlockManager:
         """Prefix hits sitting in the evictable list stop being available once taken."""
         return sum(1 for b in prefix if b in self._evictable)
 
-    def _writes_in_place(self, seq: SeqBlocks, num_computed: int, num_new: int) -> bool:
+    def writes_in_place(self, seq_id: Hashable, num_computed: int, num_new: int) -> bool:
         """The table already covers the new tokens and the block they start in is this
         sequence's alone and not in the prefix cache: `allocate` would change nothing."""
+        seq = self.seqs.get(seq_id)
         i = num_computed // self.block_size
-        if num_new <= 0 or num_computed + num_new > len(seq.table) * self.block_size:
+        if seq is None or num_new <= 0 or num_computed + num_new > len(seq.table) * self.block_size:
             return False
         block = self.blocks[seq.table[i]]
         return block.ref == 1 and block.hash is None
@@ -376,6 +376,8 @@ class SplitBlockManager:
 
     def allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = (),
                  salt: Optional[int] = None) -> bool:
+        if not prefix and all(pool.writes_in_place(seq_id, num_computed, num_new) for pool in (self.full, self.window)):
+            return True  # the common decode step, as BlockManager.allocate's (without checking both pools first)
         if not self.can_allocate(seq_id, num_computed, num_new, prefix):
             return False
         window_prefix = self._window_prefix(seq_id, prefix)

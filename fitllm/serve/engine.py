@@ -43,7 +43,8 @@ from typing import Optional, Union
 
 import torch
 
-from fitllm.budget import KV_LAYOUTS, default_block_size, sliding_layers, split_kv_blocks, window_pool_blocks
+from fitllm.budget import (KV_LAYOUTS, default_block_size, has_sliding_and_full_layers, keeps_windows_only,
+                           sliding_layers, sliding_pool_cap, split_kv_blocks)
 from fitllm.models.kv_cache import KVCalibration, check_kv_dtype
 from fitllm.models.tokenizer import vocabulary_bytes
 from fitllm.serve import json_mode
@@ -245,20 +246,19 @@ class LLMEngine:
         return min(model_len, num_blocks * c.block_size), num_blocks, num_window_blocks
 
     def _window_only(self) -> bool:
-        """Every layer slides over a window shorter than the context, and kv_layout lets the one
-        pool give back the blocks behind it (budget.window_only: the same rule)."""
-        num_sliding, window = sliding_layers(self.model_config)
-        return (num_sliding == self.model_config.num_layers and window < self.max_model_len
-                and self.config.kv_layout != "shared" and not getattr(self.drafter, "needs_cache", False))
+        """One pool that gives back what falls behind each window (budget.keeps_windows_only), where
+        no draft model's cache shares its blocks."""
+        return (keeps_windows_only(self.model_config, self.max_model_len, self.config.kv_layout)
+                and not getattr(self.drafter, "needs_cache", False))
 
-    def _hint_fewer_seqs(self, kv_bytes: int, window: int, model_len: int) -> None:
-        """Log how few --max-num-seqs would let auto split, and the tokens that would hold."""
+    def _hint_fewer_seqs(self, kv_bytes: int, full_bytes: int, window_bytes: int, model_len: int) -> None:
+        """Log how few --max-num-seqs would let auto split, and the tokens that would hold (bytes: a
+        block of each pool)."""
         c = self.config
-        full_bytes, window_bytes = self.runner.pool_bytes_per_block()
         shared = kv_bytes // (full_bytes + window_bytes)
         seqs = c.max_num_seqs // 2
         while seqs >= 1:
-            cap = window_pool_blocks(min(window, model_len), c.block_size, seqs, c.max_num_batched_tokens)
+            cap = sliding_pool_cap(self.model_config, c.block_size, seqs, c.max_num_batched_tokens, model_len)
             split = split_kv_blocks(kv_bytes, full_bytes, window_bytes, cap)
             if split is not None:
                 log.info("one KV pool for all layers: %d tokens; with --max-num-seqs %d the sliding-window layers "
@@ -271,27 +271,28 @@ class LLMEngine:
         """(full layers' blocks, sliding layers' blocks) when the model has both kinds of layers and
         c.kv_layout asks for (or, "auto", gains by) a pool of their own; else None."""
         c = self.config
-        num_sliding, window = sliding_layers(self.model_config)
-        if not 0 < num_sliding < self.model_config.num_layers or c.kv_layout == "shared":
+        if not has_sliding_and_full_layers(self.model_config) or c.kv_layout == "shared":
             return None
         if self.drafter is not None and self.drafter.needs_cache:
             if c.kv_layout == "split":
                 raise ValueError("--kv-layout split: not with a draft model (its cache shares the target's blocks)")
             return None
-        cap = window_pool_blocks(min(window, model_len), c.block_size, c.max_num_seqs, c.max_num_batched_tokens)
+        cap = sliding_pool_cap(self.model_config, c.block_size, c.max_num_seqs, c.max_num_batched_tokens, model_len)
         if c.num_kv_blocks is not None:  # a block count asked for: the full pool's, and a split only if asked
             split = (c.num_kv_blocks, min(cap, c.num_kv_blocks)) if c.kv_layout == "split" else None
         else:
             kv_bytes = self.runner.kv_cache_bytes(c.max_num_seqs, model_len, c.max_num_batched_tokens,
                                                   c.gpu_memory_utilization, c.cuda_graphs)
-            split = split_kv_blocks(kv_bytes, *self.runner.pool_bytes_per_block(), cap, c.kv_layout)
+            block_bytes = self.runner.pool_bytes_per_block()
+            split = split_kv_blocks(kv_bytes, *block_bytes, cap, c.kv_layout)
             if split is None:
-                self._hint_fewer_seqs(kv_bytes, window, model_len)
+                self._hint_fewer_seqs(kv_bytes, *block_bytes, model_len)
         if split is None:
             return None
+        num_sliding, window = sliding_layers(self.model_config)
         log.info("KV cache split: %d blocks for the %d full-attention layers, %d for the %d sliding-window "
-                 "layers (window %d)", split[0],
-                 self.model_config.num_layers - num_sliding, split[1], num_sliding, window)
+                 "layers (window %d)", split[0], self.model_config.num_layers - num_sliding, split[1], num_sliding,
+                 window)
         return split
 
     # ---- requests --------------------------------------------------------------------------------
