@@ -6,8 +6,9 @@
     python benchmarks/split_kv_gpu_check.py --card-gib 12 --context 32768 --seqs 4   # memory against the plan
 
 Two engines on the same model and the same KV memory: one pool for every layer (shared), and the
-split layout (the 29 sliding-window layers in a pool that keeps only each sequence's 1,024-token
-window). For each: the KV tokens it holds, greedy tokens of three prompts (one long, chunked prefill
+split layout (pages shared by the full-attention layers' blocks and the 29 sliding-window layers'
+blocks, which go back to the pool behind each sequence's 1,024-token window). For each: the KV
+tokens one sequence can hold, greedy tokens of three prompts (one long, chunked prefill
 past the window many times over) decoded together with CUDA graphs, the long prompt's prefill time
 and batch-1 decode speed at its length. The split engine's tokens must equal the shared one's
 (same kernels, same numbers: only the block ids differ). Exit status 1 if not.
@@ -74,9 +75,10 @@ def run(model: CausalLM, layout: str, kv_blocks: int, prompts: list[list[int]], 
     for _ in range(3):  # best of three: the long prompt's prefill, then `steps` decode steps of it alone
         p, d = timed_steps(engine, prompts[0], steps)
         prefill, decode = min(prefill, p), min(decode, d)
-    row = dict(layout=layout, blocks=stats["kv_blocks_total"], window_blocks=stats["kv_window_blocks_total"],
-               tokens=stats["kv_blocks_total"] * stats["kv_block_size"], outs=outs, prefill_s=prefill, decode_ms=decode * 1e3,
-               graphs=engine.cuda_graphs)
+    split = stats["kv_split"]
+    tokens = split["longest_sequence"] if split else stats["kv_blocks_total"] * stats["kv_block_size"]
+    row = dict(layout=layout, blocks=stats["kv_blocks_total"], widths=split and split["page_widths"], tokens=tokens,
+               outs=outs, prefill_s=prefill, decode_ms=decode * 1e3, graphs=engine.cuda_graphs)
     free(engine)
     return row
 
@@ -89,7 +91,7 @@ def outside_torch() -> int:
 
 def memory_check(model: CausalLM, card_gib: float, context: int, seqs: int) -> bool:
     """The split cache sized from memory on an emulated card of `card_gib`, against `quant memory`'s
-    plan: the pools' blocks, and torch's peak under full load (sequences of `context` tokens)."""
+    plan: its pages, and torch's peak under full load (sequences of `context` tokens)."""
     from fitllm.kernels._utils import gpu_arch
 
     card = int(card_gib * budget.GiB)
@@ -104,29 +106,27 @@ def memory_check(model: CausalLM, card_gib: float, context: int, seqs: int) -> b
     engine = LLMEngine(EngineConfig(device="cuda", max_model_len=context, max_num_seqs=seqs, max_num_batched_tokens=2048,
                                     gpu_memory_utilization=0.9 * card / total), model=model, tokenizer=None)
     stats = engine.stats()
-    blocks, window_blocks = stats["kv_blocks_total"], stats["kv_window_blocks_total"]
+    blocks, split = stats["kv_blocks_total"], stats["kv_split"]
     n = max(1, min(seqs, plan.max_seqs_at(context)))
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, model.config.vocab_size, (context - 64,), generator=g).tolist() for _ in range(n)]
     engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     sync()
     measured = torch.cuda.max_memory_allocated()
-    predicted = budget.estimate(model.config, settings, card, num_kv_blocks=blocks + 1,
-                                num_window_blocks=None if window_blocks is None else window_blocks + 1).torch_peak
-    used = budget.compare_with_measured(budget.estimate(
-        model.config, settings, card, num_kv_blocks=blocks + 1,
-        num_window_blocks=None if window_blocks is None else window_blocks + 1))["device_used"]
+    predicted = budget.estimate(model.config, settings, card, num_kv_blocks=blocks + 1).torch_peak
+    used = budget.compare_with_measured(budget.estimate(model.config, settings, card,
+                                                        num_kv_blocks=blocks + 1))["device_used"]
     print(f"memory outside torch (CUDA context, kernel images): {outside_before / 2**20:.0f} MiB before the engine, "
           f"{outside_torch() / 2**20:.0f} MiB after its load (the plan: {budget.CUDA_CONTEXT_BYTES / 2**20:.0f}); "
           f"device memory used predicted {used['predicted'] / 2**30:.2f} GiB, measured {used['measured'] / 2**30:.2f} GiB",
           flush=True)
-    print(f"emulated {card_gib:g} GiB card, {n} x {context} tokens: KV blocks full / sliding planned "
-          f"{plan.num_kv_blocks} / {plan.num_window_blocks}, allocated {blocks} / {window_blocks}; torch peak "
+    print(f"emulated {card_gib:g} GiB card, {n} x {context} tokens: KV pages planned "
+          f"{plan.num_kv_blocks}, allocated {blocks} (split: {split is not None}); torch peak "
           f"predicted {predicted / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB "
           f"({(predicted - measured) / measured:+.1%})", flush=True)
     free(engine)
     torch.cuda.set_per_process_memory_fraction(1.0)
-    return window_blocks is not None and abs(predicted - measured) / measured < 0.03
+    return split is not None and abs(predicted - measured) / measured < 0.03
 
 
 def main() -> int:
@@ -150,27 +150,25 @@ def main() -> int:
         return 0 if ok else 1
     cfg = model.config
     num_sliding, window = budget.sliding_layers(cfg)
-    per_token = budget.kv_bytes_per_token(cfg, "bf16")
-    window_share = budget.kv_bytes_per_token(cfg, "bf16", num_sliding)
     kv_bytes = int(args.kv_bytes_gib * budget.GiB)
-    shared_blocks = kv_bytes // (16 * per_token)
-    cap = budget.window_pool_blocks(window, 16, 4, 2048)
-    full_blocks, _ = budget.split_kv_blocks(kv_bytes, 16 * (per_token - window_share), 16 * window_share, cap, "split")
+    shared_blocks = kv_bytes // (16 * budget.kv_bytes_per_token(cfg, "bf16"))
+    pages = kv_bytes // (16 * budget.kv_bytes_per_token(cfg, "bf16", budget.page_geometry(cfg)[0]))
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{name}  torch {torch.__version__}  {args.shape} shapes, random weights; "
           f"{cfg.num_layers} layers, {num_sliding} sliding (window {window}); KV {args.kv_bytes_gib:g} GiB", flush=True)
     g = torch.Generator().manual_seed(3)
     lens = (args.prompt_len, min(3000, args.prompt_len // 2), 100)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
-    order = [("shared", shared_blocks), ("split", full_blocks)]
+    order = [("shared", shared_blocks), ("split", pages)]
     rows = [run(model, layout, blocks, prompts, args.new_tokens, args.decode_steps)
             for layout, blocks in (order[::-1] if args.split_first else order)]
     rows.sort(key=lambda r: r["layout"] == "split")
-    print("| layout | KV blocks (full / sliding) | KV tokens | graphs | prefill of the long prompt (s, best of 3) | "
-          "batch-1 decode step at its length (ms, best of 3) |")
+    print("| layout | KV blocks (split: pages; pages a full / sliding block) | tokens one sequence can hold | graphs | "
+          "prefill of the long prompt (s, best of 3) | batch-1 decode step at its length (ms, best of 3) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['blocks']} / {r['window_blocks'] or '-'} | {r['tokens']:,} | {r['graphs']} | "
+        widths = f" ({r['widths'][0]} / {r['widths'][1]})" if r["widths"] else ""
+        print(f"| {r['layout']} | {r['blocks']}{widths} | {r['tokens']:,} | {r['graphs']} | "
               f"{r['prefill_s']:.3f} | {r['decode_ms']:.2f} |")
     same = rows[0]["outs"] == rows[1]["outs"]
     first = [sum(a == b for a, b in zip(x, y)) for x, y in zip(rows[0]["outs"], rows[1]["outs"])]

@@ -251,7 +251,7 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "bf16", num_layers: 
 
 # ---------------------------------------------------------------- sliding-window layers
 KV_LAYOUTS = ("auto", "split", "shared")  # = `quant serve --kv-layout`
-SPLIT_MIN_GAIN = 1.25  # auto splits when the full layers' pool then holds this many times the tokens
+PAGE_PADDING_MAX = 0.125  # a split cache's sliding-layer blocks may leave this share of their planes empty
 
 
 def sliding_layers(config: ModelConfig) -> tuple[int, Optional[int]]:
@@ -262,7 +262,7 @@ def sliding_layers(config: ModelConfig) -> tuple[int, Optional[int]]:
 
 
 def has_sliding_and_full_layers(config: ModelConfig) -> bool:
-    """Both kinds of layers (Gemma 3): a split cache can give the sliding ones a pool of their own."""
+    """Both kinds of layers (Gemma 3): a split cache can give the sliding ones blocks of their own."""
     return 0 < sliding_layers(config)[0] < config.num_layers
 
 
@@ -273,38 +273,34 @@ def keeps_windows_only(config: ModelConfig, context: int, layout: str) -> bool:
     return num_sliding == config.num_layers and window < context and layout != "shared"
 
 
-def sliding_pool_cap(config: ModelConfig, block_size: int, num_seqs: int, max_batched_tokens: int,
-                     context: int) -> int:
-    """window_pool_blocks for this model's widest window (a sequence holds no more than its context)."""
-    return window_pool_blocks(min(sliding_layers(config)[1], context), block_size, num_seqs, max_batched_tokens)
-
-
-def window_pool_blocks(window: int, block_size: int, num_seqs: int, max_batched_tokens: int) -> int:
-    """The most blocks the sliding layers' pool ever holds at once: each running sequence keeps
-    the window behind its first new token, rounded out to whole blocks at both ends (the pool
-    gives back only whole blocks wholly behind it), and a step adds at most max_batched_tokens."""
-    per_seq = blocks_for_tokens(window - 1, block_size) + 2
-    return num_seqs * per_seq + blocks_for_tokens(max_batched_tokens, block_size)
-
-
-def split_kv_blocks(kv_bytes: int, full_block_bytes: int, window_block_bytes: int, window_cap: int,
-                    layout: str = "auto") -> Optional[tuple[int, int]]:
-    """(full-attention pool, sliding-window pool) blocks of a split cache in `kv_bytes`, or None for
-    one shared pool. The sliding pool needs at most `window_cap` blocks (window_pool_blocks) and
-    never more than the full pool (a sequence holds no more of its window than of its context),
-    so it gets the smaller; the full pool the rest. "auto" splits only where the full pool then
-    holds SPLIT_MIN_GAIN times the tokens of a shared pool: a prefix cached in a split cache is found
-    only while the small sliding pool still holds its last window, so it is lost sooner."""
+def splits_kv(config: ModelConfig, context: int, layout: str) -> bool:
+    """Whether the KV cache is split (SplitKVCache): the sliding-window layers get blocks of their own,
+    given back behind each sequence's window, from the pool of pages the full layers' come from. Where
+    the model has both kinds of layers: always with "split", with "auto" where the context is longer
+    than the window (else the split would keep the same tokens, in fuller pages)."""
     if layout not in KV_LAYOUTS:
         raise FitLLMError(f"--kv-layout {layout!r}: choose one of {', '.join(KV_LAYOUTS)}")
-    if layout == "shared" or full_block_bytes <= 0 or window_block_bytes <= 0:
-        return None
-    shared = kv_bytes // (full_block_bytes + window_block_bytes)
-    window = min(window_cap, shared)
-    full = (kv_bytes - window * window_block_bytes) // full_block_bytes
-    if layout == "auto" and full < SPLIT_MIN_GAIN * shared:
-        return None
-    return full, window
+    if layout == "shared" or not has_sliding_and_full_layers(config):
+        return False
+    return layout == "split" or sliding_layers(config)[1] < context
+
+
+def page_geometry(config: ModelConfig) -> tuple[int, tuple[int, int]]:
+    """(layers a page holds, (pages a full-layer block takes, pages a sliding-layer block takes)) of a
+    split cache: the most layers a page that divides the full layers and leaves at most
+    PAGE_PADDING_MAX of the sliding blocks' planes empty (fewer pages a block: fewer tables and slot
+    maps a step). Gemma 3 27B (10 full, 52 sliding layers): 5 layers, (2, 11)."""
+    num_sliding = sliding_layers(config)[0]
+    num_full = config.num_layers - num_sliding
+    g = next(g for g in range(num_full, 0, -1)
+             if num_full % g == 0 and -(-num_sliding // g) * g - num_sliding <= PAGE_PADDING_MAX * num_sliding)
+    return g, (num_full // g, -(-num_sliding // g))
+
+
+def window_held(window: int, context: int, block_size: int) -> int:
+    """Blocks a sequence of `context` tokens holds of a window's: the window behind its next token,
+    rounded out to whole blocks at both ends (whole blocks go back only once wholly behind it)."""
+    return min(blocks_for_tokens(context, block_size), blocks_for_tokens(window - 1, block_size) + 2)
 
 
 def default_block_size(kv_dtype: str) -> int:
@@ -427,7 +423,7 @@ class Settings:
     # The card's architecture ('sm90', 'sm89', ...), which picks the kernels' tile tables (what the
     # 4-bit GEMMs dequantize, and from how many tokens); None: not known, the soonest of them.
     gpu_arch: Optional[str] = None
-    kv_layout: str = "auto"  # sliding-window layers: their own pool ("split") or not ("shared"); see split_kv_blocks
+    kv_layout: str = "auto"  # sliding-window layers: blocks of their own ("split") or not ("shared"); see splits_kv
 
     def __post_init__(self):
         if self.block_size is None:
@@ -462,21 +458,32 @@ class Budget:
     weights: Weights
     kv_bytes_per_token: int
     terms: dict[str, int]  # every term but kv_cache, in allocation order
-    num_kv_blocks: int  # with a split cache: the full-attention layers' pool
+    num_kv_blocks: int  # with a split cache: its pages
     model_max_len: int
     window: Optional[int] = None  # the sliding layers' window (None: no layer slides)
     window_bytes_per_token: int = 0  # the sliding layers' share of kv_bytes_per_token
-    num_window_blocks: Optional[int] = None  # the sliding layers' own pool (a split cache); None: one shared pool
+    page_widths: Optional[tuple[int, int]] = None  # a split cache's pages a block (full, sliding); None: no split
+    page_bytes_per_token: int = 0  # a split cache's page, per token it holds
     window_only: bool = False  # every layer slides: the one pool keeps only each sequence's window
 
     @property
     def split(self) -> bool:
-        return self.num_window_blocks is not None
+        return self.page_widths is not None
 
     def _window_held(self, context: int) -> int:
-        """Blocks a sequence of `context` tokens holds in a pool that keeps only its window."""
-        bs = self.settings.block_size
-        return min(blocks_for_tokens(context, bs), blocks_for_tokens(self.window - 1, bs) + 2)
+        return window_held(self.window, context, self.settings.block_size)
+
+    def _pages_at(self, context: int) -> int:
+        """Pages a sequence of `context` tokens holds in a split cache."""
+        full, sliding = self.page_widths
+        return blocks_for_tokens(context, self.settings.block_size) * full + self._window_held(context) * sliding
+
+    def _longest_in_pages(self, pages: int) -> int:
+        """The longest context `pages` of a split cache hold for one sequence, in tokens."""
+        full, sliding = self.page_widths
+        most = blocks_for_tokens(self.window - 1, self.settings.block_size) + 2  # of the window, at most
+        blocks = (pages - most * sliding) // full if pages >= most * (full + sliding) else pages // (full + sliding)
+        return blocks * self.settings.block_size
 
     @property
     def usable(self) -> int:
@@ -484,11 +491,8 @@ class Budget:
 
     @property
     def kv_cache(self) -> int:
-        bs = self.settings.block_size
-        if self.split:
-            full = self.kv_bytes_per_token - self.window_bytes_per_token
-            return bs * (self.num_kv_blocks * full + self.num_window_blocks * self.window_bytes_per_token)
-        return self.num_kv_blocks * bs * self.kv_bytes_per_token
+        per_token = self.page_bytes_per_token if self.split else self.kv_bytes_per_token
+        return self.num_kv_blocks * self.settings.block_size * per_token
 
     @property
     def fixed(self) -> int:
@@ -506,16 +510,16 @@ class Budget:
 
     @property
     def kv_tokens(self) -> int:
-        return self.num_kv_blocks * self.settings.block_size
+        """The tokens the KV cache holds (a split cache: of one sequence, as long as they fit)."""
+        return self._longest_in_pages(self.num_kv_blocks) if self.split else self.num_kv_blocks * self.settings.block_size
 
     def max_seqs_at(self, context: int) -> int:
         """Concurrent sequences whose KV fits when each holds `context` tokens."""
         if self.window_only:
             return self.num_kv_blocks // self._window_held(context)
-        seqs = self.num_kv_blocks // blocks_for_tokens(context, self.settings.block_size)
-        if self.split:  # a sequence keeps at most its window in the sliding pool
-            seqs = min(seqs, self.num_window_blocks // self._window_held(context))
-        return seqs
+        if self.split:
+            return self.num_kv_blocks // self._pages_at(context)
+        return self.num_kv_blocks // blocks_for_tokens(context, self.settings.block_size)
 
     def kv_read_bytes(self, context: int) -> int:
         """K/V one decode step reads for a sequence of `context` tokens: the sliding layers only
@@ -528,6 +532,8 @@ class Budget:
         per_seq = self.num_kv_blocks // max(1, num_seqs)
         if self.window_only and per_seq >= self._window_held(self.model_max_len):
             return self.model_max_len  # each holds no more than its window, however long
+        if self.split:
+            return min(self._longest_in_pages(per_seq), self.model_max_len)
         return min(per_seq * self.settings.block_size, self.model_max_len)
 
     @property
@@ -544,7 +550,8 @@ class Budget:
             "weights_bytes": {**asdict(self.weights), "total": self.weights.total},
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_blocks": self.num_kv_blocks,
-            "kv_window_blocks": self.num_window_blocks,
+            "kv_layout": "split" if self.split else "shared",
+            "kv_page_widths": self.page_widths,
             "kv_tokens": self.kv_tokens,
             "total_bytes": self.total,
             "torch_peak_bytes": self.torch_peak,
@@ -555,12 +562,12 @@ class Budget:
 
 
 def estimate(config: ModelConfig, settings: Settings, gpu_memory_bytes: int,
-             num_kv_blocks: Optional[int] = None, num_window_blocks: Optional[int] = None) -> Budget:
+             num_kv_blocks: Optional[int] = None) -> Budget:
     """The budget of serving `config` with `settings` on a card of `gpu_memory_bytes`.
 
     Without `num_kv_blocks` the KV cache takes what is left of gpu_memory * utilization (what
-    the server will allocate), split between the full and the sliding layers where
-    split_kv_blocks says so; pass the server's real block counts to predict its actual peak.
+    the server will allocate), in pages of a split cache where splits_kv says so; pass the server's
+    real block (page) count to predict its actual peak.
     """
     s = replace(settings, kv_dtype=normalize_kv_dtype(settings.kv_dtype))
     weights = weight_bytes(config, s.scheme, s.group_size, s.bits)
@@ -586,17 +593,18 @@ def estimate(config: ModelConfig, settings: Settings, gpu_memory_bytes: int,
     per_token = kv_bytes_per_token(config, s.kv_dtype)
     num_sliding, window = sliding_layers(config)
     window_per_token = kv_bytes_per_token(config, s.kv_dtype, num_sliding)
+    widths, page_per_token = None, 0
+    if splits_kv(config, ctx, s.kv_layout):
+        page_layers, widths = page_geometry(config)
+        page_per_token = kv_bytes_per_token(config, s.kv_dtype, page_layers)
     if num_kv_blocks is None:
         free = int(gpu_memory_bytes * s.gpu_memory_utilization) - sum(terms.values())
-        num_kv_blocks = kv_cache_blocks_for(free, config, s.kv_dtype, s.block_size)
-        if has_sliding_and_full_layers(config):
-            cap = sliding_pool_cap(config, s.block_size, seqs, t, ctx)
-            split = split_kv_blocks(max(0, free), s.block_size * (per_token - window_per_token),
-                                    s.block_size * window_per_token, cap, s.kv_layout)
-            if split is not None:
-                num_kv_blocks, num_window_blocks = split
+        if widths is not None:
+            num_kv_blocks = max(0, free) // (s.block_size * page_per_token)
+        else:
+            num_kv_blocks = kv_cache_blocks_for(free, config, s.kv_dtype, s.block_size)
     return Budget(s, int(gpu_memory_bytes), weights, per_token, terms, num_kv_blocks,
-                  config.max_position_embeddings, window, window_per_token, num_window_blocks,
+                  config.max_position_embeddings, window, window_per_token, widths, page_per_token,
                   keeps_windows_only(config, ctx, s.kv_layout))
 
 
@@ -755,9 +763,6 @@ def plan(config: ModelConfig, settings: Settings, gpu_memory_bytes: int, gpu: Op
                              "command": command(alt)})
         return True
 
-    fewer = _fewer_seqs_that_fit(config, s, gpu_memory_bytes)
-    if fewer is not None:
-        attempt("fewer sequences at once (a smaller pool for the sliding-window layers)", max_num_seqs=fewer)
     any(attempt(f"KV cache in {kv}", kv_dtype=kv) for kv in _smaller_kv(s.kv_dtype, gpu))
     for scheme in _smaller_schemes(s.scheme):  # each smaller scheme, alone or with the first KV dtype that fits
         attempt(f"weights in {scheme} (quant convert --method {scheme})", scheme=scheme) or any(
@@ -775,17 +780,6 @@ def plan(config: ModelConfig, settings: Settings, gpu_memory_bytes: int, gpu: Op
         if longest >= 1024 and attempt(why, max_model_len=longest, **changes):
             break
     return Plan(budget, gpu, None, alternatives)
-
-
-def _fewer_seqs_that_fit(config: ModelConfig, s: Settings, gpu_memory_bytes: int) -> Optional[int]:
-    """The most sequences below s.max_num_seqs at which a split KV cache fits (a split cache sizes the
-    sliding layers' pool by them), or None: no sliding layers, --kv-layout shared, or none fits."""
-    if not has_sliding_and_full_layers(config) or s.kv_layout == "shared":
-        return None
-    n = s.max_num_seqs - 1
-    while n >= 1 and not estimate(config, replace(s, max_num_seqs=n), gpu_memory_bytes).fits:
-        n = n // 2 if n > 8 else n - 1
-    return n if n >= 1 else None
 
 
 def cards_that_fit(config: ModelConfig, settings: Settings) -> list[Gpu]:

@@ -7,29 +7,41 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fitllm.serve.block_manager import BlockManager
+from fitllm.serve.block_manager import BlockManager, SplitBlockManager
 
 BS = 4
 
 
 def check_invariants(bm: BlockManager) -> None:
-    refs = [0] * bm.num_blocks
-    for seq in bm.seqs.values():
-        for b in seq.table[seq.num_dropped:]:
-            refs[b] += 1
-    free, evictable = list(bm._free), list(bm._evictable)
-    assert len(set(free)) == len(free) and not set(free) & set(evictable), "a block is free twice"
-    for block in bm.blocks:
-        assert block.ref == refs[block.id], f"block {block.id}: ref {block.ref}, held {refs[block.id]} times"
-        in_free, in_evictable = block.id in bm._free, block.id in bm._evictable
-        assert (block.ref == 0) == (in_free or in_evictable), f"block {block.id} leaked or double-booked"
-        if in_evictable:
-            assert block.hash is not None
-        if in_free:
-            assert block.hash is None
-    for h, b in bm._cached.items():
-        assert bm.blocks[b].hash == h
-    assert bm.num_free_blocks + sum(1 for r in refs if r) == bm.num_blocks
+    """Every page of bm's pool is free or in exactly one live block (held or evictable) of one of the
+    pool's members; each member's refs match its sequences' tables; cache entries name live blocks."""
+    pool = bm.pool
+    owner: dict[int, tuple] = {}
+    for m in pool.members:
+        refs = [0] * len(m.blocks)
+        for seq in m.seqs.values():
+            for b in seq.table[seq.num_dropped:]:
+                refs[b] += 1
+        for block in m.blocks:
+            assert block.ref == refs[block.id], f"block {block.id}: ref {block.ref}, held {refs[block.id]} times"
+            evictable = block.id in m._evictable
+            assert not (block.ref and evictable), f"block {block.id} both held and evictable"
+            if evictable:
+                assert block.hash is not None
+            if block.ref or evictable:
+                assert len(m.pages(block.id)) == m.width
+                for page in m.pages(block.id):
+                    assert page not in owner, f"page {page} in two blocks: {owner[page]} and {block.id}"
+                    owner[page] = (id(m), block.id)
+            else:
+                assert block.hash is None and block.id not in m._extra, f"dead block {block.id} keeps content"
+        for h, b in m._cached.items():
+            assert m.blocks[b].hash == h and (m.blocks[b].ref or b in m._evictable)
+        assert m.num_used_blocks == sum(1 for r in refs if r)
+    free = list(pool.free)
+    assert len(set(free)) == len(free) and not set(free) & set(owner), "a page is free twice, or free and held"
+    assert set(free) | set(owner) == set(range(pool.num_pages)), "a page leaked"
+    assert bm.num_free_blocks == pool.available // bm.width
 
 
 class Sim:
@@ -67,7 +79,7 @@ class Sim:
             self.bm.cache_full_blocks(sid, tokens, computed + n)
             self.seqs[sid] = {"tokens": list(tokens), "computed": computed + n, "floor": computed}
         else:
-            self.bm.seqs.pop(sid, None)  # match_prefix left hashes only
+            self.bm.free(sid)  # match_prefix left hashes only
 
     def step(self, sid: int, token: int) -> None:
         s = self.seqs[sid]
@@ -214,3 +226,86 @@ def test_rewritten_cached_block_is_forgotten():
     assert len(bm.match_prefix("y", toks + [1], 8)) == 1
     bm.free("a")
     check_invariants(bm)
+
+
+class SplitSim:
+    """Drives a SplitBlockManager like the scheduler does. Each page holds, per slot, the token its
+    block's kind wrote there ("full" or "window", one write to each of a block's pages), so a page
+    that two blocks share, or one that changes hands while a table still reads it, shows up."""
+
+    def __init__(self, num_pages: int, window: int, widths: tuple[int, int]):
+        self.bm, self.window = SplitBlockManager(num_pages, BS, window, widths), window
+        self.seqs: dict[int, dict] = {}
+        self.next_id = 0
+        self.kv = [[None] * BS for _ in range(num_pages)]
+
+    def kinds(self):
+        return (("full", self.bm.full, self.bm.table), ("window", self.bm.window, self.bm.window_table))
+
+    def write(self, sid: int, tokens: list[int], start: int) -> None:
+        for src, dst in self.bm.take_copies():
+            self.kv[dst] = list(self.kv[src])
+        for kind, m, table in self.kinds():
+            for pos in range(start, len(tokens)):
+                for page in m.pages(table(sid)[pos // BS]):
+                    self.kv[page][pos % BS] = (kind, tokens[pos])
+
+    def check_contents(self) -> None:
+        for sid, s in self.seqs.items():
+            for kind, m, table in self.kinds():
+                first = 0 if kind == "full" else max(0, s["floor"] - self.window + 1)
+                want = [(kind, t) for t in s["tokens"][first: s["computed"]]]
+                for page_of in range(m.width):
+                    seen = [self.kv[m.pages(table(sid)[p // BS])[page_of]][p % BS] for p in range(first, s["computed"])]
+                    assert seen == want, f"seq {sid} reads wrong {kind} K/V"
+
+    new, step, truncate, free = Sim.new, Sim.step, Sim.truncate, Sim.free
+
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(6, 40), st.lists(st.tuples(op, st.integers(0, 1000)), max_size=60), st.sampled_from([1, 5, 9]),
+       st.sampled_from([(1, 1), (1, 3), (2, 3)]))
+def test_random_operations_keep_a_shared_page_pool_consistent(num_pages, ops, window, widths):
+    """The split manager's two kinds of blocks over one pool of pages (SplitKVCache): no page leaked,
+    shared or read after it changed hands; both kinds' tables cover the computed tokens."""
+    if num_pages < sum(widths):
+        return
+    sim = SplitSim(num_pages, window, widths)
+    for (kind, arg), pick in ops:
+        ids = sorted(sim.seqs)
+        if kind == "new":
+            sim.new(arg)
+        elif ids and kind != "fork":  # (no fork in a split cache)
+            sid = ids[pick % len(ids)]
+            getattr(sim, kind)(sid, arg) if kind in ("step", "truncate") else getattr(sim, kind)(sid)
+        check_invariants(sim.bm.full)
+        sim.check_contents()
+        for sid, s in sim.seqs.items():
+            assert len(sim.bm.table(sid)) == len(sim.bm.window_table(sid)) == -(-s["computed"] // BS)
+    for sid in list(sim.seqs):
+        sim.free(sid)
+    check_invariants(sim.bm.full)
+    assert sim.bm.pool.available == num_pages and not sim.bm.full.seqs and not sim.bm.window.seqs
+
+
+def test_pages_the_window_gives_back_serve_the_full_layers():
+    """One long sequence: behind its window the sliding blocks' pages go back to the pool, so the
+    full layers' table grows past what two fixed halves of the pool would hold."""
+    bm = SplitBlockManager(24, BS, window=4, widths=(1, 3))
+    tokens = list(range(60))
+    assert bm.allocate("a", 0, 8)
+    for n in range(8, 60):
+        assert bm.allocate("a", n, 1), f"short at {n} tokens"
+        bm.cache_full_blocks("a", tokens[: n + 1], n + 1)
+    # 15 full blocks (60 tokens) + the window's last 2-3 blocks of 3 pages: 24 pages.
+    assert len(bm.table("a")) == 15 and bm.window_pages_used <= 9
+    assert not bm.allocate("b", 0, 8)  # nothing left for a second sequence of two blocks
+    assert bm.can_allocate("b", 0, 0) and bm.num_free_blocks == 0
+    bm.free("a")
+    check_invariants(bm.full)
+    # Now a prefix: the full blocks and the last window are still cached (evictable).
+    hits = bm.match_prefix("c", tokens + [0], 60)
+    assert len(hits) == 15
+    assert bm.allocate("c", 60, 1, hits)
+    check_invariants(bm.full)

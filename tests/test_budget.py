@@ -472,23 +472,27 @@ def test_plan_offers_quantization_at_load_for_data_free_schemes():
     assert result.exit_code == 0 and "--quantization" not in result.output  # AWQ needs its calibration
 
 
-def test_split_kv_pools_by_hand():
-    """A sliding pool needs at most `cap` blocks and never more than the full pool; auto splits only for 1.25x."""
-    assert bm.window_pool_blocks(1024, 16, 4, 2048) == 4 * (64 + 2) + 128  # 1023 tokens: 64 blocks
-    # 1000 bytes, a full block 1 byte, a sliding one 4: a shared pool holds 200 blocks of each
-    assert bm.split_kv_blocks(1000, 1, 4, 50) == (800, 50)
-    assert bm.split_kv_blocks(1000, 1, 4, 180) == (280, 180)  # 280 >= 1.25 x 200
-    assert bm.split_kv_blocks(1000, 1, 4, 190) is None  # 240 < 250: not worth the prefix cache
-    assert bm.split_kv_blocks(1000, 1, 4, 190, "split") == (240, 190)
-    assert bm.split_kv_blocks(1000, 1, 4, 300, "split") == (200, 200)  # the sliding pool never outgrows the full one
-    assert bm.split_kv_blocks(1000, 1, 4, 50, "shared") is None
+def test_split_pages_by_hand():
+    """A page holds the most layers that divide the full ones and pad the sliding ones by <= 1/8;
+    auto splits where the context is longer than the window."""
+    def cfg(name):
+        return bm.known_model(name)
+    assert bm.page_geometry(cfg("gemma-3-27b")) == (5, (2, 11))  # 10 full, 52 sliding: 55 planes (g = 10: 60)
+    assert bm.page_geometry(cfg("gemma-3-1b")) == (4, (1, 6))  # 4 full, 22 sliding: 24 planes (2 / 22 <= 1/8)
+    g, (full, sliding) = bm.page_geometry(cfg("gemma-3-4b"))
+    n_sliding = bm.sliding_layers(cfg("gemma-3-4b"))[0]
+    assert full * g == cfg("gemma-3-4b").num_layers - n_sliding and 0 <= sliding * g - n_sliding <= n_sliding / 8
+    assert bm.splits_kv(cfg("gemma-3-27b"), 32768, "auto") and not bm.splits_kv(cfg("gemma-3-27b"), 1024, "auto")
+    assert bm.splits_kv(cfg("gemma-3-27b"), 1024, "split") and not bm.splits_kv(cfg("gemma-3-27b"), 32768, "shared")
+    assert not bm.splits_kv(cfg("llama-3-8b"), 32768, "split")  # no sliding layers
     with pytest.raises(FitLLMError, match="--kv-layout"):
-        bm.split_kv_blocks(1000, 1, 4, 50, "ring")
+        bm.splits_kv(cfg("gemma-3-27b"), 32768, "ring")
 
 
 def test_gemma3_27b_on_a_24gb_card_with_a_split_cache():
-    """Gemma 3 27B AWQ on an RTX 4090: 52 of 62 layers slide over 1,024 tokens. With one sequence the
-    split cache's full pool holds ~5x the tokens of one shared pool, in the same bytes."""
+    """Gemma 3 27B AWQ on an RTX 4090: 52 of 62 layers slide over 1,024 tokens. Split, one sequence
+    holds ~5x the tokens of one shared pool in the same bytes, and it does not depend on
+    --max-num-seqs (the sliding layers' pages come back behind each window)."""
     cfg = bm.known_model("gemma-3-27b")
     assert bm.sliding_layers(cfg) == (52, 1024)
     per_layer = 16 * 128 * 2 * 2  # K and V, 16 KV heads of 128, bf16
@@ -497,29 +501,35 @@ def test_gemma3_27b_on_a_24gb_card_with_a_split_cache():
     split = bm.estimate(cfg, s, gpu.memory_bytes)
     shared = bm.estimate(cfg, replace(s, kv_layout="shared"), gpu.memory_bytes)
     assert split.split and not shared.split and shared.terms == split.terms
-    assert split.num_window_blocks == 1 * (64 + 2) + 128
-    assert split.kv_cache == 16 * (split.num_kv_blocks * 10 * per_layer + split.num_window_blocks * 52 * per_layer)
+    assert split.page_widths == (2, 11) and split.page_bytes_per_token == 5 * per_layer
+    assert split.kv_cache == 16 * split.num_kv_blocks * 5 * per_layer
     assert shared.kv_cache == 16 * shared.num_kv_blocks * 62 * per_layer
     free = split.usable - sum(split.terms.values())
-    assert free - 16 * 10 * per_layer < split.kv_cache <= free and shared.kv_cache <= free
+    assert free - 16 * 5 * per_layer < split.kv_cache <= free and shared.kv_cache <= free
+    # one sequence: 66 sliding blocks of 11 pages, the rest 2 pages a block of 16 tokens
+    assert split.kv_tokens == (split.num_kv_blocks - 66 * 11) // 2 * 16
     assert split.kv_tokens > 4.5 * shared.kv_tokens and split.fits and not shared.fits
-    assert split.max_seqs_at(32768) == 1 and split.longest_context_at(1) == split.kv_tokens
+    assert split.max_seqs_at(32768) == split.num_kv_blocks // (2048 * 2 + 66 * 11) >= 1
+    assert split.longest_context_at(1) == split.kv_tokens > 50_000  # (the model's limit: 131072)
+    assert split.longest_context_at(2) == (split.num_kv_blocks // 2 - 66 * 11) // 2 * 16
+    # short sequences hold both kinds alike: 13 pages a block (5 % more than 62 layers' worth)
+    assert split.max_seqs_at(512) == split.num_kv_blocks // (32 * 13)
+    many = bm.estimate(cfg, replace(s, max_num_seqs=64), gpu.memory_bytes)
+    assert many.num_kv_blocks <= split.num_kv_blocks and many.split and many.fits  # (activations grow a little)
     # a step of one sequence at 32k reads the sliding layers' window only, in either layout
     assert split.kv_read_bytes(32768) == shared.kv_read_bytes(32768) == (10 * 32768 + 52 * 1024) * per_layer
 
 
-def test_cli_offers_fewer_sequences_for_a_split_cache():
+def test_cli_plans_a_split_cache_at_the_default_sequences():
     res = CliRunner().invoke(app, ["memory", "gemma-3-27b", "--gpu", "rtx4090", "--quant", "awq",
                                    "--max-model-len", "32768", "--json"])
     doc = json.loads(res.output)
-    assert not doc["fits"] and doc["alternatives"][0]["change"].startswith("fewer sequences")
-    fewer = doc["alternatives"][0]["max_num_seqs"]
+    assert doc["fits"] and doc["kv_layout"] == "split" and doc["kv_page_widths"] == [2, 11]
     res = CliRunner().invoke(app, ["memory", "gemma-3-27b", "--gpu", "rtx4090", "--quant", "awq",
-                                   "--max-model-len", "32768", "--max-num-seqs", str(fewer), "--json"])
-    doc = json.loads(res.output)
-    assert doc["fits"] and doc["kv_window_blocks"] is not None
+                                   "--max-model-len", "32768"])
+    assert res.exit_code == 0 and "KV split" in res.output and "--kv-layout shared:" in res.output
     res = CliRunner().invoke(app, ["memory", "gemma-3-27b", "--gpu", "rtx4090", "--quant", "awq",
-                                   "--max-model-len", "32768", "--max-num-seqs", str(fewer), "--kv-layout", "shared"])
+                                   "--max-model-len", "32768", "--kv-layout", "shared"])
     assert res.exit_code == 0 and "Does not fit" in res.output
 
 

@@ -418,35 +418,40 @@ def assert_transformers_argmax(hf, prompts, outs) -> None:
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_split_kv_cache_for_sliding_layers_equals_transformers(tmp_path, graphs):
-    """Gemma 3 with its sliding layers on a pool of their own (--kv-layout split): that pool keeps only
-    each sequence's 16-token window, so it is far smaller than the full layers' pool and gives blocks
-    back as sequences advance. Prompts of up to 70 tokens in chunks of 24, a full pool small enough to
-    preempt, eager and graph (emulated) steps, a prefix found in both pools' caches. Each greedy token must be transformers' argmax over the
-    prompt and the tokens before it (assert_transformers_argmax: its own generate, with its sliding
-    cache, departed from that on a 70-token prompt here), and equal the shared pool's."""
+    """Gemma 3 with its sliding layers in blocks of their own (--kv-layout split) over one pool of pages:
+    tiny Gemma 3 has one full layer and two sliding over 16 tokens, so a page holds one layer, a
+    sliding block is 2 pages (the second found through SplitKVCache.pages) and goes back to the pool
+    behind each sequence's window. Prompts of up to 70 tokens in chunks of 24, few enough pages to
+    preempt, eager and graph (emulated) steps, a prefix found in both kinds' caches. Each greedy token
+    must be transformers' argmax over the prompt and the tokens before it (assert_transformers_argmax:
+    its own generate, with its sliding cache, departed from that on a 70-token prompt here), and
+    equal the shared pool's."""
     from fitllm.serve.block_manager import SplitBlockManager
 
     hf, ours, prompts = windowed_model(tmp_path, "gemma3", seed=6)
     params, config = WINDOWED_PARAMS, WINDOWED_CONFIG
     shared = LLMEngine(EngineConfig(num_kv_blocks=64, **config), model=ours, tokenizer=None).generate(prompts, params)
-    engine = LLMEngine(EngineConfig(num_kv_blocks=30, kv_layout="split", **config), model=ours, tokenizer=None)
+    engine = LLMEngine(EngineConfig(num_kv_blocks=40, kv_layout="split", **config), model=ours, tokenizer=None)
     bm = engine.block_manager
-    # the sliding pool: 4 sequences of (window - 1 = 15 tokens: 2 blocks) + 2 blocks, a step's 3 blocks, a scratch block
-    assert isinstance(bm, SplitBlockManager) and engine.runner.cache.window.num_blocks == 4 * (2 + 2) + 3 + 1
+    assert isinstance(bm, SplitBlockManager) and bm.widths == engine.runner.cache.widths == (1, 2)
+    assert engine.max_model_len == 256  # one sequence: 4 window blocks (8 pages), 32 full blocks
     if graphs:
         assert engine.runner.capture_graphs(4, emulate_on_cpu=True)
     held = []
-    allocate = bm.window.allocate
-    bm.window.allocate = lambda *a: (allocate(*a), held.append(bm.window.num_used_blocks))[0]
+    allocate = bm.window._grow
+    bm.window._grow = lambda *a: (allocate(*a), held.append((bm.window_pages_used, bm.num_used_blocks)))[0]
     outs = engine.generate(prompts, params)
     assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in shared]
     assert_transformers_argmax(hf, prompts, outs)
-    assert engine.scheduler.num_preemptions > 0  # 4 sequences of up to 100 tokens in 30 blocks of 8
-    assert 0 < max(held) <= bm.window.num_blocks and bm.window.num_used_blocks == bm.full.num_used_blocks == 0
+    assert engine.scheduler.num_preemptions > 0  # 4 sequences of up to 100 tokens: 4 x 21 pages of 40
+    # the sliding blocks gave their pages back (at most 4 blocks of a sequence's), and the full layers held
+    # more than a fixed pool beside 4 sequences' windows would have left them
+    assert max(w for w, _ in held) <= 4 * 4 * 2 and max(u - w for w, u in held) > 40 - 4 * 4 * 2
+    assert bm.num_used_blocks == 0 and bm.pool.available == 40
 
-    # The prefix cache: a prompt that starts with another's first 60 tokens finds 7 blocks (56 tokens) in
-    # the full pool, and in the sliding pool the two whose tokens a query at position 56 still sees.
-    fresh = LLMEngine(EngineConfig(num_kv_blocks=30, kv_layout="split", **config), model=ours, tokenizer=None)
+    # The prefix cache: a prompt that starts with another's first 60 tokens finds 7 blocks (56 tokens) of
+    # the full layers, and of the sliding layers the two whose tokens a query at position 56 still sees.
+    fresh = LLMEngine(EngineConfig(num_kv_blocks=60, kv_layout="split", **config), model=ours, tokenizer=None)
     fresh.generate(prompts[:1], params)
     again = prompts[0][:60] + prompts[1][:10]
     out = fresh.generate([again], params)[0]
@@ -456,7 +461,7 @@ def test_split_kv_cache_for_sliding_layers_equals_transformers(tmp_path, graphs)
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 def test_a_split_quantized_cache_equals_the_shared_one(tmp_path, kv_dtype):
-    """Each pool takes its layers' share of the K/V calibration (int4: shifts, scales, the rotation),
+    """Each layer keeps its own K/V calibration in a split cache (int4: shifts, scales, the rotation),
     so a split int4 or int8 cache stores the same codes as one shared pool: the same greedy tokens."""
     from fitllm.models.kv_cache import calibrate_kv_scales
 
@@ -470,8 +475,8 @@ def test_a_split_quantized_cache_equals_the_shared_one(tmp_path, kv_dtype):
 
 
 def test_speculation_over_a_split_cache_is_token_identical(tmp_path):
-    """n-gram drafts verified and rolled back in both pools of a split cache (the sliding pool keeps
-    the window of the last verified token, never of a draft): greedy tokens equal plain decoding's."""
+    """n-gram drafts verified and rolled back in both kinds of blocks of a split cache (the sliding ones
+    keep the window of the last verified token, never of a draft): greedy tokens equal plain decoding's."""
     _, ours, prompts = windowed_model(tmp_path, "gemma3", seed=9)
     prompts = [p[:12] * 4 for p in prompts]  # repeats, for the n-gram drafter to propose
     config = dict(WINDOWED_CONFIG, num_kv_blocks=40, kv_layout="split")
@@ -483,36 +488,34 @@ def test_speculation_over_a_split_cache_is_token_identical(tmp_path):
     assert engine.block_manager.full.seqs == engine.block_manager.window.seqs == {}
 
 
-def test_auto_layout_splits_only_where_it_pays_and_says_what_would(tmp_path, monkeypatch, caplog):
-    """1 MiB of KV for tiny Gemma 3 (one full layer, two sliding over 16 tokens): 64 sequences' windows
-    would take the sliding pool past what one shared pool holds, so auto keeps one pool and logs the
-    --max-num-seqs that would split; with 4 sequences it splits."""
-    import logging
-
+def test_auto_layout_splits_where_the_context_passes_the_window(tmp_path, monkeypatch):
+    """1 MiB of KV for tiny Gemma 3 (one full layer, two sliding over 16 tokens): with a context of 512
+    auto splits into pages of one layer, whatever --max-num-seqs; with a context of 16 (the window)
+    there is nothing to give back and it keeps one pool. quant serve's summary and /metrics say so."""
     from fitllm.serve import model_runner
     from fitllm.serve.block_manager import BlockManager, SplitBlockManager
 
     monkeypatch.setattr(model_runner, "CPU_KV_CACHE_BYTES", 1 << 20)
     _, ours, _ = windowed_model(tmp_path, "gemma3", seed=0)
-    config = dict(max_model_len=512, block_size=8, max_num_batched_tokens=32)
-    with caplog.at_level(logging.INFO, logger="fitllm.serve.engine"):
-        one_pool = LLMEngine(EngineConfig(max_num_seqs=64, **config), model=ours, tokenizer=None)
-    assert isinstance(one_pool.block_manager, BlockManager) and "with --max-num-seqs 16 the sliding" in caplog.text
-    split = LLMEngine(EngineConfig(max_num_seqs=4, **config), model=ours, tokenizer=None)
-    assert isinstance(split.block_manager, SplitBlockManager)
-    # the sliding pool: 4 windows of (2 + 2) blocks and a step's 4; the full pool the rest of the MiB
-    assert split.block_manager.window.num_blocks == 20
-    per_block = 8 * 2 * 2 * 32 * 4  # 8 tokens, K and V, 2 heads of 32, fp32: one layer
-    assert split.block_manager.num_blocks == ((1 << 20) - 20 * 2 * per_block) // per_block
+    config = dict(block_size=8, max_num_batched_tokens=32)
+    one_pool = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=16, **config), model=ours, tokenizer=None)
+    assert isinstance(one_pool.block_manager, BlockManager)
+    split = LLMEngine(EngineConfig(max_num_seqs=64, max_model_len=512, **config), model=ours, tokenizer=None)
+    bm = split.block_manager
+    assert isinstance(bm, SplitBlockManager) and bm.widths == (1, 2)
+    per_page = 8 * 2 * 2 * 32 * 4  # 8 tokens, K and V, 2 heads of 32, fp32: one layer
+    assert bm.num_blocks == (1 << 20) // per_page
     from fitllm.cli.serve import _window_pool  # quant serve's summary line
 
-    assert "the 2 sliding-window layers (window 16) 20 blocks of their own" in _window_pool(split, split.stats())
+    assert "a block of the full-attention layers takes 1, one of the 2 sliding-window layers 2" in \
+        _window_pool(split, split.stats())
+    assert split.stats()["kv_split"]["longest_sequence"] == (bm.num_blocks - 4 * 2) * 8
     assert _window_pool(one_pool, one_pool.stats()) == ""
-    from fitllm.serve.metrics import EngineCollector  # /metrics: the sliding pool's gauges only where there is one
+    from fitllm.serve.metrics import EngineCollector  # /metrics: the sliding layers' pages only where split
 
     gauges = {f.name: f.samples[0].value for f in EngineCollector(split.stats).collect()}
-    assert gauges["fitllm_kv_window_blocks_total"] == 20 and gauges["fitllm_kv_window_blocks_used"] == 0
-    assert "fitllm_kv_window_blocks_total" not in {f.name for f in EngineCollector(one_pool.stats).collect()}
+    assert gauges["fitllm_kv_window_pages_used"] == 0 and gauges["fitllm_kv_blocks_total"] == bm.num_blocks
+    assert "fitllm_kv_window_pages_used" not in {f.name for f in EngineCollector(one_pool.stats).collect()}
 
 
 def test_a_model_sliding_on_every_layer_keeps_only_its_windows(tmp_path):

@@ -26,8 +26,8 @@ def test_budget_matches_allocated_cache(model, kv):
 
 @pytest.mark.parametrize("kv", ["bf16", "int8", "int4"])
 def test_budget_matches_a_split_cache(kv):
-    """Gemma 3 1B's pools as the split cache allocates them (every per-block tensor of each pool)
-    against the calculator's full / sliding shares of a token's bytes."""
+    """Gemma 3 1B's pages as the split cache allocates them (every per-page tensor, every plane)
+    against the calculator's bytes a page holds per token, and each layer's plane and group."""
     from fitllm.models.kv_cache import SplitKVCache
 
     cfg = budget.known_model("gemma-3-1b")
@@ -35,15 +35,14 @@ def test_budget_matches_a_split_cache(kv):
     calibration = KVCalibration(k_mean=torch.zeros(shape), v_mean=torch.zeros(shape),
                                 k_min=-torch.ones(shape), k_max=torch.ones(shape),
                                 v_min=-torch.ones(shape), v_max=torch.ones(shape))
-    cache = SplitKVCache(cfg.num_layers, 3, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu",
-                         sliding_window=cfg.attention_windows, kv_dtype=kv, calibration=calibration)
-    num_sliding, window = budget.sliding_layers(cfg)
-    assert (num_sliding, window) == (22, 512) and cache.window.num_layers == 22 and cache.full.num_layers == 4
-
-    def per_slot(pool, blocks):
-        return sum(t.numel() * t.element_size() for t in vars(pool).values()
-                   if isinstance(t, torch.Tensor) and t.dim() >= 4 and t.shape[1] == blocks) // (blocks * 16)
-
-    window_share = budget.kv_bytes_per_token(cfg, kv, num_sliding)
-    assert cache.pool_bytes_per_token == (per_slot(cache.full, 3), per_slot(cache.window, 2)) == \
-        (budget.kv_bytes_per_token(cfg, kv) - window_share, window_share)
+    g, widths = budget.page_geometry(cfg)
+    cache = SplitKVCache(cfg.num_layers, 3, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu",
+                         sliding_window=cfg.attention_windows, page_layers=g, kv_dtype=kv, calibration=calibration)
+    assert budget.sliding_layers(cfg) == (22, 512) and (g, widths) == (4, (1, 6)) and cache.widths == widths
+    per_slot = sum(t.numel() * t.element_size() for t in vars(cache.arena).values()
+                   if isinstance(t, torch.Tensor) and t.dim() >= 4 and t.shape[:2] == (g, 3)) // (3 * 16)
+    assert cache.bytes_per_token == per_slot == budget.kv_bytes_per_token(cfg, kv, g)
+    # every (group, plane) holds one layer: the full layers in page 0, the sliding ones in pages 0..5
+    slots = [(cache.group_of[i], cache.arena.planes[i]) for i in range(cfg.num_layers)]
+    assert len(set(slots)) == cfg.num_layers and {k for (k, _), _ in slots} == {0, 1}
+    assert max(t for (_, t), _ in slots) == 5 and max(p for _, p in slots) == 3

@@ -59,8 +59,8 @@ def memory(
                                              "(default: 64 with --kv-dtype fp8 or int8, else 16; as `quant serve`)"),
     utilization: float = typer.Option(bm.DEFAULT_GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization"),
     kv_layout: str = typer.Option("auto", "--kv-layout", help="auto | split | shared: sliding-window layers' KV "
-                                  "in a pool of their own that keeps only the window, or with the others "
-                                  "(as `quant serve`)."),
+                                  "in blocks of their own that keep only the window (the rest of the memory "
+                                  "goes to the other layers), or kept whole beside the others (as `quant serve`)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (bytes) instead of tables."),
 ) -> None:
     """Memory budget: weights, KV cache, workspace; how many sequences fit at what context."""
@@ -167,9 +167,9 @@ def _print_plan(p: bm.Plan, config, label: str, mem: int, needs_convert: bool, m
             what += f" (linears {_size(w.linears)}, embeddings {_size(w.embeddings)}, " + \
                 (f"lm_head {_size(w.lm_head)})" if w.lm_head else "lm_head tied)")
         if name == "kv_cache" and b.split:
-            full = b.kv_bytes_per_token - b.window_bytes_per_token
-            what += (f" (full-attention layers {b.num_kv_blocks} x {s.block_size} tokens x {full} B; sliding-window "
-                     f"layers {b.num_window_blocks} x {s.block_size} tokens x {b.window_bytes_per_token} B)")
+            what += (f" ({b.num_kv_blocks} pages x {s.block_size} tokens x {b.page_bytes_per_token} B, shared by the "
+                     f"full-attention and the sliding-window layers' blocks: {b.page_widths[0]} and "
+                     f"{b.page_widths[1]} pages a block)")
         elif name == "kv_cache":
             what += f" ({b.num_kv_blocks} x {s.block_size} tokens x {b.kv_bytes_per_token} B)"
         table.add_row(name, _size(value), what)
@@ -224,15 +224,13 @@ def _print_layout(b: bm.Budget, config) -> None:
         return
     s = b.settings
     if b.split:
-        out.print(f"KV split: the {count} sliding-window layers keep only their last {window} tokens, in a pool of "
-                  f"their own sized for {s.max_num_seqs} sequences; the other {config.num_layers - count} layers' pool "
-                  "holds the context above (--kv-layout shared keeps one pool).")
-        return
-    other = bm.estimate(config, replace(s, kv_layout="split"), b.gpu_memory)
-    if s.kv_layout == "auto" and other.split:
-        out.print(f"KV shared: the {count} sliding-window layers keep every token beside the others. "
-                  f"With --kv-layout split: {other.kv_tokens:,} tokens instead of {b.kv_tokens:,}; "
-                  "fewer --max-num-seqs splits by itself.")
+        shared = bm.estimate(config, replace(s, kv_layout="shared"), b.gpu_memory)
+        out.print(f"KV split: the {count} sliding-window layers keep only their last {window} tokens; the pages "
+                  f"they give back hold the other {config.num_layers - count} layers' context: one sequence up to "
+                  f"{b.kv_tokens:,} tokens (--kv-layout shared: {shared.kv_tokens:,}).")
+    elif s.kv_layout == "auto":
+        out.print(f"KV shared: the context ({s.max_model_len}) is no longer than the {count} sliding-window layers' "
+                  f"window ({window}), so every layer keeps every token.")
 
 
 def _catalog(config, label: str, s: bm.Settings, json_out: bool) -> None:

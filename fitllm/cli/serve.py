@@ -53,10 +53,9 @@ def serve(
     kv_layout: str = typer.Option(
         "auto", "--kv-layout",
         help="Models with sliding-window layers (Gemma 3: five of six see the last 1,024 tokens): split gives those "
-             "layers a KV pool of their own that keeps only each sequence's window, so the full layers' pool holds "
-             "several times the context; shared keeps every token of every layer in one pool (a cached prefix "
-             "stays whole longer); auto splits where that holds at least 1.25x the tokens (fewer --max-num-seqs: "
-             "more). "
+             "layers KV blocks of their own that go back to the pool behind each sequence's window, so the full "
+             "layers' context gets the memory (several times the tokens); shared keeps every token of every layer "
+             "(a cached prefix stays whole longer); auto splits where the context is longer than the window. "
              "`quant memory --kv-layout` shows both."),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
     speculative: Optional[str] = typer.Option(None, "--speculative",
@@ -181,12 +180,15 @@ def _print_summary(engine, name: str, host: str, port: int, api_key: Optional[st
     cfg = engine.config
     blocks = stats.get("kv_blocks_total")
     tokens = f"{blocks * cfg.block_size:,} tokens" if blocks is not None else "? tokens"
+    if stats.get("kv_split"):
+        tokens = f"one sequence up to {stats['kv_split']['longest_sequence']:,} tokens"
     device = getattr(engine, "device", cfg.device)
     dtype = getattr(engine, "dtype", cfg.dtype)
     kv = getattr(engine, "kv_dtype", cfg.kv_dtype)
     console.print(f"model      {name}   weights {weights_label(engine.model_config)}\n"
                   f"device     {device}   dtype {dtype}   kv-dtype {kv}\n"
-                  f"kv cache   {blocks} blocks x {cfg.block_size} = {tokens}{_window_pool(engine, stats)}\n"
+                  f"kv cache   {blocks} {'pages' if stats.get('kv_split') else 'blocks'} x {cfg.block_size} = {tokens}"
+                  f"{_window_pool(engine, stats)}\n"
                   f"context    max_model_len {engine.max_model_len}   max_num_seqs {cfg.max_num_seqs}   "
                   f"step budget {cfg.max_num_batched_tokens} tokens", highlight=False)
     if host not in LOCAL_HOSTS and not api_key:
@@ -196,15 +198,17 @@ def _print_summary(engine, name: str, host: str, port: int, api_key: Optional[st
 
 
 def _window_pool(engine, stats: dict) -> str:
-    """The summary's note on a split cache's sliding-window pool ("" for one pool)."""
-    blocks = stats.get("kv_window_blocks_total")
-    if blocks is None:
+    """The summary's note on a split cache ("" without one)."""
+    split = stats.get("kv_split")
+    if split is None:
         return ""
     from fitllm.budget import sliding_layers
 
     count, window = sliding_layers(engine.model_config)
-    return (f" for the full-attention layers; the {count} sliding-window layers (window {window}) "
-            f"{blocks} blocks of their own (--kv-layout split)")
+    full, sliding = split["page_widths"]
+    return (f" (pages of {split['page_layers']} layers: a block of the full-attention layers takes {full}, one "
+            f"of the {count} sliding-window layers {sliding}, given back behind the window of {window}; "
+            f"--kv-layout split)")
 
 
 def _run(app, host: str, port: int, log_level: str, request_timeout: float) -> None:

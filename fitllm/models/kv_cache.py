@@ -14,7 +14,7 @@ bytes for int4), plus fp16 scales `[..., num_kv_heads, groups]` beside them for 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -43,9 +43,11 @@ class AttentionMetadata:
     # the position each token's LongRoPE factors go by (decoder.rope_long_context); without it,
     # its sequence's last position in the step (last_positions)
     rope_last_positions: Optional[torch.Tensor] = None
-    # A SplitKVCache's sliding layers: the same step over their own pool (its slot_mapping and
-    # block_tables; the other fields shared)
+    # A SplitKVCache's sliding layers: the same step in their own block tables (their slot_mapping
+    # and block_tables; the other fields shared)
     window: Optional["AttentionMetadata"] = None
+    # SplitKVCache.translate's: each group of layers' metadata, [kind][page of the block]
+    groups: Optional[list[list["AttentionMetadata"]]] = None
 
     @property
     def num_seqs(self) -> int:
@@ -129,10 +131,6 @@ class KVCalibration:
     k_rot_max: Optional[torch.Tensor] = None
     v_rot_min: Optional[torch.Tensor] = None
     v_rot_max: Optional[torch.Tensor] = None
-
-    def layers(self, indices: list[int]) -> "KVCalibration":
-        """The statistics of these layers only (a SplitKVCache's pools each take theirs)."""
-        return KVCalibration(**{k: None if t is None else t[indices] for k, t in vars(self).items()})
 
     @property
     def has_rotated(self) -> bool:
@@ -263,7 +261,7 @@ class PagedKVCache:
                  sliding_window: Optional[int] | list[Optional[int]] = None, kv_dtype: str = "auto",
                  calibration: Optional[KVCalibration] = None, fp8_scales: str = "tensor",
                  int4_group: int = 32, int4_key_group: int = 16, smooth: bool = True,
-                 rotate: Optional[bool] = None):
+                 rotate: Optional[bool] = None, planes: Optional[list[int]] = None):
         from fitllm.kernels import paged_attention as pa
 
         check_kv_dtype(kv_dtype)
@@ -271,6 +269,10 @@ class PagedKVCache:
             raise ValueError(f"kv_dtype={kv_dtype} needs calibrated K/V statistics (never a silent scale of 1.0): "
                              "pass calibration=calibrate_kv_scales(model, token_batches) or KVCalibration.from_scales(...)")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        # Layer i's K/V live in storage plane planes[i] (default: its own); SplitKVCache lets layers
+        # that never use the same block at once share a plane.
+        self.planes = list(range(num_layers)) if planes is None else list(planes)
+        num_planes = max(self.planes) + 1
         self.num_kv_heads, self.head_dim, self.sliding_window = num_kv_heads, head_dim, sliding_window
         self.kv_dtype = kv_dtype
         self.compute_dtype = dtype
@@ -290,11 +292,11 @@ class PagedKVCache:
         # Zero-filled: for fp8 that starts the kernels' invariant that every stored byte is finite.
         k_shape, v_shape = (pa.cache_shape(num_blocks, block_size, num_kv_heads, head_dim, self.kind, values)
                             for values in (False, True))
-        self.k = torch.zeros((num_layers, *k_shape), dtype=storage, device=device)
-        self.v = torch.zeros((num_layers, *v_shape), dtype=storage, device=device)
+        self.k = torch.zeros((num_planes, *k_shape), dtype=storage, device=device)
+        self.v = torch.zeros((num_planes, *v_shape), dtype=storage, device=device)
         self.k_scales = self.v_scales = self.k_zeros = self.v_zeros = None
         if self.kind in (pa.KIND_INT8, pa.KIND_INT4):
-            k_meta, v_meta = ((num_layers, *pa.scales_shape(num_blocks, block_size, num_kv_heads, head_dim, g))
+            k_meta, v_meta = ((num_planes, *pa.scales_shape(num_blocks, block_size, num_kv_heads, head_dim, g))
                               for g in self.group)
             self.k_scales = torch.zeros(k_meta, dtype=torch.float16, device=device)
             self.v_scales = torch.zeros(v_meta, dtype=torch.float16, device=device)
@@ -359,14 +361,20 @@ class PagedKVCache:
 
     @property
     def block_tensors(self) -> list[torch.Tensor]:
-        """Every tensor with per-slot storage, each [num_layers, num_blocks, ...]: codes, scales, zeros."""
+        """Every tensor with per-slot storage, each [planes, num_blocks, ...]: codes, scales, zeros."""
         return [t for t in (self.k, self.v, self.k_scales, self.v_scales, self.k_zeros, self.v_zeros)
                 if t is not None]
 
     @property
     def bytes_per_token(self) -> int:
         per_block = sum(t[0, 0].numel() * t.element_size() for t in self.block_tensors)
-        return self.num_layers * per_block // self.block_size
+        return self.k.shape[0] * per_block // self.block_size  # every plane's
+
+    def storage(self, layer: int) -> tuple:
+        """Layer's (K, V, K scales, V scales, K zeros, V zeros): its plane of each (None where the cache has none)."""
+        p = self.planes[layer]
+        return self.k[p], self.v[p], *(None if t is None else t[p]
+                                       for t in (self.k_scales, self.v_scales, self.k_zeros, self.v_zeros))
 
     # ---- model space <-> cache space --------------------------------------------------------------
     def _hot_rotation(self, inverse: bool = False) -> Optional[torch.Tensor]:
@@ -454,7 +462,7 @@ class PagedKVCache:
             if self.fuses_rope and 2 * rope[0].shape[-1] == q.shape[-1]:  # (partial RoPE: apart)
                 from fitllm.kernels import paged_attention as pa
 
-                q = pa.rope_cache_write(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
+                q = pa.rope_cache_write(q, k, v, *rope, *self.storage(layer)[:2], meta.slot_mapping)
                 return self.attention(layer, q, meta, scale, out_cols)
             if isinstance(q, PendingSum):  # (the decoder defers only where fuses_rope: a fallback)
                 q, k, v = q.materialize(), k.materialize(), v.materialize()
@@ -477,9 +485,7 @@ class PagedKVCache:
 
         fn = pa.cache_write if self._use_triton() else pa.cache_write_ref
         k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-        fn(k, v, self.k[layer], self.v[layer], self._m(self.k_scales, layer),
-           self._m(self.v_scales, layer), self._m(self.k_zeros, layer), self._m(self.v_zeros, layer),
-           slot_mapping, self.kind, self.group)
+        fn(k, v, *self.storage(layer), slot_mapping, self.kind, self.group)
 
     def attention(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, scale: float,
                   out_cols: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -500,8 +506,7 @@ class PagedKVCache:
         from fitllm.kernels import paged_attention as pa
 
         out_dtype = model_dtype if not self.transformed else torch.float32
-        args = (qc, self.k[layer], self.v[layer], self._m(self.k_scales, layer), self._m(self.v_scales, layer),
-                self._m(self.k_zeros, layer), self._m(self.v_zeros, layer), meta.block_tables)
+        args = (qc, *self.storage(layer), meta.block_tables)
         if self._use_triton():
             # Device tensors only (graph-capturable); the host maxima pick tile sizes and splits.
             out = pa.paged_attention(*args, meta.query_start, meta.seq_lens, scale, self.kind, self.group,
@@ -525,19 +530,14 @@ class PagedKVCache:
         return pa.decode_batch_classes(self.kind, self.k.element_size(), self.num_kv_heads, max_seq_len, max_batch,
                                        num_sms(device_index(self.k)), self.head_dim)
 
-    @staticmethod
-    def _m(t: Optional[torch.Tensor], layer: int) -> Optional[torch.Tensor]:
-        return None if t is None else t[layer]
-
     def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's first `length` keys and values in model space (dequantized, smoothing
         undone): [length, kv_heads, head_dim] float32 (the cache's dtype when unquantized)."""
         from fitllm.kernels import paged_attention as pa
 
-        k = pa.gather_ref(self.k[layer], self._m(self.k_scales, layer), self._m(self.k_zeros, layer), table,
-                          length, self.kind, self.group[0])
-        v = pa.gather_ref(self.v[layer], self._m(self.v_scales, layer), self._m(self.v_zeros, layer), table,
-                          length, self.kind, self.group[1], values=True)
+        kc, vc, ks, vs, kz, vz = self.storage(layer)
+        k = pa.gather_ref(kc, ks, kz, table, length, self.kind, self.group[0])
+        v = pa.gather_ref(vc, vs, vz, table, length, self.kind, self.group[1], values=True)
         if self.transformed:  # the inverse maps, in float32 (the torch reference: not the step's path)
             r_t = None if self.rotation is None else self.rotation.mT
             k = head_affine_ref(k, r_t, None, self.k_mul_inv[layer], None, self.k_shift[layer], torch.float32)
@@ -570,52 +570,66 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 class SplitKVCache:
-    """Two paged caches behind one: the full-attention layers' and the sliding-window layers', each
-    on its own pool of blocks (serve.block_manager.SplitBlockManager hands out both). The sliding
-    pool needs only the window of each running sequence, so on a model like Gemma 3 (five layers
-    of six slide over 1,024 tokens) most of the memory goes to the few full layers' long contexts.
-    A layer's attention runs in its pool's cache with its pool's metadata (meta.window for the
-    sliding layers); everything else is the same PagedKVCache."""
+    """The KV cache of a model with both full-attention and sliding-window layers (Gemma 3: five
+    layers of six slide over 1,024 tokens), on one pool of pages that serve.block_manager's
+    SplitBlockManager hands out. A page holds block_size tokens of `page_layers` layers, one storage
+    plane each; a block of the full layers is widths[0] pages and one of the sliding layers
+    widths[1] (the t-th full or sliding layer lives in page t // page_layers of its block, plane
+    t % page_layers). The sliding blocks behind each sequence's window go back to the pool, so
+    the full layers' long contexts take most of the memory while short sequences hold what one
+    pool would.
+    Each kind has its own block tables (`meta` for the full layers, `meta.window` for the sliding
+    ones) naming a block by its first page; `pages[kind]` [width - 1, pages] is each block's other
+    pages (set_pages, from the block manager before each step), and `translate(meta)` gives each
+    group of layers (kind, page t) its tables and slots on the device (inside the step's CUDA
+    graph). Everything else is one PagedKVCache, `arena`."""
 
-    def __init__(self, num_layers: int, num_blocks: int, num_window_blocks: int, block_size: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 sliding_window: list[Optional[int]], calibration: Optional[KVCalibration] = None, **cache_kwargs):
+    def __init__(self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, sliding_window: list[Optional[int]],
+                 page_layers: int, calibration: Optional[KVCalibration] = None, **cache_kwargs):
         windows = [layer_window(sliding_window, i) for i in range(num_layers)]
-        full_layers = [i for i, w in enumerate(windows) if w is None]
-        window_layers = [i for i, w in enumerate(windows) if w is not None]
-        if not full_layers or not window_layers:
+        kinds = ([i for i, w in enumerate(windows) if w is None], [i for i, w in enumerate(windows) if w is not None])
+        if not all(kinds):
             raise ValueError("a split KV cache needs both full-attention and sliding-window layers")
+        self.widths = tuple(-(-len(layers) // page_layers) for layers in kinds)
+        planes, self.group_of = [0] * num_layers, [(0, 0)] * num_layers
+        for kind, layers in enumerate(kinds):
+            for j, layer in enumerate(layers):
+                planes[layer], self.group_of[layer] = j % page_layers, (kind, j // page_layers)
+        self.arena = PagedKVCache(num_layers, num_pages, block_size, num_kv_heads, head_dim, dtype, device,
+                                  sliding_window=sliding_window, calibration=calibration, planes=planes,
+                                  **cache_kwargs)
+        first = torch.arange(num_pages, dtype=torch.int32, device=device)
+        self.pages = [first.repeat(w - 1, 1) for w in self.widths]  # (until set: any page; never read)
+        for name in ("kind", "kv_dtype", "dtype", "transformed", "supports_cuda_graphs", "fuses_rope", "block_size",
+                     "num_kv_heads", "head_dim", "num_blocks", "device", "k", "v", "bytes_per_token"):
+            setattr(self, name, getattr(self.arena, name))
+        self._attend = self.routed(self.arena.attend)
 
-        def pool(layers: list[int], blocks: int) -> PagedKVCache:
-            return PagedKVCache(len(layers), blocks, block_size, num_kv_heads, head_dim, dtype, device,
-                                sliding_window=[windows[i] for i in layers],
-                                calibration=None if calibration is None else calibration.layers(layers), **cache_kwargs)
+    def set_pages(self, kind: int, first: torch.Tensor, rest: torch.Tensor) -> None:
+        """Blocks of `kind` (0: full, 1: sliding) given new pages: their first pages [n] (int64) and
+        their other pages [width - 1, n] (int32), on the device."""
+        self.pages[kind][:, first] = rest
 
-        self.full, self.window = pool(full_layers, num_blocks), pool(window_layers, num_window_blocks)
-        self.route = [(self.window, window_layers.index(i)) if w is not None else (self.full, full_layers.index(i))
-                      for i, w in enumerate(windows)]
-        self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
-        for name in ("kind", "kv_dtype", "dtype", "transformed", "supports_cuda_graphs", "fuses_rope"):
-            setattr(self, name, getattr(self.full, name))
-        self._attend = self.routed(self.full.attend, self.window.attend)
+    def translate(self, meta: AttentionMetadata) -> None:
+        """meta.groups[kind][t]: the step's metadata for the layers in page t of each block of `kind`."""
+        bs = self.block_size
+        meta.groups = []
+        for kind, base in enumerate((meta, meta.window)):
+            group = [base]
+            if len(self.pages[kind]):  # every other page of the kind's blocks at once: 4 launches, not 4 a page
+                pages, slots = self.pages[kind], base.slot_mapping
+                tables = pages[:, base.block_tables.long()]
+                slots = pages[:, slots // bs].long() * bs + slots % bs
+                group += [replace(base, block_tables=t, slot_mapping=s, window=None) for t, s in zip(tables, slots)]
+            meta.groups.append(group)
 
-    @property
-    def k(self) -> torch.Tensor:  # (its dtype, element size and device stand for both pools')
-        return self.full.k
-
-    @property
-    def pool_bytes_per_token(self) -> tuple[int, int]:
-        """(full pool, sliding pool) bytes per token."""
-        return self.full.bytes_per_token, self.window.bytes_per_token
-
-    def routed(self, attend_full: Callable, attend_window: Callable) -> Callable:
-        """An `attend(layer, q, k, v, meta, ...)` that sends each layer to its pool's function (with
-        the pool's layer index and metadata): the caches' own `attend`, or stand-ins for them."""
+    def routed(self, attend_layer: Callable) -> Callable:
+        """An `attend(layer, q, k, v, meta, ...)` that calls `attend_layer` (the arena's own attend, or a
+        stand-in) with the metadata of the layer's group (`translate`)."""
         def attend(layer: int, q, k, v, meta: AttentionMetadata, *args, **kwargs):
-            cache, i = self.route[layer]
-            if cache is self.window:
-                return attend_window(i, q, k, v, meta.window, *args, **kwargs)
-            return attend_full(i, q, k, v, meta, *args, **kwargs)
+            kind, t = self.group_of[layer]
+            return attend_layer(layer, q, k, v, meta.groups[kind][t], *args, **kwargs)
         return attend
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -624,8 +638,7 @@ class SplitKVCache:
         return self._attend(layer, q, k, v, meta, scale, rope, out_cols)
 
     def decode_batch_classes(self, max_batch: int, max_seq_len: int) -> list[int]:
-        return sorted(set(self.full.decode_batch_classes(max_batch, max_seq_len))
-                      | set(self.window.decode_batch_classes(max_batch, max_seq_len)))
+        return self.arena.decode_batch_classes(max_batch, max_seq_len)
 
 
 class ForwardContext:

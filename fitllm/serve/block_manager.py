@@ -9,8 +9,9 @@ per 16 tokens. A sequence may give its chain a root (`salt`): blocks are then sh
 sequences with the same one (LongRoPE: a long prompt's keys are rotated otherwise than a short
 one's, the same tokens or not).
 
-A block is in exactly one place: `_free` (ref 0, no content worth keeping), `_evictable`
-(ref 0, cached content, LRU order) or referenced by at least one sequence (ref > 0).
+A block is in exactly one place: its pages back in the pool's free list (ref 0, no content worth
+keeping), `_evictable` (ref 0, cached content, LRU order) or referenced by at least one sequence
+(ref > 0).
 
 Copy-on-write: sequences can share a partially filled last block (`fork`). The first one to
 write into it gets a private copy; the copy (src, dst) is queued in `pending_copies` and the
@@ -26,11 +27,13 @@ in the table (it still only grows; no attention kernel uses a position outside t
 stale id names a block of finite values). Dropped blocks keep their place in the prefix cache
 until evicted, and a prefix hit there needs only the blocks of the window before the first token
 to compute: `match_prefix` returns None for the leading blocks it does not need. `SplitBlockManager`
-pairs a pool for the full-attention layers with one for the sliding layers (Gemma 3: five layers
-of six slide over 1,024 tokens): a prefix is a hit where both pools hold what they need of it.
+gives the full-attention layers and the sliding layers (Gemma 3: five layers of six slide over
+1,024 tokens) tables of their own, their blocks made of pages from one shared PagePool: a prefix
+is a hit where both kinds hold what they need of it.
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
@@ -60,17 +63,54 @@ def chain_hash(parent: Optional[int], tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+class PagePool:
+    """The memory a KV cache's blocks are made of: `num_pages` pages. A BlockManager has a pool of its
+    own (its blocks are its pages), or shares one with the others of a SplitBlockManager, whose
+    blocks are `width` pages each (SplitKVCache: a page holds its block_size tokens for a few
+    layers). A page is free, or part of one block of one member (referenced, or evictable: ref 0
+    with content the prefix cache keeps). When too few are free, the members' least recently
+    released evictable blocks give theirs back, oldest first across all members."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.free: deque[int] = deque(range(num_pages))
+        self.members: list["BlockManager"] = []
+        self.clock = itertools.count()  # orders evictable blocks across members
+
+    @property
+    def available(self) -> int:
+        """Pages an allocation can have: free, or held by an evictable block."""
+        return len(self.free) + sum(m.width * len(m._evictable) for m in self.members)
+
+    def take(self, n: int) -> list[int]:
+        while len(self.free) < n:
+            holders = [m for m in self.members if m._evictable]
+            if not holders:  # (callers check can_allocate first)
+                raise RuntimeError(f"KV page pool: {n} pages asked, {len(self.free)} free and none evictable")
+            min(holders, key=lambda m: next(iter(m._evictable.values())))._evict_oldest()
+        return [self.free.popleft() for _ in range(n)]
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, window: Optional[int] = None):
-        if num_blocks < 1 or block_size < 1:
+    def __init__(self, num_blocks: int, block_size: int, window: Optional[int] = None,
+                 pool: Optional[PagePool] = None, width: int = 1):
+        """`pool`/`width`: blocks of `width` pages from a shared PagePool (then num_blocks is ignored: a
+        block is named by its first page; the others are `pages(block)`)."""
+        if (num_blocks < 1 and pool is None) or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
         if window is not None and window < 1:
             raise ValueError(f"a sliding window of {window} tokens: must be at least 1")
-        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.pool = PagePool(num_blocks) if pool is None else pool
+        self.pool.members.append(self)
+        self.width = width
+        self.num_blocks = self.pool.num_pages // width  # as many as fit if this member had every page
+        self.block_size, self.window = block_size, window
+        self.blocks = [Block(i) for i in range(self.pool.num_pages)]
+        self._extra: dict[int, tuple[int, ...]] = {}  # a block's pages after its first (width > 1)
+        self.new_pages: list[int] = []  # blocks given pages since take_new_pages (width > 1)
+        self._evictable: OrderedDict[int, int] = OrderedDict()  # -> pool.clock at release; oldest first
         self._cached: dict[int, int] = {}  # chain hash -> block id
+        self._num_held = 0  # blocks with ref > 0
         self.seqs: dict[Hashable, SeqBlocks] = {}
         self.pending_copies: list[tuple[int, int]] = []
         self.query_tokens = 0  # prefix-cache statistics, in tokens
@@ -79,12 +119,21 @@ class BlockManager:
     # ---- the scheduler's interface ------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can take right now (free or evictable)."""
-        return len(self._free) + len(self._evictable)
+        """Blocks an allocation can take right now (free or evictable pages)."""
+        return self.pool.available // self.width
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self._num_held
+
+    def pages(self, block_id: int) -> tuple[int, ...]:
+        """The pages a block is made of (its first is its id)."""
+        return (block_id, *self._extra.get(block_id, ()))
+
+    def take_new_pages(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(block, its pages) for the blocks given pages since the last call, each once."""
+        new, self.new_pages = self.new_pages, []
+        return [(b, self.pages(b)) for b in dict.fromkeys(new)]
 
     def table(self, seq_id: Hashable) -> list[int]:
         return self.seqs[seq_id].table
@@ -122,11 +171,15 @@ class BlockManager:
         self.hit_tokens += num_hit_tokens
 
     def can_allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = ()) -> bool:
+        return self.pages_short(seq_id, num_computed, num_new, prefix) <= self.pool.available
+
+    def pages_short(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = ()) -> int:
+        """How many of the pool's available pages `allocate` would use up (net of what it gives back)."""
         needed = self._blocks_needed(seq_id, num_computed, num_new, prefix)
         seq = self.seqs.get(seq_id)
         # Blocks this call drops behind the window come free first, unless another sequence (a fork) holds them too.
         freed = sum(1 for i in self._droppable(seq, num_computed) if self.blocks[seq.table[i]].ref == 1)
-        return needed <= self.num_free_blocks + freed - self._evictable_in(prefix)
+        return (needed - freed + self._evictable_in(prefix)) * self.width
 
     def allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = (),
                  salt: Optional[int] = None) -> bool:
@@ -139,6 +192,13 @@ class BlockManager:
             return True  # the common decode step: nothing to take, copy or forget
         if not self.can_allocate(seq_id, num_computed, num_new, prefix):
             return False
+        self._claim(seq_id, num_computed, prefix, salt)
+        self._grow(seq_id, num_computed, num_new)
+        return True
+
+    def _claim(self, seq_id: Hashable, num_computed: int, prefix: Sequence[int], salt: Optional[int]) -> None:
+        """allocate's first half: take the prefix's blocks and drop what falls behind the window (so no
+        page taken in the second half can come from evicting them)."""
         seq = self._seq(seq_id, salt)
         if prefix:
             assert not seq.table and num_computed == len(prefix) * self.block_size
@@ -148,12 +208,15 @@ class BlockManager:
             seq.num_dropped = sum(1 for b in prefix if b is None)
             seq.num_registered = len(prefix)
         self._drop_behind_window(seq, num_computed)
+
+    def _grow(self, seq_id: Hashable, num_computed: int, num_new: int) -> None:
+        """allocate's second half: a private copy of a shared block written to, and new blocks."""
+        seq = self.seqs[seq_id]
         if self._needs_copy(seq, num_computed, num_new):
             self._copy_on_write(seq, num_computed // self.block_size)
         self._forget_overwritten(seq, num_computed, num_new)
         while len(seq.table) * self.block_size < num_computed + num_new:
             seq.table.append(self._take(self._pop_free()))
-        return True
 
     def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
         """Offer the sequence's blocks that are now full of computed tokens to the prefix cache.
@@ -163,7 +226,9 @@ class BlockManager:
         if num_full <= seq.num_registered:
             return  # no block filled up since the last call (most decode steps)
         self._extend_hashes(seq, token_ids, num_full)
-        for i in range(seq.num_registered, num_full):
+        # (Not the blocks already dropped behind the window, which an allocation made before this call
+        # can have given back: the engine's look-ahead allocates step N + 1 before it caches step N.)
+        for i in range(max(seq.num_registered, seq.num_dropped), num_full):
             block = self.blocks[seq.table[i]]
             if block.hash is None and seq.hashes[i] not in self._cached:
                 # (Same content already cached under another block: keep ours private; it
@@ -294,17 +359,27 @@ class BlockManager:
         return block.parent == parent and block.tokens == tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def _pop_free(self) -> int:
-        """A block to overwrite: a never-cached one if any, else the least recently used cached one."""
-        if self._free:
-            return self._free.popleft()
+        """A block to overwrite: never-cached pages if any, else the least recently used cached block's."""
+        pages = self.pool.take(self.width)
+        if self.width > 1:
+            self._extra[pages[0]] = tuple(pages[1:])
+            self.new_pages.append(pages[0])
+        return pages[0]
+
+    def _evict_oldest(self) -> None:
         block_id, _ = self._evictable.popitem(last=False)
         self._forget(self.blocks[block_id])
-        return block_id
+        self._give_back(block_id)
+
+    def _give_back(self, block_id: int) -> None:
+        self.pool.free.extend(self.pages(block_id))
+        self._extra.pop(block_id, None)
 
     def _take(self, block_id: int) -> int:
         block = self.blocks[block_id]
         if block.ref == 0:
             self._evictable.pop(block_id, None)
+            self._num_held += 1
         block.ref += 1
         return block_id
 
@@ -313,10 +388,11 @@ class BlockManager:
         assert block.ref > 0, f"block {block_id} freed twice"
         block.ref -= 1
         if block.ref == 0:
+            self._num_held -= 1
             if block.hash is not None:
-                self._evictable[block_id] = None  # most recently used end
+                self._evictable[block_id] = next(self.pool.clock)  # most recently used end
             else:
-                self._free.append(block_id)
+                self._give_back(block_id)
 
     def _forget(self, block: Block) -> None:
         """Drop a block from the prefix cache (it is about to be overwritten)."""
@@ -326,26 +402,38 @@ class BlockManager:
 
 
 class SplitBlockManager:
-    """Two pools behind the scheduler's interface: `full` for the full-attention layers and
-    `window` (a BlockManager with a window) for the sliding ones, each with its own table per
-    sequence; a sequence is given room in both or in neither, and a cached prefix is used as far
-    as both pools hold what they need of it. No fork."""
+    """Two kinds of blocks over one PagePool, behind the scheduler's interface: `full` for the
+    full-attention layers and `window` (a BlockManager with a window) for the sliding ones, each
+    with its own table per sequence and blocks of `widths` pages (SplitKVCache: a page holds its
+    block_size tokens for a few layers). A sequence is given room in both or in neither. The pages a
+    sequence's sliding blocks give back behind its window serve either kind, so the memory goes
+    where the running sequences need it: short ones hold as much of both as one shared pool would,
+    long ones mostly the full layers'. A cached prefix is used as far as both hold what they need
+    of it. No fork."""
 
-    def __init__(self, num_blocks: int, num_window_blocks: int, block_size: int, window: int):
-        self.full = BlockManager(num_blocks, block_size)
-        self.window = BlockManager(num_window_blocks, block_size, window)
-        self.block_size, self.num_blocks = block_size, num_blocks
+    def __init__(self, num_pages: int, block_size: int, window: int, widths: tuple[int, int] = (1, 1)):
+        if num_pages < sum(widths):
+            raise ValueError(f"{num_pages} pages: fewer than one block of each kind ({widths[0]} + {widths[1]} pages)")
+        self.pool = PagePool(num_pages)
+        self.full = BlockManager(0, block_size, pool=self.pool, width=widths[0])
+        self.window = BlockManager(0, block_size, window, pool=self.pool, width=widths[1])
+        self.block_size, self.num_blocks, self.widths = block_size, num_pages, widths  # (num_blocks: pages)
         self._window_hits: dict[Hashable, list[Optional[int]]] = {}  # match_prefix's, for allocate
         self.query_tokens = self.hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        """The tighter pool's free blocks: a step that takes one block per sequence needs that many in both."""
-        return min(self.full.num_free_blocks, self.window.num_free_blocks)
+        """Sequences that could each take one more block of both kinds right now."""
+        return self.pool.available // sum(self.widths)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.full.num_used_blocks
+        """Pages held by sequences (the unit of num_blocks)."""
+        return self.full.num_used_blocks * self.widths[0] + self.window_pages_used
+
+    @property
+    def window_pages_used(self) -> int:
+        return self.window.num_used_blocks * self.widths[1]
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -359,8 +447,8 @@ class SplitBlockManager:
 
     def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int], max_tokens: int,
                      salt: Optional[int] = None) -> list[int]:
-        """The full pool's hits for the longest prefix both pools hold (the sliding pool: its
-        window's blocks); the sliding pool's wait for `allocate`."""
+        """The full blocks' hits for the longest prefix both kinds hold (the sliding ones: its
+        window's blocks); the sliding blocks' wait for `allocate`."""
         full = self.full.match_prefix(seq_id, token_ids, max_tokens, salt)
         window = self.window.match_prefix(seq_id, token_ids, len(full) * self.block_size, salt)
         self._window_hits[seq_id] = window
@@ -371,19 +459,25 @@ class SplitBlockManager:
         self.hit_tokens += num_hit_tokens
 
     def can_allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = ()) -> bool:
-        return (self.full.can_allocate(seq_id, num_computed, num_new, prefix)
-                and self.window.can_allocate(seq_id, num_computed, num_new, self._window_prefix(seq_id, prefix)))
+        short = (self.full.pages_short(seq_id, num_computed, num_new, prefix)
+                 + self.window.pages_short(seq_id, num_computed, num_new, self._window_prefix(seq_id, prefix)))
+        return short <= self.pool.available
 
     def allocate(self, seq_id: Hashable, num_computed: int, num_new: int, prefix: Sequence[int] = (),
                  salt: Optional[int] = None) -> bool:
-        if not prefix and all(pool.writes_in_place(seq_id, num_computed, num_new) for pool in (self.full, self.window)):
-            return True  # the common decode step, as BlockManager.allocate's (without checking both pools first)
+        if not prefix and all(m.writes_in_place(seq_id, num_computed, num_new) for m in (self.full, self.window)):
+            return True  # the common decode step, as BlockManager.allocate's (without checking both first)
         if not self.can_allocate(seq_id, num_computed, num_new, prefix):
             return False
         window_prefix = self._window_prefix(seq_id, prefix)
         self._window_hits.pop(seq_id, None)
-        return (self.full.allocate(seq_id, num_computed, num_new, prefix, salt)
-                and self.window.allocate(seq_id, num_computed, num_new, window_prefix, salt))
+        # Both prefixes are taken (and both windows' dropped blocks given back) before either kind takes
+        # new pages: those could otherwise come from evicting the other kind's prefix hits.
+        self.full._claim(seq_id, num_computed, prefix, salt)
+        self.window._claim(seq_id, num_computed, window_prefix, salt)
+        self.full._grow(seq_id, num_computed, num_new)
+        self.window._grow(seq_id, num_computed, num_new)
+        return True
 
     def _window_prefix(self, seq_id: Hashable, prefix: Sequence[int]) -> list[Optional[int]]:
         if not prefix:
@@ -405,6 +499,11 @@ class SplitBlockManager:
         self.full.truncate(seq_id, num_tokens)
         self.window.truncate(seq_id, num_tokens)
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The copy-on-write copies of each pool: (the full pool's, the sliding pool's)."""
-        return self.full.take_copies(), self.window.take_copies()
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies of both kinds, as (source, destination) page pairs."""
+        return [pair for m in (self.full, self.window) for src, dst in m.take_copies()
+                for pair in zip(m.pages(src), m.pages(dst))]
+
+    def take_new_pages(self) -> tuple[list, list]:
+        """(full, sliding) blocks given pages since the last call: BlockManager.take_new_pages."""
+        return self.full.take_new_pages(), self.window.take_new_pages()

@@ -43,8 +43,8 @@ from typing import Optional, Union
 
 import torch
 
-from fitllm.budget import (KV_LAYOUTS, default_block_size, has_sliding_and_full_layers, keeps_windows_only,
-                           sliding_layers, sliding_pool_cap, split_kv_blocks)
+from fitllm.budget import (KV_LAYOUTS, default_block_size, keeps_windows_only, page_geometry, sliding_layers,
+                           splits_kv, window_held)
 from fitllm.models.kv_cache import KVCalibration, check_kv_dtype
 from fitllm.models.tokenizer import vocabulary_bytes
 from fitllm.serve import json_mode
@@ -78,9 +78,9 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None  # None: sized from memory
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # Sliding-window layers (Gemma 3): "split" gives them a pool of their own that keeps only each
-    # sequence's window, "shared" keeps every token in one pool, "auto" splits where that holds
-    # budget.SPLIT_MIN_GAIN times the tokens
+    # Sliding-window layers (Gemma 3): "split" gives them blocks of their own, given back behind each
+    # sequence's window (SplitKVCache), "shared" keeps every token of every layer, "auto" splits where
+    # the context is longer than the window (budget.splits_kv)
     kv_layout: str = "auto"
     cuda_graphs: bool = True
     kv_calibration: Optional[KVCalibration] = None  # K/V statistics for fp8/int4 KV (else measured)
@@ -146,8 +146,8 @@ class LLMEngine:
         self.drafter = None if config.speculative is None else build_drafter(
             config.speculative, model, config.block_size, draft_model,
             lambda path: load_model_and_tokenizer(replace(config, model=path), self.device, self.dtype)[0])
-        self.max_model_len, num_blocks, num_window_blocks = self._size_kv_cache()
-        self.runner.allocate_cache(num_blocks, self.max_model_len, num_window_blocks)
+        self.max_model_len, num_blocks, self.page_layers = self._size_kv_cache()
+        self.runner.allocate_cache(num_blocks, self.max_model_len, self.page_layers)
         if self.drafter is not None and self.drafter.needs_cache:
             self.drafter.allocate(num_blocks, config.max_num_seqs, self.max_model_len,
                                   config.max_num_batched_tokens, config.cuda_graphs)
@@ -157,8 +157,8 @@ class LLMEngine:
             config.max_num_seqs, query_lens=tuple(range(1, spec_k + 2)),
             max_batched_tokens=config.max_num_batched_tokens)
         window = sliding_layers(self.model_config)[1]
-        if num_window_blocks is not None:
-            self.block_manager = SplitBlockManager(num_blocks, num_window_blocks, config.block_size, window)
+        if self.page_layers is not None:
+            self.block_manager = SplitBlockManager(num_blocks, config.block_size, window, self.runner.cache.widths)
         else:  # (every layer sliding: one pool that gives back what falls behind the window)
             self.block_manager = BlockManager(num_blocks, config.block_size, window if self._window_only() else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -221,29 +221,40 @@ class LLMEngine:
                       | {self.config.max_num_batched_tokens, fp8.TMA_EAGER_MIN_M - 1})
 
     def _size_kv_cache(self) -> tuple[int, int, Optional[int]]:
-        """(max_model_len, KV blocks, the sliding layers' own blocks or None: one pool)."""
+        """(max_model_len, KV blocks (a split cache: pages), the layers a page holds or None: no split)."""
         c = self.config
         model_len = self.model_config.max_position_embeddings
         if c.max_model_len is not None:
             if c.max_model_len > model_len:
                 log.warning("max_model_len %d exceeds the model's %d positions", c.max_model_len, model_len)
             model_len = c.max_model_len
-        split = self._split_kv_blocks(model_len)
-        if split is not None:
-            num_blocks, num_window_blocks = split
+        page_layers = self._split_page_layers(model_len)
+        if page_layers is not None:
+            num_blocks = c.num_kv_blocks or max(1, self.runner.kv_cache_bytes(
+                c.max_num_seqs, model_len, c.max_num_batched_tokens, c.gpu_memory_utilization, c.cuda_graphs)
+                // self.runner.page_bytes(page_layers))
+            longest = self._longest_in_pages(num_blocks)
         else:
-            num_window_blocks = None
             num_blocks = c.num_kv_blocks or self.runner.choose_num_blocks(
                 c.max_num_seqs, model_len, c.max_num_batched_tokens, c.gpu_memory_utilization, c.cuda_graphs)
-        if c.num_kv_blocks is None and self.device.type == "cuda" and getattr(self.drafter, "needs_cache", False):
-            # The drafter's cache holds the same tokens: split the KV memory between the two.
-            target, draft = self.runner.bytes_per_block(), self.drafter.bytes_per_block()
-            num_blocks = max(1, num_blocks * target // (target + draft))
+            if c.num_kv_blocks is None and self.device.type == "cuda" and getattr(self.drafter, "needs_cache", False):
+                # The drafter's cache holds the same tokens: split the KV memory between the two.
+                target, draft = self.runner.bytes_per_block(), self.drafter.bytes_per_block()
+                num_blocks = max(1, num_blocks * target // (target + draft))
+            longest = num_blocks * c.block_size
         # One sequence must always fit alone, or preemption could not guarantee progress.
-        if num_blocks * c.block_size < model_len:
-            log.warning("the KV cache holds %d tokens: max_model_len lowered from %d", num_blocks * c.block_size,
-                        model_len)
-        return min(model_len, num_blocks * c.block_size), num_blocks, num_window_blocks
+        if longest < model_len:
+            log.warning("the KV cache holds %d tokens: max_model_len lowered from %d", longest, model_len)
+        return min(model_len, longest), num_blocks, page_layers
+
+    def _longest_in_pages(self, num_pages: int) -> int:
+        """The most tokens one sequence can hold in a split cache of `num_pages` pages."""
+        bs = self.config.block_size
+        full, sliding = page_geometry(self.model_config)[1]
+        window = window_held(sliding_layers(self.model_config)[1], 1 << 62, bs)
+        if num_pages < window * (full + sliding):
+            return num_pages // (full + sliding) * bs
+        return (num_pages - window * sliding) // full * bs
 
     def _window_only(self) -> bool:
         """One pool that gives back what falls behind each window (budget.keeps_windows_only), where
@@ -251,49 +262,22 @@ class LLMEngine:
         return (keeps_windows_only(self.model_config, self.max_model_len, self.config.kv_layout)
                 and not getattr(self.drafter, "needs_cache", False))
 
-    def _hint_fewer_seqs(self, kv_bytes: int, full_bytes: int, window_bytes: int, model_len: int) -> None:
-        """Log how few --max-num-seqs would let auto split, and the tokens that would hold (bytes: a
-        block of each pool)."""
+    def _split_page_layers(self, model_len: int) -> Optional[int]:
+        """The layers a page of a split cache holds, where the model has both full-attention and
+        sliding-window layers and c.kv_layout splits (budget.splits_kv); else None."""
         c = self.config
-        shared = kv_bytes // (full_bytes + window_bytes)
-        seqs = c.max_num_seqs // 2
-        while seqs >= 1:
-            cap = sliding_pool_cap(self.model_config, c.block_size, seqs, c.max_num_batched_tokens, model_len)
-            split = split_kv_blocks(kv_bytes, full_bytes, window_bytes, cap)
-            if split is not None:
-                log.info("one KV pool for all layers: %d tokens; with --max-num-seqs %d the sliding-window layers "
-                         "would keep only their window and the full layers %d tokens", shared * c.block_size, seqs,
-                         split[0] * c.block_size)
-                return
-            seqs //= 2
-
-    def _split_kv_blocks(self, model_len: int) -> Optional[tuple[int, int]]:
-        """(full layers' blocks, sliding layers' blocks) when the model has both kinds of layers and
-        c.kv_layout asks for (or, "auto", gains by) a pool of their own; else None."""
-        c = self.config
-        if not has_sliding_and_full_layers(self.model_config) or c.kv_layout == "shared":
+        if not splits_kv(self.model_config, model_len, c.kv_layout):
             return None
         if self.drafter is not None and self.drafter.needs_cache:
             if c.kv_layout == "split":
                 raise ValueError("--kv-layout split: not with a draft model (its cache shares the target's blocks)")
             return None
-        cap = sliding_pool_cap(self.model_config, c.block_size, c.max_num_seqs, c.max_num_batched_tokens, model_len)
-        if c.num_kv_blocks is not None:  # a block count asked for: the full pool's, and a split only if asked
-            split = (c.num_kv_blocks, min(cap, c.num_kv_blocks)) if c.kv_layout == "split" else None
-        else:
-            kv_bytes = self.runner.kv_cache_bytes(c.max_num_seqs, model_len, c.max_num_batched_tokens,
-                                                  c.gpu_memory_utilization, c.cuda_graphs)
-            block_bytes = self.runner.pool_bytes_per_block()
-            split = split_kv_blocks(kv_bytes, *block_bytes, cap, c.kv_layout)
-            if split is None:
-                self._hint_fewer_seqs(kv_bytes, *block_bytes, model_len)
-        if split is None:
-            return None
+        page_layers, (full, sliding) = page_geometry(self.model_config)
         num_sliding, window = sliding_layers(self.model_config)
-        log.info("KV cache split: %d blocks for the %d full-attention layers, %d for the %d sliding-window "
-                 "layers (window %d)", split[0], self.model_config.num_layers - num_sliding, split[1], num_sliding,
-                 window)
-        return split
+        log.info("KV cache split: pages of %d layers; a block of the %d full-attention layers takes %d, one of the "
+                 "%d sliding-window layers (window %d) %d, given back behind the window", page_layers,
+                 self.model_config.num_layers - num_sliding, full, num_sliding, window, sliding)
+        return page_layers
 
     # ---- requests --------------------------------------------------------------------------------
     def validate_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -389,7 +373,7 @@ class LLMEngine:
             return None
         seqs = [self._step_seq(req, n) for req, n in sched.num_tokens.items()]
         try:
-            self.runner.copy_blocks(self.block_manager.take_copies())
+            self.runner.sync_blocks(self.block_manager)
             logits = self.runner.execute(seqs)
         except Exception as exc:  # one broken step must not take the server down
             log.exception("the forward pass failed; failing the %d requests in the step", len(seqs))
@@ -418,7 +402,7 @@ class LLMEngine:
             seqs.append(StepSeq([0], req.num_computed, bm.table(req.request_id), 1,  # token: on the device
                                 window_table=self._window_table(req)))
         try:
-            self.runner.copy_blocks(bm.take_copies())
+            self.runner.sync_blocks(bm)
             logits = self.runner.execute(seqs, input_ids=pending.sampled.token_ids.clamp_min(0))
         except Exception:  # the next step runs the ordinary way (and reports a persistent failure)
             log.exception("queuing the next decode step ahead failed")
@@ -747,9 +731,11 @@ class LLMEngine:
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "kv_block_size": bm.block_size,
-            # a split cache's sliding-window pool (None: one pool for every layer)
-            "kv_window_blocks_total": bm.window.num_blocks if isinstance(bm, SplitBlockManager) else None,
-            "kv_window_blocks_used": bm.window.num_used_blocks if isinstance(bm, SplitBlockManager) else None,
+            # a split cache (None without): its blocks and pages, the pages its sliding-window layers hold
+            "kv_split": None if self.page_layers is None else {
+                "page_layers": self.page_layers, "page_widths": bm.widths,
+                "longest_sequence": self._longest_in_pages(bm.num_blocks)},
+            "kv_window_pages_used": bm.window_pages_used if isinstance(bm, SplitBlockManager) else None,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "preemptions": self.scheduler.num_preemptions,
             "generated_tokens": self.num_generated_tokens,

@@ -60,7 +60,7 @@ class StepSeq:
     block_table: list[int]
     num_logits: int = 1  # logits for the last `num_logits` new tokens (0: none)
     prompt_len: int = 0  # the request's prompt length: LongRoPE chooses a prompt's factors by all of it
-    window_table: Optional[list[int]] = None  # a split cache's: the sequence's table in the sliding layers' pool
+    window_table: Optional[list[int]] = None  # a split cache's: the sequence's table of sliding-layer blocks
 
 
 class ModelRunner:
@@ -84,12 +84,10 @@ class ModelRunner:
         del probe
         return per_token * self.block_size
 
-    def pool_bytes_per_block(self) -> tuple[int, int]:
-        """(full-attention layers, sliding-window layers) bytes per block, as a split cache has them."""
-        probe = self._new_cache(1, 1)
-        full, window = probe.pool_bytes_per_token
-        del probe
-        return full * self.block_size, window * self.block_size
+    def page_bytes(self, page_layers: int) -> int:
+        """Bytes of one page of a split cache (block_size tokens of `page_layers` layers; every layer
+        stores the same bytes a token)."""
+        return self.bytes_per_block() * page_layers // self.model.config.num_layers
 
     def kv_cache_bytes(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                        gpu_memory_utilization: float, cuda_graphs: bool) -> int:
@@ -152,26 +150,25 @@ class ModelRunner:
         del hidden
         return int(1.25 * (torch.cuda.max_memory_allocated(self.device) - before))  # 25%: allocator slack
 
-    def allocate_cache(self, num_blocks: int, max_model_len: int, num_window_blocks: Optional[int] = None) -> None:
+    def allocate_cache(self, num_blocks: int, max_model_len: int, page_layers: Optional[int] = None) -> None:
         """`num_blocks` usable blocks plus one scratch block (the last) for padded graph rows;
-        with `num_window_blocks`, a split cache whose sliding-window layers have a pool of their own
-        of that many blocks (plus its own scratch block, also the last).
+        with `page_layers`, a split cache of that many pages of `page_layers` layers (SplitKVCache;
+        both kinds of blocks pad on the scratch page).
         Every step then tells attention that its sequences may be `max_model_len` long: the decode
         kernel's tiles and splits (each sequence still cuts its own span) depend on the batch size
         alone, in eager steps as in the graphs, so a warm-up can compile all of them
         (`warm_up_decode`)."""
-        split = num_window_blocks is not None
-        self.cache = self._new_cache(num_blocks + 1, num_window_blocks + 1 if split else None)
+        self.cache = self._new_cache(num_blocks + 1, page_layers)
         self.scratch_block = num_blocks
-        self.window_scratch_block = num_window_blocks if split else None
+        self.window_scratch_block = num_blocks if page_layers is not None else None
         self.max_model_len = max_model_len
 
-    def _new_cache(self, num_blocks: int, num_window_blocks: Optional[int] = None) -> PagedKVCache | SplitKVCache:
+    def _new_cache(self, num_blocks: int, page_layers: Optional[int] = None) -> PagedKVCache | SplitKVCache:
         c = self.model.config
         args = (c.num_kv_heads, c.head_dim, self.model.dtype, self.device)
         options = dict(sliding_window=c.attention_windows, kv_dtype=self.kv_dtype, calibration=self.kv_calibration)
-        if num_window_blocks is not None:
-            return SplitKVCache(c.num_layers, num_blocks, num_window_blocks, self.block_size, *args, **options)
+        if page_layers is not None:
+            return SplitKVCache(c.num_layers, num_blocks, self.block_size, *args, page_layers=page_layers, **options)
         return PagedKVCache(c.num_layers, num_blocks, self.block_size, *args, **options)
 
     def capture_graphs(self, max_num_seqs: int, emulate_on_cpu: bool = False,
@@ -240,10 +237,11 @@ class ModelRunner:
             seq_lens=to_device(seq_lens, torch.int32, dev), block_tables=to_device(tables, torch.int32, dev),
             query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(),
             max_query_len=int(n.max(initial=0)), max_seq_len=self.max_model_len, rope_last_positions=rope_last)
-        if isinstance(self.cache, SplitKVCache):  # the sliding layers' pool: its own tables and slots
+        if isinstance(self.cache, SplitKVCache):  # the sliding layers' blocks: their own tables and slots
             tables, slots = self._tables_and_slots([s.window_table for s in seqs], owner, pos)
             meta.window = replace(meta, slot_mapping=to_device(slots, torch.long, dev),
                                   block_tables=to_device(tables, torch.int32, dev))
+            self.cache.translate(meta)
         ids = input_ids if input_ids is not None else to_device(
             np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int64), torch.long, dev)
         hidden = self.model(ids, to_device(pos, torch.long, dev), ForwardContext(self.cache, meta))
@@ -282,14 +280,20 @@ class ModelRunner:
         return self.model.long_inv_freq is not None and any(s.start < s.prompt_len - 1 for s in seqs)
 
     @torch.inference_mode()
-    def copy_blocks(self, pairs) -> None:
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write copies queued by the block manager, before the step writes: (src, dst)
-        pairs, or for a split cache a pair of such lists (the full pool's, the sliding pool's)."""
+        block pairs (a split cache's: page pairs, every plane)."""
+        _copy_blocks(self.cache.arena if isinstance(self.cache, SplitKVCache) else self.cache, pairs)
+
+    def sync_blocks(self, block_manager) -> None:
+        """What the block manager changed that the step's kernels must see, before the step: a split
+        cache's new pages (SplitKVCache.set_pages), then the copies."""
         if isinstance(self.cache, SplitKVCache):
-            for cache, pool_pairs in zip((self.cache.full, self.cache.window), pairs):
-                _copy_blocks(cache, pool_pairs)
-        else:
-            _copy_blocks(self.cache, pairs)
+            for kind, blocks in enumerate(block_manager.take_new_pages()):
+                if blocks and self.cache.widths[kind] > 1:  # (non-blocking: the look-ahead step may be queued behind a running one)
+                    self.cache.set_pages(kind, to_device([b for b, _ in blocks], torch.long, self.device),
+                                         to_device([p[1:] for _, p in blocks], torch.int32, self.device).T)
+        self.copy_blocks(block_manager.take_copies())
 
 
 def _copy_blocks(cache: PagedKVCache, pairs: list[tuple[int, int]]) -> None:
@@ -308,10 +312,10 @@ def graph_safe_attention(cache: PagedKVCache | SplitKVCache) -> Optional[Callabl
     torch reference loops over host lengths: capturing it would freeze them). The Triton path says
     so with `supports_cuda_graphs` (then the cache's own `attend`, whose q/k/v maps share one
     launch); for an unquantized cache without it (CPU emulation in tests) a padded torch attention
-    stands in after the cache's write. A split cache routes each layer to its pool's."""
+    stands in after the cache's write. A split cache routes each layer to its group's metadata."""
     if isinstance(cache, SplitKVCache):
-        full, window = graph_safe_attention(cache.full), graph_safe_attention(cache.window)
-        return None if full is None or window is None else cache.routed(full, window)
+        attend = graph_safe_attention(cache.arena)
+        return None if attend is None else cache.routed(attend)
     if getattr(cache, "supports_cuda_graphs", False):
         return cache.attend
     if cache.k.dtype in (torch.float32, torch.float16, torch.bfloat16) and not getattr(cache, "transformed", False):
@@ -337,8 +341,9 @@ def padded_attention(cache: PagedKVCache, layer: int, q: torch.Tensor, meta: Att
     b = meta.block_tables.shape[0]
     nq = t // b
     tables = meta.block_tables.long()  # [B, W]
-    k = cache.k[layer][tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, W * block, D]
-    v = cache.v[layer][tables].flatten(1, 2).transpose(1, 2)
+    k_cache, v_cache = cache.storage(layer)[:2]
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, W * block, D]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
     hkv, g = k.shape[1], hq // k.shape[1]
     pos = torch.arange(k.shape[2], device=q.device)[None, None, :]
     q_pos = meta.seq_lens.long()[:, None, None] - nq + torch.arange(nq, device=q.device)[None, :, None]  # [B, Q, 1]
@@ -368,7 +373,7 @@ class StepGraphs:
     mirror per step: int64 [ids | positions | slots | logit rows] and int32 [seq_lens | block
     tables]. Each graph reads its own views at the front of the buffers (for q tokens x b
     sequences: ids = longs[:T], positions = longs[T:2T], ...), so a step copies only what its
-    graph reads. A split cache's sliding pool adds its slots after the slots and its tables after
+    graph reads. A split cache's sliding layers add their slots after the slots and their tables after
     the tables (`window_scratch_block`: that pool's scratch block)."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache | SplitKVCache, attend: Callable,
@@ -444,7 +449,7 @@ class StepGraphs:
                 pool_tables.fill_(block)
             seq_lens.fill_(q)
             pos.copy_(torch.arange(q, device=pos.device).repeat(b))
-            run = partial(self.model, ids, pos, GraphContext(self.cache, self._meta(q, b), attend))
+            run = partial(self._forward, ids, pos, self._meta(q, b), attend)
             if self.model.device.type != "cuda":
                 self.replays[q, b] = run  # CPU: the same buffers and padding, run eagerly (tests)
                 continue
@@ -457,6 +462,13 @@ class StepGraphs:
             self.replays[q, b] = partial(_replay, graph, out)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, attend: Callable) -> torch.Tensor:
+        """The captured step: a split cache's tables and slots for each group of layers first, on
+        the device, from the buffers' (SplitKVCache.translate), then the model."""
+        if isinstance(self.cache, SplitKVCache):
+            self.cache.translate(meta)
+        return self.model(ids, pos, GraphContext(self.cache, meta, attend))
 
     def _shape(self, seqs: list[StepSeq]) -> Optional[tuple[int, int]]:
         longest = max((len(s.token_ids) for s in seqs), default=1)
