@@ -603,6 +603,50 @@ def test_constrained_masks_equal_walking_every_token(grammar):
         assert_mask_is_exact(grammar, schema, config)
 
 
+class Scores(pydantic.BaseModel):
+    by_level: dict[Literal["low", "high", "a.b"], int]  # propertyNames: enum
+    by_code: dict[pydantic.constr(pattern=r"^[A-Z]{2}\d$"), bool]  # patternProperties
+    by_id: dict[pydantic.constr(min_length=2, max_length=3), int] = {}  # propertyNames: lengths
+
+
+def test_property_names_limit_the_keys_of_free_objects(grammar):
+    """propertyNames and patternProperties (pydantic's dict with Literal or constrained keys): each key
+    is walked through its pattern, lengths or listed names; the values follow additionalProperties or
+    the pattern's schema. Accepted documents, refused prefixes, random walks that pydantic and
+    jsonschema read, masks exact on keys."""
+    schema = Scores.model_json_schema()
+    kinds = [sorted(p.get("propertyNames", p.get("patternProperties", {}))) for p in schema["properties"].values()]
+    assert kinds == [["enum"], ["^[A-Z]{2}\\d$"], ["maxLength", "minLength"]]
+    compiled = jm.Schema(schema)
+    walk = lambda doc: compiled.walk(compiled.start, doc.encode())  # noqa: E731
+    doc = '{"by_level": {"low": 1, "a.b": 2}, "by_code": {"AB1": true, "ZZ9": false}, "by_id": {"x\\n": 3}}'
+    assert compiled.done(walk(doc))
+    for stray in ('{"by_level": {"lo": 1', '{"by_level": {"ab', '{"by_level": {"mid"', '{"by_code": {"Ab',
+                  '{"by_code": {"AB12', '{"by_code": {"AB1": 1', '{"by_level": {}, "by_code": {}, "by_id": {"x"',
+                  '{"by_level": {}, "by_code": {}, "by_id": {"abcd'):
+        assert walk(stray) is None, stray
+    rng = random.Random(3)
+    finished = 0
+    for _ in range(20):
+        text = random_text(compiled, rng, limit=600)
+        if compiled.done(compiled.walk(compiled.start, text)):
+            assert is_valid(text, schema), text
+            Scores.model_validate_json(text)
+            finished += 1
+    assert finished >= 5
+    data = doc.encode()
+    for config in {compiled.walk(compiled.start, data[:i]) for i in range(len(data) + 1)}:
+        assert_mask_is_exact(grammar, compiled, config)
+    # next to listed properties propertyNames must take each; const; a key schema of another type
+    assert jm.Schema({"type": "object", "properties": {"ab": {}}, "propertyNames": {"maxLength": 2}})
+    with pytest.raises(jm.SchemaError, match="propertyNames: the property 'abc' is not a name it allows"):
+        jm.Schema({"type": "object", "properties": {"abc": {}}, "propertyNames": {"maxLength": 2}})
+    one = jm.Schema({"type": "object", "propertyNames": {"const": "k"}, "additionalProperties": {"type": "null"}})
+    assert one.done(one.walk(one.start, b'{"k": null}')) and one.walk(one.start, b'{"j"') is None
+    with pytest.raises(jm.SchemaError, match="propertyNames: expected a schema of strings"):
+        jm.Schema({"type": "object", "propertyNames": {"type": "integer"}})
+
+
 class Reading(pydantic.BaseModel):
     sensor: str = pydantic.Field(pattern="^[a-z]+-[0-9]{2}$")
     taken: datetime.date

@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fitllm.serve.json_regex import ANY_TEXT, FORMATS, PatternError, Regex
+from fitllm.serve.json_regex import ANY_TEXT, FORMATS, SYNTAX, PatternError, Regex
 
 MAX_WHITESPACE = 64  # a newline and its indentation between two tokens of the JSON text
 MAX_DEPTH = 32
@@ -59,7 +59,7 @@ EXPONENT = frozenset({"e", "esign", "exp"})
 # Keywords that say nothing about which values are valid, and the containers of $ref targets.
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                          "readOnly", "writeOnly", "$defs", "definitions"})
-TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
+TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties", "propertyNames", "patternProperties"},
                  "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems"},
                  "string": {"pattern", "format", "minLength", "maxLength"},
                  "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
@@ -74,7 +74,8 @@ TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties"},
 # number, (part, integer only, node, text so far) in a number with bounds or a multipleOf; (bytes left, property index
 # or -1) in a literal. In "text", a string value with a pattern, format or length: (node, characters
 # so far, the pattern's state, the character under way: () none, ("\\",) after a backslash, ("u", hex
-# digits left, value so far), ("8", UTF-8 bytes left, bits so far, the next byte's range)). Stack
+# digits left, value so far), ("8", UTF-8 bytes left, bits so far, the next byte's range)), and for a key
+# of an object whose propertyNames limit its keys a 5th entry: the value's node after it. Stack
 # frames: ("o", node, next property) and ("a", node, items begun, capped where the count stops mattering),
 # with a 4th entry in an array of unique items: the frozenset of its items' literal indices so far.
 WHITESPACE_MODES = frozenset({"value", "key_or_close", "key", "value_or_close", "colon", "after"})
@@ -96,6 +97,7 @@ class Node:
     kind: str  # object, array, string, number, integer, literals, union
     props: tuple = ()  # objects: ((key's JSON text with its quotes, value node, required), ...) in schema order
     extra: Optional[int] = None  # objects without props: the values' node (any key may come)
+    key: Optional[int] = None  # objects without props: the keys' string node where propertyNames limits them
     items: Optional[int] = None  # arrays: the items' node (past the prefix; None: no more items)
     prefix: tuple = ()  # arrays: the nodes of the first items, in order (prefixItems)
     min_items: int = 0
@@ -282,13 +284,16 @@ class Schema:
             raise SchemaError(f"{where}.properties: expected an object")
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError(f"{where}.required: expected a list of property names")
+        key, values = self._property_names(s, props, where), f"{where}.additionalProperties"
+        if "patternProperties" in s:  # (pydantic's dict with constrained string keys)
+            key, extra = self._pattern_properties(s, props, extra, key, where)
+            values = f"{where}.patternProperties"
         if not props:
             if required:
                 raise SchemaError(f"{where}.required: required properties need their schemas under 'properties'")
             if extra is False:
                 return self._add(Node("object", props=()))  # only {}
-            return self._add(Node("object", extra=self._compile(True if extra is None else extra,
-                                                                f"{where}.additionalProperties")))
+            return self._add(Node("object", key=key, extra=self._compile(True if extra is None else extra, values)))
         if extra not in (None, False):
             raise SchemaError(f"{where}.additionalProperties: only false is supported next to 'properties' "
                               "(an object lists its properties or takes any keys, not both)")
@@ -346,6 +351,57 @@ class Schema:
         for text in (t for o in options for t in self.nodes[o].literals):
             distinct.setdefault(_identity(json.loads(text)), text)
         return self._add(Node("literals", literals=tuple(distinct.values())))
+
+    def _property_names(self, s: dict, props: Optional[dict], where: str) -> Optional[int]:
+        """propertyNames: the keys' string node (a pattern, format or lengths; enum / const of strings as
+        a pattern of those), or None where it limits nothing. Next to listed properties it must take
+        every one of them (then the listed keys are all there is to limit)."""
+        names = s.get("propertyNames")
+        if names is None or names is True:
+            return None
+        where = f"{where}.propertyNames"
+        if not isinstance(names, dict) or names.get("type", "string") != "string":
+            raise SchemaError(f"{where}: expected a schema of strings")
+        listed = names.get("enum", [names["const"]] if "const" in names else None)
+        if listed is not None:
+            if not isinstance(listed, list) or not all(isinstance(k, str) for k in listed):
+                raise SchemaError(f"{where}: enum / const of strings only")
+            rest = set(names) - ANNOTATIONS - {"type", "enum", "const"}
+            if rest:
+                raise SchemaError(f"{where}: keyword {sorted(rest)[0]!r} next to enum/const is not supported")
+            names = {"pattern": "^(?:" + "|".join(_escaped(k) for k in listed) + ")$"}
+        key = self._compile({**names, "type": "string"}, where)  # (keys are strings: the keywords need no type)
+        if self.nodes[key].kind != "string":
+            raise SchemaError(f"{where}: expected a schema of strings")
+        if self.nodes[key].text is None:
+            return None  # any string
+        for name in props or ():
+            if not self.takes_text(key, name):
+                raise SchemaError(f"{where}: the property {name!r} is not a name it allows")
+        return None if props else key
+
+    def _pattern_properties(self, s: dict, props, extra, key: Optional[int], where: str) -> tuple[int, Any]:
+        """patternProperties with one pattern on an object that lists no properties: (its keys' node, their
+        values' schema), read strictly: only keys that match come (JSON Schema would also take others,
+        with any value, unless additionalProperties says otherwise)."""
+        patterns = s["patternProperties"]
+        where = f"{where}.patternProperties"
+        if not isinstance(patterns, dict) or len(patterns) != 1 or props or extra not in (None, False) \
+                or key is not None:
+            raise SchemaError(f"{where}: supported as one pattern on an object that lists no properties, with no "
+                              "additionalProperties or propertyNames beside it")
+        (pattern, values), = patterns.items()
+        return self._compile({"type": "string", "pattern": pattern}, where), values
+
+    def takes_text(self, node: int, value: str) -> bool:
+        """Whether the string node takes `value` (its pattern and lengths)."""
+        n = self.nodes[node]
+        at = n.text.start
+        for ch in value:
+            at = n.text.step(at, ord(ch))
+            if not at:
+                return False
+        return n.min_len <= len(value) and (n.max_len is None or len(value) <= n.max_len) and n.text.accepts(at)
 
     def _string(self, s: dict, where: str) -> int:
         lo, hi = self._counts(s, "minLength", "maxLength", where)
@@ -551,7 +607,11 @@ class Schema:
 
     def _key_start(self, stack: tuple):
         n = self.nodes[stack[-1][1]]
-        return _branches([("string", stack, (n.extra, 0, ())) if j < 0 else
+        if n.key is not None:  # propertyNames: the key's characters through its pattern and lengths
+            free = ("text", stack, (n.key, 0, self.nodes[n.key].text.start, (), n.extra))
+        else:
+            free = ("string", stack, (n.extra, 0, ()))
+        return _branches([free if j < 0 else
                           ("literal", stack, (n.props[j][0][1:], j)) for j in self._next_keys(stack)])
 
     def _literal_end(self, stack: tuple, prop: int) -> State:
@@ -605,11 +665,13 @@ class Schema:
         """A string value with a pattern, format or length, byte by byte: its characters go through the
         pattern's automaton; a character under way (escape, UTF-8) goes on only while some code point it
         may still become fits."""
-        node, count, at, pending = detail
+        node, count, at, pending = detail[:4]
         n = self.nodes[node]
         if not pending:
             if b == 0x22:  # the closing quote
-                return ("after", stack, (0, None)) if count >= n.min_len and n.text.accepts(at) else None
+                if count < n.min_len or not n.text.accepts(at):
+                    return None
+                return ("colon", stack, (0, detail[4])) if len(detail) > 4 else ("after", stack, (0, None))
             if b < 0x20:
                 return None
             if b < 0x80 and b != 0x5C:
@@ -644,10 +706,10 @@ class Schema:
             return None
         if not n.text.some_char(at, cp_lo, cp_hi, *_room(n, count + 1)):
             return None
-        return ("text", stack, (node, count, at, pending))
+        return ("text", stack, (node, count, at, pending) + detail[4:])
 
     def _text_char(self, stack: tuple, detail: tuple, cp: int) -> Optional[State]:
-        node, count, at, _ = detail
+        node, count, at, _ = detail[:4]
         n = self.nodes[node]
         count += 1
         if n.max_len is not None and count > n.max_len:
@@ -656,7 +718,8 @@ class Schema:
         if not after or not n.text.can_finish(after, *_room(n, count)):
             return None
         # (without a maximum, counts past the minimum are alike)
-        return ("text", stack, (node, count if n.max_len is not None else min(count, n.min_len), after, ()))
+        return ("text", stack, (node, count if n.max_len is not None else min(count, n.min_len), after, ())
+                + detail[4:])
 
 
 def _with_used(stack: tuple, i: int) -> tuple:
@@ -838,6 +901,11 @@ def _regex(pattern: str) -> Regex:
     return Regex(pattern)
 
 
+def _escaped(literal: str) -> str:
+    """A pattern that matches `literal` and nothing else."""
+    return "".join("\\" + c if c in SYNTAX else c for c in literal)
+
+
 @lru_cache(maxsize=64)
 def _compiled(text: str) -> Schema:
     return Schema(json.loads(text))
@@ -903,10 +971,10 @@ class JsonGrammar:
             detail = (ws if ws <= 0 else 1 + max(0, ws - (MAX_WHITESPACE - self.max_leading_ws)), detail[1])
         elif mode == "text" and schema.nodes[detail[0]].text is ANY_TEXT:
             # lengths only: the count matters only near the minimum or the maximum, within a token's reach
-            node, count, at, pending = detail
+            node, count, at, pending = detail[:4]
             n, far = schema.nodes[node], self.max_len + 1
             room = None if n.max_len is None else min(n.max_len - count, far)
-            detail = (node, (min(max(n.min_len - count, 0), far), room), at, pending)
+            detail = (node, (min(max(n.min_len - count, 0), far), room), at, pending) + detail[4:]
         return mode, stack, detail
 
     def mask(self, schema: Schema, config: Config, device: torch.device | str) -> torch.Tensor:
