@@ -436,6 +436,41 @@ def test_unique_items_of_enums_never_repeat_nor_dead_end():
             Tagged.model_validate_json(text)
 
 
+class Labels(pydantic.BaseModel):
+    tags: set[str]
+    note: str = ""
+
+
+def test_unique_strings_never_repeat_as_values(grammar):
+    """pydantic's set[str]: uniqueItems over plain strings. Each item's text is kept as decoded
+    characters, so an item equal to an earlier one as a value cannot close (an escape spelling it
+    otherwise included), while one that only starts alike goes on."""
+    schema = Labels.model_json_schema()
+    assert schema["properties"]["tags"] == {"items": {"type": "string"}, "title": "Tags", "type": "array",
+                                            "uniqueItems": True}
+    compiled = jm.Schema(schema)
+    walk = lambda doc: compiled.walk(compiled.start, doc.encode())  # noqa: E731
+    doc = '{"tags": ["a", "ab", "", "\\u00e9t\u00e9", "A"], "note": "a"}'
+    assert compiled.done(walk(doc))
+    for stray in ('{"tags": ["a", "a"', '{"tags": ["a", "\\u0061"', '{"tags": ["", ""', '{"tags": ["\u00e9", "\\u00e9"'):
+        assert walk(stray) is None, stray
+    for fine in ('{"tags": ["a", "a', '{"tags": ["a", "\\u0061b"', '{"tags": ["ab", "a"'):
+        assert walk(fine) is not None, fine
+    rng = random.Random(5)
+    finished = 0
+    for _ in range(20):
+        text = random_text(compiled, rng, limit=400)
+        if compiled.done(compiled.walk(compiled.start, text)):
+            assert is_valid(text, schema), text
+            tags = json.loads(text)["tags"]
+            assert len(set(tags)) == len(tags)
+            finished += 1
+    assert finished >= 5
+    data = doc.encode()
+    for config in {compiled.walk(compiled.start, data[:i]) for i in range(len(data) + 1)}:
+        assert_mask_is_exact(grammar, compiled, config)
+
+
 def test_pydantic_schemas_with_refs_enums_and_recursion():
     schema = Owner.model_json_schema()  # $defs, $ref (a recursive one), enum, const, anyOf with null, defaults
     compiled = jm.Schema(schema)

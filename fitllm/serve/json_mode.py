@@ -74,10 +74,12 @@ TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties", "p
 # number, (part, integer only, node, text so far) in a number with bounds or a multipleOf; (bytes left, property index
 # or -1) in a literal. In "text", a string value with a pattern, format or length: (node, characters
 # so far, the pattern's state, the character under way: () none, ("\\",) after a backslash, ("u", hex
-# digits left, value so far), ("8", UTF-8 bytes left, bits so far, the next byte's range)), and for a key
-# of an object whose propertyNames limit its keys a 5th entry: the value's node after it. Stack
+# digits left, value so far), ("8", UTF-8 bytes left, bits so far, the next byte's range)), and a 5th entry
+# for a key of an object whose propertyNames limit its keys (the value's node after it) or for an item of
+# unique strings (("unique", its text so far)). Stack
 # frames: ("o", node, next property) and ("a", node, items begun, capped where the count stops mattering),
-# with a 4th entry in an array of unique items: the frozenset of its items' literal indices so far.
+# with a 4th entry in an array of unique items: the frozenset of its items' literal indices (unique
+# strings: their texts) so far.
 WHITESPACE_MODES = frozenset({"value", "key_or_close", "key", "value_or_close", "colon", "after"})
 DONE = ("done", (), ())
 State = tuple
@@ -102,7 +104,7 @@ class Node:
     prefix: tuple = ()  # arrays: the nodes of the first items, in order (prefixItems)
     min_items: int = 0
     max_items: Optional[int] = None
-    unique: bool = False  # arrays: uniqueItems (items are then one literals node, each value at most once)
+    unique: bool = False  # arrays: uniqueItems (items are then one literals node, each value at most once, or strings)
     literals: tuple = ()  # the JSON texts (bytes) of enum / const values, true, false and null
     options: tuple = ()  # a union's node ids
     text: Optional[Regex] = None  # strings with a pattern, format or length (ANY_TEXT: lengths only)
@@ -332,7 +334,9 @@ class Schema:
         unique = s.get("uniqueItems", False)
         if not isinstance(unique, bool):
             raise SchemaError(f"{where}.uniqueItems: expected true or false")
-        if unique:
+        if unique and not prefix and self.nodes[items] == Node("string"):  # (pydantic's set[str])
+            items = self._add(Node("string", text=ANY_TEXT))  # walked by character: each item's text is kept
+        elif unique:
             items = self._distinct_literals(items, prefix, where)
             count = len(self.nodes[items].literals)
             if lo > count:
@@ -624,6 +628,8 @@ class Schema:
 
     def _value_start(self, stack: tuple, node: int, b: int) -> list:
         """The states a value of `node` is in after its first byte b (a list: unions branch)."""
+        if stack and len(stack[-1]) == 4 and self.nodes[node].kind == "string":  # a unique string: its text kept
+            return [("text", stack, (node, 0, self.nodes[node].text.start, (), ("unique", "")))] if b == 0x22 else []
         if stack and len(stack[-1]) == 4:  # an item of unique items: the values not taken yet
             used = stack[-1][3]
             return [("after", _with_used(stack, i), (0, None)) if len(text) == 1 else
@@ -671,7 +677,12 @@ class Schema:
             if b == 0x22:  # the closing quote
                 if count < n.min_len or not n.text.accepts(at):
                     return None
-                return ("colon", stack, (0, detail[4])) if len(detail) > 4 else ("after", stack, (0, None))
+                if len(detail) == 4:
+                    return ("after", stack, (0, None))
+                if isinstance(detail[4], int):  # an object's key: its value next
+                    return ("colon", stack, (0, detail[4]))
+                text = detail[4][1]  # an item of unique strings: not one of the items before
+                return None if text in stack[-1][3] else ("after", _with_used(stack, text), (0, None))
             if b < 0x20:
                 return None
             if b < 0x80 and b != 0x5C:
@@ -718,12 +729,14 @@ class Schema:
         if not after or not n.text.can_finish(after, *_room(n, count)):
             return None
         # (without a maximum, counts past the minimum are alike)
-        return ("text", stack, (node, count if n.max_len is not None else min(count, n.min_len), after, ())
-                + detail[4:])
+        rest = detail[4:]
+        if rest and not isinstance(rest[0], int):  # an item of unique strings: its text so far
+            rest = (("unique", rest[0][1] + chr(cp)),)
+        return ("text", stack, (node, count if n.max_len is not None else min(count, n.min_len), after, ()) + rest)
 
 
-def _with_used(stack: tuple, i: int) -> tuple:
-    """The stack with literal i taken in its top frame (an array of unique items)."""
+def _with_used(stack: tuple, i: int | str) -> tuple:
+    """The stack with literal i (a unique string: its text) taken in its top frame (an array of unique items)."""
     top = stack[-1]
     return stack[:-1] + (top[:3] + (top[3] | {i},),)
 
