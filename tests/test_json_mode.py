@@ -379,6 +379,19 @@ def random_text(schema: jm.Schema, rng: random.Random, limit: int = 600) -> byte
     return bytes(out)
 
 
+def finished_walks(compiled: jm.Schema, schema: dict, seed: int, limit: int, check=lambda text: None) -> int:
+    """20 random walks of the automaton (random_text); each one that finishes must be valid for
+    jsonschema and pass `check`. How many finished."""
+    rng, finished = random.Random(seed), 0
+    for _ in range(20):
+        text = random_text(compiled, rng, limit=limit)
+        if compiled.done(compiled.walk(compiled.start, text)):
+            assert is_valid(text, schema), text
+            check(text)
+            finished += 1
+    return finished
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(SCHEMAS, st.integers(0, 2**32))
 def test_everything_the_automaton_writes_is_valid(schema, seed):
@@ -428,12 +441,7 @@ def test_unique_items_of_enums_never_repeat_nor_dead_end():
     assert compiled.done(walk('{"colours": ["red", "dark red"], "sizes": ["l", "s"]}'))
     for stray in ('{"colours": ["red", "red"', '{"colours": ["red", "dark red",', '{"colours": [], "sizes": ["m", "s", "l",'):
         assert walk(stray) is None, stray
-    rng = random.Random(0)
-    for _ in range(20):
-        text = random_text(compiled, rng, limit=400)
-        if compiled.done(compiled.walk(compiled.start, text)):
-            assert is_valid(text, schema), text
-            Tagged.model_validate_json(text)
+    finished_walks(compiled, schema, 0, 400, Tagged.model_validate_json)
 
 
 class Labels(pydantic.BaseModel):
@@ -456,16 +464,10 @@ def test_unique_strings_never_repeat_as_values(grammar):
         assert walk(stray) is None, stray
     for fine in ('{"tags": ["a", "a', '{"tags": ["a", "\\u0061b"', '{"tags": ["ab", "a"'):
         assert walk(fine) is not None, fine
-    rng = random.Random(5)
-    finished = 0
-    for _ in range(20):
-        text = random_text(compiled, rng, limit=400)
-        if compiled.done(compiled.walk(compiled.start, text)):
-            assert is_valid(text, schema), text
-            tags = json.loads(text)["tags"]
-            assert len(set(tags)) == len(tags)
-            finished += 1
-    assert finished >= 5
+    def distinct(text):
+        tags = json.loads(text)["tags"]
+        assert len(set(tags)) == len(tags)
+    assert finished_walks(compiled, schema, 5, 400, distinct) >= 5
     data = doc.encode()
     for config in {compiled.walk(compiled.start, data[:i]) for i in range(len(data) + 1)}:
         assert_mask_is_exact(grammar, compiled, config)
@@ -660,15 +662,7 @@ def test_property_names_limit_the_keys_of_free_objects(grammar):
                   '{"by_code": {"AB12', '{"by_code": {"AB1": 1', '{"by_level": {}, "by_code": {}, "by_id": {"x"',
                   '{"by_level": {}, "by_code": {}, "by_id": {"abcd'):
         assert walk(stray) is None, stray
-    rng = random.Random(3)
-    finished = 0
-    for _ in range(20):
-        text = random_text(compiled, rng, limit=600)
-        if compiled.done(compiled.walk(compiled.start, text)):
-            assert is_valid(text, schema), text
-            Scores.model_validate_json(text)
-            finished += 1
-    assert finished >= 5
+    assert finished_walks(compiled, schema, 3, 600, Scores.model_validate_json) >= 5
     data = doc.encode()
     for config in {compiled.walk(compiled.start, data[:i]) for i in range(len(data) + 1)}:
         assert_mask_is_exact(grammar, compiled, config)
@@ -698,14 +692,8 @@ def test_pydantic_constraints_and_formats():
     sample = Reading(sensor="hall-07", taken="2026-12-06", at="2026-12-06T23:05:09Z", id=uuid.uuid4(), value=21.5,
                      count=3, note="ok", where=(1.5, -2, None))
     assert compiled.done(compiled.walk(compiled.start, sample.model_dump_json().encode()))
-    rng = random.Random(2)
-    finished = 0
-    for _ in range(20):
-        text = random_text(compiled, rng, limit=1500)
-        if compiled.done(compiled.walk(compiled.start, text)):
-            Reading.model_validate_json(text)  # pydantic itself reads it: pattern, dates, UUID, bounds, lengths
-            finished += 1
-    assert finished >= 5
+    # pydantic itself reads them too: pattern, dates, UUID, bounds, lengths
+    assert finished_walks(compiled, Reading.model_json_schema(), 2, 1500, Reading.model_validate_json) >= 5
 
 
 def test_tagged_values_follow_their_schema(embedded_model, embedded_tokenizer):
