@@ -297,6 +297,16 @@ def page_geometry(config: ModelConfig) -> tuple[int, tuple[int, int]]:
     return g, (num_full // g, -(-num_sliding // g))
 
 
+def longest_in_pages(num_pages: int, widths: tuple[int, int], window: int, block_size: int) -> int:
+    """The longest context, in tokens, that `num_pages` pages of a split cache hold for one sequence (blocks of
+    `widths` pages: full, sliding): its window of sliding blocks at most, the rest full-layer blocks."""
+    full, sliding = widths
+    most = blocks_for_tokens(window - 1, block_size) + 2  # sliding blocks a sequence holds at most
+    if num_pages < most * (full + sliding):
+        return num_pages // (full + sliding) * block_size
+    return (num_pages - most * sliding) // full * block_size
+
+
 def window_held(window: int, context: int, block_size: int) -> int:
     """Blocks a sequence of `context` tokens holds of a window's: the window behind its next token,
     rounded out to whole blocks at both ends (whole blocks go back only once wholly behind it)."""
@@ -479,11 +489,7 @@ class Budget:
         return blocks_for_tokens(context, self.settings.block_size) * full + self._window_held(context) * sliding
 
     def _longest_in_pages(self, pages: int) -> int:
-        """The longest context `pages` of a split cache hold for one sequence, in tokens."""
-        full, sliding = self.page_widths
-        most = blocks_for_tokens(self.window - 1, self.settings.block_size) + 2  # of the window, at most
-        blocks = (pages - most * sliding) // full if pages >= most * (full + sliding) else pages // (full + sliding)
-        return blocks * self.settings.block_size
+        return longest_in_pages(pages, self.page_widths, self.window, self.settings.block_size)
 
     @property
     def usable(self) -> int:
@@ -511,7 +517,9 @@ class Budget:
     @property
     def kv_tokens(self) -> int:
         """The tokens the KV cache holds (a split cache: of one sequence, as long as they fit)."""
-        return self._longest_in_pages(self.num_kv_blocks) if self.split else self.num_kv_blocks * self.settings.block_size
+        if self.split:
+            return self._longest_in_pages(self.num_kv_blocks)
+        return self.num_kv_blocks * self.settings.block_size
 
     def max_seqs_at(self, context: int) -> int:
         """Concurrent sequences whose KV fits when each holds `context` tokens."""

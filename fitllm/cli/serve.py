@@ -28,7 +28,8 @@ def serve(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Compute dtype (default: bf16 on GPU, fp32 on CPU)."),
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens",
                                                help="Token budget of one step (prefill chunk size)."),
-    num_kv_blocks: Optional[int] = typer.Option(None, "--num-kv-blocks", help="Fix the KV pool size (blocks)."),
+    num_kv_blocks: Optional[int] = typer.Option(None, "--num-kv-blocks", help="Fix the KV pool size: blocks (a split "
+                                                "cache, see --kv-layout: pages)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="Tokens per KV block (default: 64 with "
                                              "--kv-dtype fp8 or int8, whose attention then reads whole cache lines; "
                                              "else 16)."),

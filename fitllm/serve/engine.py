@@ -43,8 +43,8 @@ from typing import Optional, Union
 
 import torch
 
-from fitllm.budget import (KV_LAYOUTS, default_block_size, keeps_windows_only, page_geometry, sliding_layers,
-                           splits_kv, window_held)
+from fitllm.budget import (KV_LAYOUTS, default_block_size, keeps_windows_only, longest_in_pages, page_geometry,
+                           sliding_layers, splits_kv)
 from fitllm.models.kv_cache import KVCalibration, check_kv_dtype
 from fitllm.models.tokenizer import vocabulary_bytes
 from fitllm.serve import json_mode
@@ -249,12 +249,8 @@ class LLMEngine:
 
     def _longest_in_pages(self, num_pages: int) -> int:
         """The most tokens one sequence can hold in a split cache of `num_pages` pages."""
-        bs = self.config.block_size
-        full, sliding = page_geometry(self.model_config)[1]
-        window = window_held(sliding_layers(self.model_config)[1], 1 << 62, bs)
-        if num_pages < window * (full + sliding):
-            return num_pages // (full + sliding) * bs
-        return (num_pages - window * sliding) // full * bs
+        return longest_in_pages(num_pages, page_geometry(self.model_config)[1], sliding_layers(self.model_config)[1],
+                                self.config.block_size)
 
     def _window_only(self) -> bool:
         """One pool that gives back what falls behind each window (budget.keeps_windows_only), where

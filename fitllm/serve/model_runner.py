@@ -289,8 +289,9 @@ class ModelRunner:
         """What the block manager changed that the step's kernels must see, before the step: a split
         cache's new pages (SplitKVCache.set_pages), then the copies."""
         if isinstance(self.cache, SplitKVCache):
+            # (copies that do not wait: the look-ahead step may be queued behind a running one)
             for kind, blocks in enumerate(block_manager.take_new_pages()):
-                if blocks and self.cache.widths[kind] > 1:  # (non-blocking: the look-ahead step may be queued behind a running one)
+                if blocks and self.cache.widths[kind] > 1:
                     self.cache.set_pages(kind, to_device([b for b, _ in blocks], torch.long, self.device),
                                          to_device([p[1:] for _, p in blocks], torch.int32, self.device).T)
         self.copy_blocks(block_manager.take_copies())
