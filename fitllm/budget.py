@@ -301,16 +301,21 @@ def longest_in_pages(num_pages: int, widths: tuple[int, int], window: int, block
     """The longest context, in tokens, that `num_pages` pages of a split cache hold for one sequence (blocks of
     `widths` pages: full, sliding): its window of sliding blocks at most, the rest full-layer blocks."""
     full, sliding = widths
-    most = blocks_for_tokens(window - 1, block_size) + 2  # sliding blocks a sequence holds at most
+    most = window_blocks(window, block_size)
     if num_pages < most * (full + sliding):
         return num_pages // (full + sliding) * block_size
     return (num_pages - most * sliding) // full * block_size
 
 
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks a sequence holds of a window's: the window behind its next token, rounded out to
+    whole blocks at both ends (whole blocks go back only once wholly behind it)."""
+    return blocks_for_tokens(window - 1, block_size) + 2
+
+
 def window_held(window: int, context: int, block_size: int) -> int:
-    """Blocks a sequence of `context` tokens holds of a window's: the window behind its next token,
-    rounded out to whole blocks at both ends (whole blocks go back only once wholly behind it)."""
-    return min(blocks_for_tokens(context, block_size), blocks_for_tokens(window - 1, block_size) + 2)
+    """Blocks a sequence of `context` tokens holds of a window's (window_blocks, or all of its own)."""
+    return min(blocks_for_tokens(context, block_size), window_blocks(window, block_size))
 
 
 def default_block_size(kv_dtype: str) -> int:

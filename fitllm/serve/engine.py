@@ -146,8 +146,8 @@ class LLMEngine:
         self.drafter = None if config.speculative is None else build_drafter(
             config.speculative, model, config.block_size, draft_model,
             lambda path: load_model_and_tokenizer(replace(config, model=path), self.device, self.dtype)[0])
-        self.max_model_len, num_blocks, self.page_layers = self._size_kv_cache()
-        self.runner.allocate_cache(num_blocks, self.max_model_len, self.page_layers)
+        self.max_model_len, num_blocks, page_layers = self._size_kv_cache()
+        self.runner.allocate_cache(num_blocks, self.max_model_len, page_layers)
         if self.drafter is not None and self.drafter.needs_cache:
             self.drafter.allocate(num_blocks, config.max_num_seqs, self.max_model_len,
                                   config.max_num_batched_tokens, config.cuda_graphs)
@@ -157,8 +157,11 @@ class LLMEngine:
             config.max_num_seqs, query_lens=tuple(range(1, spec_k + 2)),
             max_batched_tokens=config.max_num_batched_tokens)
         window = sliding_layers(self.model_config)[1]
-        if self.page_layers is not None:
+        self._kv_split = None  # stats()'s: what a split cache is (it does not change)
+        if page_layers is not None:
             self.block_manager = SplitBlockManager(num_blocks, config.block_size, window, self.runner.cache.widths)
+            self._kv_split = {"page_layers": page_layers, "page_widths": self.block_manager.widths,
+                              "longest_sequence": self._longest_in_pages(num_blocks)}
         else:  # (every layer sliding: one pool that gives back what falls behind the window)
             self.block_manager = BlockManager(num_blocks, config.block_size, window if self._window_only() else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -728,9 +731,7 @@ class LLMEngine:
             "kv_blocks_used": bm.num_used_blocks,
             "kv_block_size": bm.block_size,
             # a split cache (None without): its blocks and pages, the pages its sliding-window layers hold
-            "kv_split": None if self.page_layers is None else {
-                "page_layers": self.page_layers, "page_widths": bm.widths,
-                "longest_sequence": self._longest_in_pages(bm.num_blocks)},
+            "kv_split": self._kv_split,
             "kv_window_pages_used": bm.window_pages_used if isinstance(bm, SplitBlockManager) else None,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "preemptions": self.scheduler.num_preemptions,

@@ -75,8 +75,8 @@ TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties", "p
 # or -1) in a literal. In "text", a string value with a pattern, format or length: (node, characters
 # so far, the pattern's state, the character under way: () none, ("\\",) after a backslash, ("u", hex
 # digits left, value so far), ("8", UTF-8 bytes left, bits so far, the next byte's range)), and a 5th entry
-# for a key of an object whose propertyNames limit its keys (the value's node after it) or for an item of
-# unique strings (("unique", its text so far)). Stack
+# for a key of an object whose propertyNames limit its keys (the value's node after it: an int) or for an
+# item of unique strings (its text so far: a str). Stack
 # frames: ("o", node, next property) and ("a", node, items begun, capped where the count stops mattering),
 # with a 4th entry in an array of unique items: the frozenset of its items' literal indices (unique
 # strings: their texts) so far.
@@ -629,7 +629,7 @@ class Schema:
     def _value_start(self, stack: tuple, node: int, b: int) -> list:
         """The states a value of `node` is in after its first byte b (a list: unions branch)."""
         if stack and len(stack[-1]) == 4 and self.nodes[node].kind == "string":  # a unique string: its text kept
-            return [("text", stack, (node, 0, self.nodes[node].text.start, (), ("unique", "")))] if b == 0x22 else []
+            return [("text", stack, (node, 0, self.nodes[node].text.start, (), ""))] if b == 0x22 else []
         if stack and len(stack[-1]) == 4:  # an item of unique items: the values not taken yet
             used = stack[-1][3]
             return [("after", _with_used(stack, i), (0, None)) if len(text) == 1 else
@@ -681,7 +681,7 @@ class Schema:
                     return ("after", stack, (0, None))
                 if isinstance(detail[4], int):  # an object's key: its value next
                     return ("colon", stack, (0, detail[4]))
-                text = detail[4][1]  # an item of unique strings: not one of the items before
+                text = detail[4]  # an item of unique strings: not one of the items before
                 return None if text in stack[-1][3] else ("after", _with_used(stack, text), (0, None))
             if b < 0x20:
                 return None
@@ -730,8 +730,8 @@ class Schema:
             return None
         # (without a maximum, counts past the minimum are alike)
         rest = detail[4:]
-        if rest and not isinstance(rest[0], int):  # an item of unique strings: its text so far
-            rest = (("unique", rest[0][1] + chr(cp)),)
+        if rest and isinstance(rest[0], str):  # an item of unique strings: its text so far
+            rest = (rest[0] + chr(cp),)
         return ("text", stack, (node, count if n.max_len is not None else min(count, n.min_len), after, ()) + rest)
 
 

@@ -160,7 +160,6 @@ class ModelRunner:
         (`warm_up_decode`)."""
         self.cache = self._new_cache(num_blocks + 1, page_layers)
         self.scratch_block = num_blocks
-        self.window_scratch_block = num_blocks if page_layers is not None else None
         self.max_model_len = max_model_len
 
     def _new_cache(self, num_blocks: int, page_layers: Optional[int] = None) -> PagedKVCache | SplitKVCache:
@@ -194,8 +193,7 @@ class ModelRunner:
         for q in sorted(set(query_lens) - {1}):  # speculation: small batches, within the step budget
             shapes[q] = [b for b in sizes if b <= MULTI_TOKEN_GRAPH_MAX_BATCH
                          and (max_batched_tokens is None or b * q <= max_batched_tokens)] or [1]
-        self.graphs = StepGraphs(self.model, self.cache, attend, shapes, max_model_len, self.scratch_block,
-                                 self.window_scratch_block)
+        self.graphs = StepGraphs(self.model, self.cache, attend, shapes, max_model_len, self.scratch_block)
         return True
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -272,7 +270,8 @@ class ModelRunner:
 
     @property
     def _window_scratch_table(self) -> Optional[list[int]]:
-        return None if self.window_scratch_block is None else [self.window_scratch_block]
+        """A split cache's sliding-layer table of the scratch block (both kinds pad on the same page)."""
+        return [self.scratch_block] if isinstance(self.cache, SplitKVCache) else None
 
     def _inside_long_prompt(self, seqs: list[StepSeq]) -> bool:
         """A LongRoPE step with prompt tokens before their prompt's last: their factors go by that
@@ -291,7 +290,7 @@ class ModelRunner:
         if isinstance(self.cache, SplitKVCache):
             # (copies that do not wait: the look-ahead step may be queued behind a running one)
             for kind, blocks in enumerate(block_manager.take_new_pages()):
-                if blocks and self.cache.widths[kind] > 1:
+                if blocks:  # (only blocks of more than one page are listed)
                     self.cache.set_pages(kind, to_device([b for b, _ in blocks], torch.long, self.device),
                                          to_device([p[1:] for _, p in blocks], torch.int32, self.device).T)
         self.copy_blocks(block_manager.take_copies())
@@ -375,18 +374,17 @@ class StepGraphs:
     tables]. Each graph reads its own views at the front of the buffers (for q tokens x b
     sequences: ids = longs[:T], positions = longs[T:2T], ...), so a step copies only what its
     graph reads. A split cache's sliding layers add their slots after the slots and their tables after
-    the tables (`window_scratch_block`: that pool's scratch block)."""
+    the tables (`pools`: 2; both kinds of blocks pad on the scratch page)."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache | SplitKVCache, attend: Callable,
-                 shapes: dict[int, list[int]], max_model_len: int, scratch_block: int,
-                 window_scratch_block: Optional[int] = None):
+                 shapes: dict[int, list[int]], max_model_len: int, scratch_block: int):
         self.model, self.cache = model, cache
         self.shapes = {q: sorted(set(sizes)) for q, sizes in sorted(shapes.items())}
         self.block_size, self.max_model_len = cache.block_size, max_model_len
         # Padded tokens sit up to q - 1 positions past a sequence's end: room in the table for them.
         self.width = math.ceil((max_model_len + max(self.shapes)) / cache.block_size)
-        self.scratch_block, self.window_scratch_block = scratch_block, window_scratch_block
-        self.pools = 1 if window_scratch_block is None else 2  # block tables (and slots) per sequence
+        self.scratch_block = scratch_block
+        self.pools = 2 if isinstance(cache, SplitKVCache) else 1  # block tables (and slots) per sequence
         max_tokens = max(q * sizes[-1] for q, sizes in self.shapes.items())
         max_seqs = max(sizes[-1] for sizes in self.shapes.values())
         dev = model.device
@@ -398,17 +396,13 @@ class StepGraphs:
         self.copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten after it
         self._host_longs, self._host_ints = self.host_longs.numpy(), self.host_ints.numpy()  # same memory
         # Block tables by pool and batch row, kept across steps (`_update_tables`), and where each row came from.
-        self._tables = [np.full((max_seqs, self.width), block, np.int32) for block in self._scratch_blocks]
+        self._tables = [np.full((max_seqs, self.width), scratch_block, np.int32) for _ in range(self.pools)]
         self._table_rows: list[list[tuple[Optional[list[int]], int]]] = [[(None, 0)] * max_seqs
                                                                          for _ in range(self.pools)]
         self.query_starts = {q: torch.arange(0, q * (max_seqs + 1), q, dtype=torch.int32, device=dev)
                              for q in self.shapes}
         self.replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}  # (q, batch size) -> run the graph
         self._capture(attend)
-
-    @property
-    def _scratch_blocks(self) -> list[int]:
-        return [self.scratch_block] if self.pools == 1 else [self.scratch_block, self.window_scratch_block]
 
     def _views(self, q: int, b: int, buf: Optional[torch.Tensor] = None, ints: Optional[torch.Tensor] = None):
         """(ids, positions, [slots per pool], seq_lens, [tables per pool]) of the (q, b) graph, in
@@ -445,9 +439,9 @@ class StepGraphs:
         for q, b in shapes:  # most tokens first: the smaller graphs fit in its pool
             ids, pos, slots, seq_lens, tables = self._views(q, b)
             # Capture on a padded batch (only the scratch blocks are touched).
-            for pool_slots, pool_tables, block in zip(slots, tables, self._scratch_blocks):
-                pool_slots.fill_(block * self.block_size)
-                pool_tables.fill_(block)
+            for pool_slots, pool_tables in zip(slots, tables):
+                pool_slots.fill_(self.scratch_block * self.block_size)
+                pool_tables.fill_(self.scratch_block)
             seq_lens.fill_(q)
             pos.copy_(torch.arange(q, device=pos.device).repeat(b))
             run = partial(self._forward, ids, pos, self._meta(q, b), attend)
@@ -504,7 +498,8 @@ class StepGraphs:
         pos[b:] = np.arange(q)  # whole padded sequences: positions 0..q-1 in the scratch block
         seq_lens[:b], seq_lens[b:] = starts + q, q
         self._update_tables(seqs)
-        for i, scratch in enumerate(self._scratch_blocks):  # each pool's tables and slots
+        scratch = self.scratch_block
+        for i in range(pools):  # each kind's tables and slots
             tables = self._host_ints[size * (1 + i * width): size * (1 + (i + 1) * width)].reshape(size, width)
             tables[:b], tables[b:] = self._tables[i][:b], scratch
             slots = self._host_longs[(2 + i) * t: (3 + i) * t].reshape(size, q)
@@ -528,7 +523,7 @@ class StepGraphs:
         """Row i of `_tables[pool]` := seqs[i]'s table in that pool (scratch-padded), writing only
         what changed: the block manager grows a table list in place and replaces it on any other
         change, so the same list object at the same row needs only its new tail."""
-        for pool, scratch in enumerate(self._scratch_blocks):
+        for pool in range(self.pools):
             rows, known = self._tables[pool], self._table_rows[pool]
             for i, s in enumerate(seqs):
                 table, (cached, written) = s.block_table if pool == 0 else s.window_table, known[i]
@@ -538,7 +533,7 @@ class StepGraphs:
                         known[i] = (table, len(table))
                     continue
                 rows[i, : len(table)] = table
-                rows[i, len(table):] = scratch
+                rows[i, len(table):] = self.scratch_block
                 known[i] = (table, len(table))
 
 
