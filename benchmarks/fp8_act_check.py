@@ -1,5 +1,5 @@
 """GPU check and timing of fp8 activations quantized by their producer (kernels._utils.Fp8Activations):
-the residual add + RMSNorm and SiLU·mul asked for an fp8 GEMM's input (fp8=Fp8Input(...)) against the
+the residual add + RMSNorm and SiLU·mul asked for an fp8 GEMM's input (quant=Fp8Input(...)) against the
 same kernel's 16-bit output quantized by fp8's own quantizer (`_quantize_triton`), bit for bit (codes and
 scales), at Llama-3-8B widths, dynamic and static scales, fed a tensor or a pending split-K sum. Then the
 time of producer + quantizer against the producer quantizing itself (CUDA-graph replays of 32 layers'
@@ -45,7 +45,7 @@ def check(T: int, dev) -> dict:
         got, h2 = fused.rms_norm(_utils.PendingSum.holding(vals), w, 1e-6, r, req)
         ws, _ = _utils.splitk_workspace(vals.device, 0, 0)
         out[f"rms_norm+pending {kind}"] = same(got, want, static) and torch.equal(h, h2) and not ws.any().item()
-        out[f"rms_norm {kind}"] = same(fused.rms_norm(vals.bfloat16(), w, 1e-6, fp8=req),
+        out[f"rms_norm {kind}"] = same(fused.rms_norm(vals.bfloat16(), w, 1e-6, quant=req),
                                        fused.rms_norm(vals.bfloat16(), w, 1e-6), static)
         gu = torch.randn(T, 2 * INTER, device=dev) * 2
         want = fused.silu_mul(gu.bfloat16())

@@ -26,7 +26,8 @@ fitllm/kernels/_fused_triton.py (the module fitllm.kernels._fused_prev, made as 
 committed), small-prev that and _pa_baseline together. Variant early-w-on lets the fp8 batch-1 GEMV load
 its first weight tile before the PDL wait (the default), early-w-off after it (FITLLM_EARLY_WEIGHTS=0);
 fp8-pf-2 lets the fp8 tensor-core kernel ask L2 for its first two weight tiles before the wait, fp8-pf-0
-not (FITLLM_FP8_PREFETCH).
+not (FITLLM_FP8_PREFETCH). Variant dp4a-on runs the batch-1 int4 GEMVs on dp4a (kernels.w4a16_dp4a,
+FITLLM_W4_DP4A=1), dp4a-off on the 16-bit GEMV.
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -75,7 +76,9 @@ VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart":
             "early-w-on": {"FITLLM_PDL": "1", "FITLLM_EARLY_WEIGHTS": "1"},
             "early-w-off": {"FITLLM_PDL": "1", "FITLLM_EARLY_WEIGHTS": "0"},
             "fp8-pf-0": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "0"},
-            "fp8-pf-2": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "2"}}
+            "fp8-pf-2": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "2"},
+            "dp4a-off": {"FITLLM_PDL": "1", "FITLLM_W4_DP4A": "0"},
+            "dp4a-on": {"FITLLM_PDL": "1", "FITLLM_W4_DP4A": "1"}}
 SWITCHES = sorted({key for env in VARIANTS.values() for key in env})  # every variable a variant sets
 
 
@@ -83,9 +86,9 @@ def skip_kernels(name: str, real=(fused.rms_norm, fused.silu_mul)) -> None:
     """Timing-only variants: the decoder calls fused.rms_norm / fused.silu_mul through the module,
     so passing a tensor through removes those launches from the captured graphs."""
     skip_norm, skip_silu = name in ("skip-norm", "skip-both"), name in ("skip-silu", "skip-both")
-    fused.rms_norm = (lambda x, w, eps, residual=None, fp8=None: x if residual is None else (residual, residual)) \
+    fused.rms_norm = (lambda x, w, eps, residual=None, quant=None: x if residual is None else (residual, residual)) \
         if skip_norm else real[0]
-    fused.silu_mul = (lambda gate_up, fp8=None: gate_up[..., : gate_up.shape[-1] // 2]) if skip_silu else real[1]
+    fused.silu_mul = (lambda gate_up, quant=None: gate_up[..., : gate_up.shape[-1] // 2]) if skip_silu else real[1]
 
 
 def use_kernel_module(name: str, mod) -> None:

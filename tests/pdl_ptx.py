@@ -25,6 +25,10 @@ KERNELS = {
     "tiled_gemv": ("fitllm.kernels.w4a16_tiled:_tiled_gemv_kernel", {**BF16_GEMM, "x_ptr": "*i32"},
                    dict(GROUP_SIZE=128, HAS_BIAS=False, USE_WS=True, BM=1, BN=128, UNROLL=4, F16=False, ASM=True,
                         EVEN_K=True), 8, 1, True),
+    "dp4a_gemv": ("fitllm.kernels.w4a16_dp4a:_dp4a_gemv_kernel",
+                  dict(codes_ptr="*i32", stats_ptr="*fp32", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", bias_ptr="*bf16",
+                       y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32"),
+                  dict(GROUP_SIZE=128, HAS_BIAS=False, USE_WS=True, BN=256, ASM=True, EVEN_N=True), 8, 1, True),
     "tiled_tc": ("fitllm.kernels.w4a16_tiled:_w4a16_tiled_kernel", BF16_GEMM,
                  dict(GROUP_SIZE=128, CHUNK=128, HAS_BIAS=False, USE_WS=True, BM=16, BN=64, ROW_WARPS=4, F16=False,
                       ASM=True, SCALE_IN_W=False, UPCAST=False), 4, 3, True),
@@ -71,11 +75,18 @@ KERNELS = {
                       dict(x_ptr="*fp32", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16",
                            idx_ptr="*i32", eps="fp32"),
                       dict(HAS_RES=True, X_SUM=True, RNE=False, RNE_OUT=False, BLOCK_N=4096, PERM=True), 8, 1, False),
+    "rms_norm_x16": ("fitllm.kernels._fused_triton:rms_norm_kernel",
+                     dict(x_ptr="*fp32", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*i32", h_ptr="*bf16", s_ptr="*fp32",
+                          eps="fp32"),
+                     dict(HAS_RES=True, X_SUM=True, RNE=False, RNE_OUT=False, BLOCK_N=4096, QUANT=3), 8, 1, False),
     "rope": ("fitllm.kernels._fused_triton:rope_kernel", dict(q_ptr="*bf16", k_ptr="*bf16", cos_ptr="*fp32",
                                                                sin_ptr="*fp32"),
              dict(RNE=False, BLOCK_H=32, BLOCK_D=64), 4, 1, False),
     "silu_mul": ("fitllm.kernels._fused_triton:silu_mul_kernel", dict(x_ptr="*bf16", out_ptr="*bf16"),
                  dict(RNE=False, BLOCK=1024), 4, 1, False),
+    "silu_mul_x16": ("fitllm.kernels._fused_triton:silu_mul_kernel",
+                     dict(x_ptr="*fp32", out_ptr="*i32", s_ptr="*fp32"),
+                     dict(RNE=False, BLOCK=16384, X_SUM=True, QUANT=3), 32, 1, False),
     "head_affine": ("fitllm.kernels._fused_triton:head_affine_kernel",
                     dict(x_ptr="*bf16", r_ptr="*bf16", shift_ptr="*fp32", pre_ptr="*fp32", post_ptr="*fp32",
                          add_ptr="*fp32", y_ptr="*fp16", y2_ptr="*fp32"),
@@ -95,7 +106,7 @@ KERNELS = {
 # before the step (_pdl.py): RMSNorm its weight, residual (and column order), the row gather its order, the RoPE + cache write its tables and
 # slots, decode attention the sequence lengths, the fp8 batch-1 GEMV (EARLY_W) its first weight tile.
 # Their other loads (the previous kernel's output) and every store still come after the wait.
-EARLY_LOADS = {"rms_norm", "rms_norm_perm", "gather_row", "rope_write", "decode", "decode_cols", "fp8_gemv_early"}
+EARLY_LOADS = {"rms_norm", "rms_norm_perm", "rms_norm_x16", "gather_row", "rope_write", "decode", "decode_cols", "fp8_gemv_early"}
 
 
 def first(ptx: str, pattern: str, after: int = 0) -> int:
@@ -108,7 +119,7 @@ def kernels_with_pdl() -> set[str]:
     import fitllm.kernels as pkg
 
     found = set()
-    for mod in ("w4a16_tiled", "w4a16_ws", "w4a16", "fp8", "paged_attention", "_fused_triton"):
+    for mod in ("w4a16_tiled", "w4a16_dp4a", "w4a16_ws", "w4a16", "fp8", "paged_attention", "_fused_triton"):
         m = importlib.import_module(f"{pkg.__name__}.{mod}")
         found |= {f"{m.__name__}:{k}" for k, v in vars(m).items()
                   if "PDL" in getattr(v, "arg_names", ()) and v.fn.__module__ == m.__name__ and k.endswith("_kernel")}

@@ -454,7 +454,7 @@ def _pending(values):
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("T,N", [(1, 576), (3, 100)])
 def test_producers_quantize_activations_for_an_fp8_gemm(producer, static, T, N):
-    """fp8=Fp8Input(...): RMSNorm (+ residual, + a pending split-K sum) and SiLU·mul hand over
+    """quant=Fp8Input(...): RMSNorm (+ residual, + a pending split-K sum) and SiLU·mul hand over
     Fp8Activations whose codes and scales equal, bit for bit, what the fp8 GEMM's own quantizer makes
     of their unfused output (dynamic per-token or static scale); the residual stream is unchanged
     and a pending sum's workspace is zero afterwards."""
@@ -496,9 +496,9 @@ def test_producers_keep_16_bit_outputs_where_they_cannot_quantize(monkeypatch):
 
     q = randn(3, 4, 32, dtype=torch.bfloat16)
     w = (1 + randn(32) * 0.1).to(torch.bfloat16)
-    assert torch.equal(fused.rms_norm_triton(q, w, 1e-6, fp8=Fp8Input()), fused.rms_norm_triton(q, w, 1e-6))
+    assert torch.equal(fused.rms_norm_triton(q, w, 1e-6, quant=Fp8Input()), fused.rms_norm_triton(q, w, 1e-6))
     x, w32 = randn(2, 32, dtype=torch.bfloat16), 1 + randn(32) * 0.1
-    assert torch.equal(fused.rms_norm_triton(x, w32, 1e-6, fp8=Fp8Input()), fused.rms_norm_triton(x, w32, 1e-6))
+    assert torch.equal(fused.rms_norm_triton(x, w32, 1e-6, quant=Fp8Input()), fused.rms_norm_triton(x, w32, 1e-6))
     monkeypatch.setattr(fused, "FP8_SILU_MAX_BLOCK", 64)
     g = randn(2, 200, dtype=torch.bfloat16)
     assert torch.equal(fused.silu_mul_triton(g, Fp8Input()), fused.silu_mul_triton(g))
@@ -610,7 +610,7 @@ def test_rms_norm_writes_its_output_in_a_given_column_order(T, N, mode):
     with pytest.raises(ValueError, match="perm"):
         fused.rms_norm_triton(vals.to(torch.bfloat16), w, 1e-6, perm=perm[:-1])
     with pytest.raises(ValueError, match="perm"):
-        fused.rms_norm_triton(vals.to(torch.bfloat16), w, 1e-6, fp8=Fp8Input(), perm=perm)
+        fused.rms_norm_triton(vals.to(torch.bfloat16), w, 1e-6, quant=Fp8Input(), perm=perm)
     with pytest.raises(ValueError, match="permuted_weight"):
         fused.rms_norm(vals.to(torch.bfloat16), w, 1e-6, permuted_weight=w)
     with pytest.raises(ValueError, match="permuted_weight"):

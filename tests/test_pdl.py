@@ -32,7 +32,8 @@ def test_pdl_kernels_wait_before_touching_memory_and_release_where_intended():
     found = json.loads(ptx_report())
     assert found.pop("_unlisted") == [], "kernels taking PDL that pdl_ptx.py does not check"
     assert len(found) >= 14
-    assert {n for n, at in found.items() if at["early"]} == {"rms_norm", "rms_norm_perm", "gather_row", "rope_write",
+    assert {n for n, at in found.items() if at["early"]} == {"rms_norm", "rms_norm_perm", "rms_norm_x16", "gather_row",
+                                                           "rope_write",
                                                            "decode", "decode_cols", "fp8_gemv_early"}
     for name, at in found.items():
         # no global store (atomics included) before the wait: the previous kernel may still be reading
@@ -66,5 +67,5 @@ def test_split_kernels_fence_only_at_their_arrival_ticket():
     found = json.loads(ptx_report())
     found.pop("_unlisted")
     fenced = {name: at["fenced_atomics"] for name, at in found.items() if at["fenced_atomics"]}
-    assert fenced == dict.fromkeys(["tiled_gemv", "tiled_tc", "fp8_gemv", "fp8_gemv_early", "fp8_tc", "fp8_tc_prefetch",
+    assert fenced == dict.fromkeys(["tiled_gemv", "dp4a_gemv", "tiled_tc", "fp8_gemv", "fp8_gemv_early", "fp8_tc", "fp8_tc_prefetch",
                                     "decode", "decode_cols", "greedy"], 1)

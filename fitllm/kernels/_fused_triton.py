@@ -9,6 +9,7 @@ import triton.language as tl
 
 from ._pdl import pdl_start
 from .fp8 import quantize_row
+from .w4a16_dp4a import quantize_row_x16
 
 # tl.gather (Triton 3.2+) permutes a row in the SM: RMSNorm's perm and the row gather use it; without it
 # fused.py gathers with gather_columns_kernel instead
@@ -71,27 +72,31 @@ def _take_two_sums(pa, pb, mask, DT: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
-def _store_out(ptrs, v, mask, s_ptr, row, RNE: tl.constexpr, FP8: tl.constexpr, ACT: tl.constexpr,
+def _store_out(out_ptr, row, cols, N, v, mask, s_ptr, RNE: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr,
                EXACT: tl.constexpr):
-    """A kernel's output row v (fp32): rounded to the output's dtype, or (FP8 1: dynamic scale per
-    row, 2: static scale) rounded to the activation dtype ACT and quantized to e4m3 for an fp8 GEMM,
-    exactly as the GEMM's own quantizer would have quantized the rounded row."""
-    if FP8:
-        quantize_row(_cast(v, ACT, RNE).to(tl.float32), mask, ptrs, s_ptr, row, FP8 == 2, EXACT)
+    """A kernel's output row v (fp32, columns cols of N): rounded to the output's dtype, or rounded to
+    the activation dtype ACT and quantized for the next GEMM, exactly as that GEMM's own quantizer
+    would quantize the rounded row: QUANT 1 / 2 e4m3 codes with a dynamic scale per row / the static
+    scale (an fp8 GEMM), 3 X16 (a batch-1 4-bit GEMM on dp4a: out_ptr its codes, s_ptr its stats)."""
+    if QUANT == 3:
+        quantize_row_x16(_cast(v, ACT, RNE).to(tl.float32), cols, out_ptr, s_ptr, row, N)
+    elif QUANT:
+        quantize_row(_cast(v, ACT, RNE).to(tl.float32), mask, out_ptr + row * N + cols, s_ptr, row, QUANT == 2,
+                     EXACT)
     else:
-        tl.store(ptrs, _cast(v, ptrs.dtype.element_ty, RNE), mask=mask)
+        tl.store(out_ptr + row * N + cols, _cast(v, out_ptr.dtype.element_ty, RNE), mask=mask)
 
 
 @triton.jit
 def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, s_ptr, idx_ptr, N, n_inner, sx_o, sx_i, sr_o, sr_i, eps,
                     HAS_RES: tl.constexpr, RNE: tl.constexpr, RNE_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    X_SUM: tl.constexpr = False, FP8: tl.constexpr = 0, ACT: tl.constexpr = tl.bfloat16,
+                    X_SUM: tl.constexpr = False, QUANT: tl.constexpr = 0, ACT: tl.constexpr = tl.bfloat16,
                     EXACT: tl.constexpr = False, PERM: tl.constexpr = False, PDL: tl.constexpr = False,
                     W_PERMUTED: tl.constexpr = False, ROUND_ROW: tl.constexpr = True):
     # Row `row` of x sits at (row // n_inner) * sx_o + (row % n_inner) * sx_i: [T, N] or [T, H, N]
     # views (q|k slices of the qkv output) without a copy. out and h are contiguous. X_SUM: x is a
-    # GEMM's pending fp32 sum (taken here; HAS_RES then, whose dtype is the activations'). FP8: out
-    # gets e4m3 codes for an fp8 GEMM and s_ptr the scales (see _store_out). PERM: out's column j is
+    # GEMM's pending fp32 sum (taken here; HAS_RES then, whose dtype is the activations'). QUANT: out
+    # and s_ptr get the row quantized for the next GEMM (see _store_out). PERM: out's column j is
     # the normalised column idx[j] (an act-order GEMM's input order, fused.rms_norm's perm);
     # W_PERMUTED: w holds the weight in that order already (read contiguously, not gathered).
     # ROUND_ROW: the normalised row is rounded to the activation dtype before the weight multiplies
@@ -128,7 +133,7 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, s_ptr, idx_ptr, N, n_in
     if PERM:  # gathered in 16 bits, after the rounding: half the shared-memory traffic of fp32
         y = tl.gather(y, src, 0)
     y = y.to(tl.float32)
-    _store_out(out_ptr + row * N + cols, w * y, mask, s_ptr, row, RNE_OUT, FP8, ACT, EXACT)
+    _store_out(out_ptr, row, cols, N, w * y, mask, s_ptr, RNE_OUT, QUANT, ACT, EXACT)
 
 
 @triton.jit
@@ -177,16 +182,16 @@ def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HK, HALF,
 
 @triton.jit
 def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr, X_SUM: tl.constexpr = False,
-                    FP8: tl.constexpr = 0, ACT: tl.constexpr = tl.bfloat16, EXACT: tl.constexpr = False,
+                    QUANT: tl.constexpr = 0, ACT: tl.constexpr = tl.bfloat16, EXACT: tl.constexpr = False,
                     PDL: tl.constexpr = False, GELU: tl.constexpr = False):
-    # X_SUM: x is a GEMM's pending fp32 sum (taken here). FP8 (one program a row: BLOCK >= I): out
-    # gets e4m3 codes for an fp8 GEMM and s_ptr the scales (see _store_out). GELU: gelu_tanh(gate)
+    # X_SUM: x is a GEMM's pending fp32 sum (taken here). QUANT (one program a row: BLOCK >= I): out
+    # and s_ptr get the row quantized for the next GEMM (see _store_out). GELU: gelu_tanh(gate)
     # (Gemma) instead of silu(gate).
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
-    DT = ACT if FP8 else out_ptr.dtype.element_ty
+    DT = ACT if QUANT else out_ptr.dtype.element_ty
     if X_SUM:
         g, u = _take_two_sums(x_ptr + t * sx_t + cols, x_ptr + t * sx_t + I + cols, mask, DT, RNE)
     else:
@@ -197,7 +202,7 @@ def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl
     else:
         a = g / (1.0 + tl.exp(-g))
     a = _cast(a, DT, RNE).to(tl.float32)  # the activation rounds (as F.silu / F.gelu do), then the multiply
-    _store_out(out_ptr + t * I + cols, a * u, mask, s_ptr, t, RNE, FP8, DT, EXACT)
+    _store_out(out_ptr, t, cols, I, a * u, mask, s_ptr, RNE, QUANT, DT, EXACT)
 
 
 @triton.jit

@@ -150,7 +150,7 @@ class PendingSum:
 
 @dataclass(frozen=True)
 class Fp8Input:
-    """What a W8A8 fp8 GEMM wants of its activations (FusedLinear.fp8_input): e4m3 codes with one
+    """What a W8A8 fp8 GEMM wants of its activations (FusedLinear.input_quant): e4m3 codes with one
     dynamic scale per token (static_scale None) or with the checkpoint's static scale. The kernel
     that produces those activations may then quantize them itself (fused.rms_norm, fused.silu_mul)
     and hand over Fp8Activations: the GEMM skips its own quantization launch, which re-reads x."""
@@ -171,6 +171,32 @@ class Fp8Activations:
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+
+@dataclass(frozen=True)
+class X16Input:
+    """What a batch-1 4-bit GEMM on dp4a asks of its producer (FusedLinear.input_quant): x as X16."""
+
+
+@dataclass(frozen=True)
+class X16:
+    """Activations [M, K] as 16-bit integers per 128-column tile, for a batch-1 4-bit GEMM on dp4a
+    (fitllm.kernels.w4a16_dp4a, whose docstring gives the layout)."""
+
+    codes: torch.Tensor  # int32 [M, T, 4, 16]
+    stats: torch.Tensor  # fp32 [M, T, 2]: step, sum of v
+    K: int
+    dtype: torch.dtype  # x's (the GEMM's output dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.codes.shape[0], self.K))
+
+    @classmethod
+    def empty(cls, M: int, K: int, dtype: torch.dtype, device) -> "X16":
+        T = -(-K // 128)
+        return cls(torch.empty(M, T, 4, 16, dtype=torch.int32, device=device),
+                   torch.empty(M, T, 2, dtype=torch.float32, device=device), K, dtype)
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,12 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
   rms_norm (with a residual) and silu_mul also take a split-K GEMM's unfinished sum (_utils.PendingSum):
       they read it, round it as the GEMM would have, and zero its workspace, which spares the GEMM
       the two round trips to L2 that finishing y costs (+8 % int4 batch-1 decode on the H200).
-  rms_norm(..., fp8=Fp8Input) and silu_mul(..., fp8=Fp8Input) (the next layer's
-      FusedLinear.fp8_input): their output comes as e4m3 codes and scales for a W8A8 fp8 GEMM
+  rms_norm(..., quant=Fp8Input) and silu_mul(..., quant=Fp8Input) (the next layer's
+      FusedLinear.input_quant): their output comes as e4m3 codes and scales for a W8A8 fp8 GEMM
       (_utils.Fp8Activations), bit for bit what that GEMM's own quantizer would make of it, so the
       GEMM skips that launch (fp8 batch-1 decode +2.3 %, the producers of 1000 tokens 34 % faster).
+      quant=X16Input: one row comes as 16-bit integers for a batch-1 4-bit GEMM on dp4a
+      (w4a16_dp4a.X16); more rows come as they are.
   head_affine(x, rot, shift, pre, post, add, out_dtype, split=None) -> per-head ((x - shift) * pre)
       @ rot * post + add: the KV cache's maps between model space and cache space (kv_cache.py) in
       one launch instead of ~6 elementwise kernels and a matmul each; with split=(h0, dtype2), heads
@@ -49,7 +51,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._utils import Fp8Activations, Fp8Input, Gathered, PendingSum, backend_for, interpreting, pdl_args, splitk_workspace
+from ._utils import (X16, Fp8Activations, Fp8Input, Gathered, PendingSum, X16Input, backend_for, interpreting, pdl_args,
+                     splitk_workspace)
 
 
 # --------------------------------------------------------------------------- torch references
@@ -164,26 +167,35 @@ def _rows(t: torch.Tensor):
 
 # --------------------------------------------------------------------------- Triton wrappers
 
-def _fp8_out(fp8: Fp8Input | None, shape, rows: int, dtype: torch.dtype, device):
-    """(output buffer, scale pointer, FP8 mode, kernel options) of a producer kernel: e4m3 codes and
-    scales when an fp8 GEMM asked for them (fp8), else the plain output in `dtype`."""
-    if fp8 is None:
+def _quant_out(quant: Fp8Input | X16Input | None, shape, rows: int, dtype: torch.dtype, device):
+    """(output buffer, scale pointer, QUANT mode, kernel options) of a producer kernel: e4m3 codes and
+    scales when an fp8 GEMM asked for them, X16's codes and stats when a 4-bit GEMM on dp4a did (one
+    row of at least 128 values), else the plain output in `dtype`."""
+    if isinstance(quant, X16Input) and (rows != 1 or shape[-1] < 128):
+        quant = None  # dp4a is the batch-1 GEMV's
+    if quant is None:
         out = _empty(shape, dtype, device)
         return out, out, 0, {}
+    opts = dict(ACT=_kernels().TL_DTYPES[dtype], EXACT=interpreting())
+    if isinstance(quant, X16Input):
+        x16 = X16.empty(1, shape[-1], dtype, device)
+        return x16.codes, x16.stats, 3, dict(opts, QUANT=3)
     q = _empty(shape, torch.float8_e4m3fn, device)
-    if fp8.static_scale is None:
+    if quant.static_scale is None:
         scale, mode = _empty((rows, 1), torch.float32, device), 1
     else:
-        scale, mode = fp8.static_scale.to(device=device, dtype=torch.float32).reshape(1), 2
-    return q, scale, mode, dict(FP8=mode, ACT=_kernels().TL_DTYPES[dtype], EXACT=interpreting())
+        scale, mode = quant.static_scale.to(device=device, dtype=torch.float32).reshape(1), 2
+    return q, scale, mode, dict(opts, QUANT=mode)
 
 
-def _with_fp8(out: torch.Tensor, scale: torch.Tensor, mode: int, dtype: torch.dtype):
+def _with_quant(out: torch.Tensor, scale: torch.Tensor, mode: int, dtype: torch.dtype, K: int):
+    if mode == 3:
+        return X16(out, scale, K, dtype)
     return Fp8Activations(out, scale, dtype) if mode else out
 
 
 def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None, fp8: Fp8Input | None = None,
+                    residual: torch.Tensor | None = None, quant: Fp8Input | X16Input | None = None,
                     perm: torch.Tensor | None = None, permuted_weight: torch.Tensor | None = None,
                     fp32_product: bool = False):
     N = x.shape[-1]
@@ -191,7 +203,7 @@ def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: flo
     if weight.shape != (N,) or (has_res and residual.shape != x.shape):
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
                          f"{tuple(residual.shape) if has_res else None}")
-    _check_perm(perm, x, fp8, weight, permuted_weight)
+    _check_perm(perm, x, quant, weight, permuted_weight)
     if perm is not None and not _kernels().HAS_GATHER:  # an older Triton: normalise, then gather
         return _gathered(rms_norm_triton(x, weight, eps, residual, fp32_product=fp32_product), perm,
                          gather_columns_triton)
@@ -204,8 +216,8 @@ def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: flo
     out_dtype = dtype if fp32_product else torch.promote_types(weight.dtype, dtype)  # as the reference
     rows = x.shape.numel() // N if N else 0
     if len(x.shape) != 2 or out_dtype != dtype or not _kernels().TL_DTYPES.get(dtype):
-        fp8 = None  # quantized rows for an fp8 GEMM: only of [T, N] activations in their own dtype
-    out, scale, mode, fp8_opts = _fp8_out(fp8, x.shape, rows, out_dtype, device)  # row r at r * N
+        quant = None  # quantized rows for the next GEMM: only of [T, N] activations in their own dtype
+    out, scale, mode, quant_opts = _quant_out(quant, x.shape, rows, out_dtype, device)  # row r at r * N
     h = _empty(x.shape, dtype, device) if has_res else out  # (out: a placeholder, never written)
     x, n_inner, sx_o, sx_i = _rows(x.acc if pending else x)
     residual, _, sr_o, sr_i = _rows(residual) if has_res else (x, n_inner, 0, 0)  # same shape: same n_inner
@@ -217,16 +229,16 @@ def rms_norm_triton(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: flo
             sr_o, sr_i, float(eps), HAS_RES=has_res, X_SUM=pending, RNE=_rne(dtype), RNE_OUT=_rne(out_dtype),
             ROUND_ROW=not fp32_product,
             BLOCK_N=block, PERM=perm is not None, W_PERMUTED=permuted_weight is not None, num_warps=_warps(block),
-            **fp8_opts, **pdl_args(h))
-    out = _with_fp8(out, scale, mode, out_dtype) if perm is None else Gathered(out, perm)
+            **quant_opts, **pdl_args(h))
+    out = _with_quant(out, scale, mode, out_dtype, N) if perm is None else Gathered(out, perm)
     return (out, h) if has_res else out
 
 
-def _check_perm(perm: torch.Tensor | None, x, fp8: Fp8Input | None, weight: torch.Tensor,
+def _check_perm(perm: torch.Tensor | None, x, quant: Fp8Input | X16Input | None, weight: torch.Tensor,
                 permuted_weight: torch.Tensor | None) -> None:
-    if perm is not None and (len(x.shape) != 2 or perm.shape != (x.shape[-1],) or fp8 is not None):
-        raise ValueError(f"rms_norm: perm {tuple(perm.shape)} needs x [T, N] with N = its length and no fp8, "
-                         f"got x {tuple(x.shape)}, fp8 {fp8}")
+    if perm is not None and (len(x.shape) != 2 or perm.shape != (x.shape[-1],) or quant is not None):
+        raise ValueError(f"rms_norm: perm {tuple(perm.shape)} needs x [T, N] with N = its length and no quant, "
+                         f"got x {tuple(x.shape)}, quant {quant}")
     if permuted_weight is not None and (perm is None or permuted_weight.shape != weight.shape
                                         or permuted_weight.dtype != weight.dtype):
         raise ValueError(f"rms_norm: permuted_weight {tuple(permuted_weight.shape)} {permuted_weight.dtype} needs a "
@@ -262,7 +274,8 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
 FP8_SILU_MAX_BLOCK = 32768  # a row in one program's registers (1024 threads, 32 values of each half)
 
 
-def silu_mul_triton(gate_up: torch.Tensor | PendingSum, fp8: Fp8Input | None = None, act: str = "silu"):
+def silu_mul_triton(gate_up: torch.Tensor | PendingSum, quant: Fp8Input | X16Input | None = None,
+                    act: str = "silu"):
     two_i = gate_up.shape[-1]
     if two_i % 2:
         raise ValueError(f"silu_mul: last dim {two_i} is odd")
@@ -274,15 +287,15 @@ def silu_mul_triton(gate_up: torch.Tensor | PendingSum, fp8: Fp8Input | None = N
         x = x.contiguous()
     T = x.shape[0]
     if len(gate_up.shape) != 2 or _pow2(I) > FP8_SILU_MAX_BLOCK or not _kernels().TL_DTYPES.get(gate_up.dtype):
-        fp8 = None  # quantized rows for an fp8 GEMM: [T, 2I] only, each row in one program
-    out, scale, mode, fp8_opts = _fp8_out(fp8, (*gate_up.shape[:-1], I), T, gate_up.dtype, x.device)
+        quant = None  # quantized rows for the next GEMM: [T, 2I] only, each row in one program
+    out, scale, mode, quant_opts = _quant_out(quant, (*gate_up.shape[:-1], I), T, gate_up.dtype, x.device)
     if T and I:
-        # the fp8 epilogue needs a row's absolute max: the whole row in one program
-        block = _pow2(I) if mode else min(_pow2(I), 1024)
+        # the fp8 epilogue needs a row's absolute max: the whole row in one program; X16 a 128-tile's
+        block = _pow2(I) if mode in (1, 2) else min(_pow2(I), 1024)
         _kernels().silu_mul_kernel[(T, (I + block - 1) // block)](
             x, out, scale, I, x.stride(0), X_SUM=pending, RNE=_rne(gate_up.dtype), BLOCK=block,
-            num_warps=min(_warps(block) * 2, 32), GELU=act == "gelu_tanh", **fp8_opts, **pdl_args(x))
-    return _with_fp8(out, scale, mode, gate_up.dtype)
+            num_warps=min(_warps(block) * 2, 32), GELU=act == "gelu_tanh", **quant_opts, **pdl_args(x))
+    return _with_quant(out, scale, mode, gate_up.dtype, I)
 
 
 def head_affine_triton(x: torch.Tensor, rot: torch.Tensor | None, shift: torch.Tensor | None,
@@ -361,12 +374,12 @@ def gather_columns_triton(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- dispatch
 
 def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             fp8: Fp8Input | None = None, perm: torch.Tensor | None = None,
+             quant: Fp8Input | X16Input | None = None, perm: torch.Tensor | None = None,
              permuted_weight: torch.Tensor | None = None, fp32_product: bool = False):
     """RMSNorm over the last dim, math in float32, output in x's dtype (promoted with weight's).
     With `residual`: h = x + residual first, returns (rms_norm(h), h). x may be a GEMM's
-    PendingSum: taken (and its workspace zeroed) here. fp8 (the next GEMM's FusedLinear.fp8_input):
-    the Triton path may return the output quantized for that GEMM (Fp8Activations). perm (the next
+    PendingSum: taken (and its workspace zeroed) here. quant (the next GEMM's FusedLinear.input_quant):
+    the Triton path may return the output quantized for that GEMM (Fp8Activations, X16). perm (the next
     GEMM's FusedLinear.input_perm, x [T, N]): the output is Gathered, its columns in perm's order
     (both paths); permuted_weight (optional, weight[perm] made once by the caller) spares the kernel
     gathering the weight. The kernel reads `weight`, `residual` and `perm` before it waits for the kernel
@@ -376,8 +389,8 @@ def rms_norm(x: torch.Tensor | PendingSum, weight: torch.Tensor, eps: float, res
     if isinstance(x, PendingSum) and backend_for(x.acc) != "triton":
         x = x.materialize()
     if backend_for(x.acc if isinstance(x, PendingSum) else x) == "triton":
-        return rms_norm_triton(x, weight, eps, residual, fp8, perm, permuted_weight, fp32_product)
-    _check_perm(perm, x, fp8, weight, permuted_weight)
+        return rms_norm_triton(x, weight, eps, residual, quant, perm, permuted_weight, fp32_product)
+    _check_perm(perm, x, quant, weight, permuted_weight)
     return _gathered(rms_norm_ref(x, weight, eps, residual, fp32_product), perm)
 
 
@@ -390,18 +403,18 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return apply_rope_ref(q, k, cos, sin)
 
 
-def silu_mul(gate_up: torch.Tensor | PendingSum, fp8: Fp8Input | None = None, act: str = "silu"):
+def silu_mul(gate_up: torch.Tensor | PendingSum, quant: Fp8Input | X16Input | None = None, act: str = "silu"):
     """gate_up [..., 2I] (gate first) -> silu(gate) * up [..., I] (act="gelu_tanh": Gemma's
     gelu(gate, approximate="tanh") * up). gate_up may be a GEMM's PendingSum: taken (and its
-    workspace zeroed) here. fp8: as rms_norm's."""
+    workspace zeroed) here. quant: as rms_norm's."""
     if act not in ACTIVATIONS:
         raise ValueError(f"silu_mul: activation {act!r} is not one of {ACTIVATIONS}")
     if isinstance(gate_up, PendingSum):
         if backend_for(gate_up.acc) == "triton":
-            return silu_mul_triton(gate_up, fp8, act)
+            return silu_mul_triton(gate_up, quant, act)
         gate_up = gate_up.materialize()
     if backend_for(gate_up) == "triton":
-        return silu_mul_triton(gate_up, fp8, act)
+        return silu_mul_triton(gate_up, quant, act)
     return silu_mul_ref(gate_up, act)
 
 

@@ -48,12 +48,12 @@ class RMSNorm(nn.Module):
         self.weight.data = exact.to(self.weight.device)  # moved, not cast
         return out
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, fp8=None, perm=None):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, quant=None, perm=None):
         """Normalise in float32 as the reference implementations do, then cast back. With `residual`,
-        normalises h = x + residual and returns (norm(h), h): the residual add, fused. fp8: the next
-        layer's FusedLinear.fp8_input (the output may come quantized for it); perm: its input_perm
+        normalises h = x + residual and returns (norm(h), h): the residual add, fused. quant: the next
+        layer's FusedLinear.input_quant (the output may come quantized for it); perm: its input_perm
         (the output comes with its columns in that order)."""
-        return fused.rms_norm(x, self.weight, self.eps, residual, fp8, perm, self.weight_in_order(perm),
+        return fused.rms_norm(x, self.weight, self.eps, residual, quant, perm, self.weight_in_order(perm),
                               fp32_product=bool(self.offset))
 
     def weight_in_order(self, perm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -228,7 +228,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, defer: bool = False):
         """defer: as Attention.forward's, for down_proj; gate_up_proj's sum always goes to SiLU·mul,
         which can take it pending (linear.FusedLinear.forward)."""
-        act = fused.silu_mul(self.gate_up_proj(x, defer=True), self.down_proj.fp8_input(), self.act)
+        act = fused.silu_mul(self.gate_up_proj(x, defer=True), self.down_proj.input_quant(), self.act)
         return self.down_proj(act, defer=defer)
 
     def fold_input_order(self) -> bool:
@@ -278,17 +278,18 @@ class DecoderLayer(nn.Module):
         add is fused into the norm after it: (x, residual) -> (mlp output, residual), where the
         hidden state is their sum. residual=None for the first layer (x is then the embedding).
         defer: the mlp output goes to a fused RMSNorm with the residual (it may be a PendingSum)."""
-        # fp8 GEMMs get their input quantized by the norm, act-order ones in their weight's order
+        # fp8 GEMMs (and batch-1 4-bit ones on dp4a) get their input quantized by the norm, act-order
+        # ones in their weight's order
         qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
-        fp8, perm = qkv.fp8_input(), qkv.input_perm()
+        quant, perm = qkv.input_quant(), qkv.input_perm()
         if residual is None:
-            residual, x = x, self.input_layernorm(x, fp8=fp8, perm=perm)
+            residual, x = x, self.input_layernorm(x, quant=quant, perm=perm)
         else:
-            x, residual = self.input_layernorm(x, residual, fp8, perm)
+            x, residual = self.input_layernorm(x, residual, quant, perm)
         x = self.self_attn(x, cos, sin, ctx, defer=True)
         if self.sandwich:
             x = self.post_attention_layernorm(x)
-        x, residual = self.mlp_norm(x, residual, gate_up.fp8_input(), gate_up.input_perm())
+        x, residual = self.mlp_norm(x, residual, gate_up.input_quant(), gate_up.input_perm())
         if self.sandwich:
             return self.post_feedforward_layernorm(self.mlp(x, defer=True)), residual
         return self.mlp(x, defer=defer), residual

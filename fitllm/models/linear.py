@@ -43,9 +43,10 @@ class FusedLinear(nn.Module):
     def finalize(self) -> None:
         """Called once after all tensors are loaded."""
 
-    def fp8_input(self):
-        """An Fp8Input (kernels._utils) when this layer is one W8A8 fp8 GEMM, whose producer (a fused
-        RMSNorm or SiLU·mul) may then hand it x already quantized; None: x as it is."""
+    def input_quant(self):
+        """How this layer's one GEMM wants x quantized (kernels._utils: Fp8Input for a W8A8 fp8 GEMM,
+        X16Input for a 4-bit one whose batch-1 GEMV runs on dp4a), which its producer (a fused RMSNorm
+        or SiLU·mul) may then do; None: x as it is."""
         return None
 
     def input_perm(self):

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from fitllm.kernels._utils import Fp8Activations, Fp8Input, Gathered, backend_for
+from fitllm.kernels._utils import X16, Fp8Activations, Fp8Input, Gathered, X16Input, backend_for
 from fitllm.models.config import MULTIMODAL, ModelConfig
 from fitllm.models.errors import ModelLoadError
 from fitllm.models.linear import FusedLinear, LinearFactory, dense_factory
@@ -90,12 +90,19 @@ class QuantLinear(FusedLinear):
         self.pending = []
         self.parts = [_to_runtime(p, self.device, self.dtype) for p in parts]
 
-    def fp8_input(self) -> Fp8Input | None:
-        """One W8A8 fp8 GEMM: its producer may quantize x for it (FusedLinear.fp8_input);
-        FITLLM_FP8_FUSED_QUANT=0 turns that off (A/B runs)."""
-        if (len(self.parts) == 1 and isinstance(self.parts[0], FP8Weight) and self.fp8_mode == "w8a8"
+    def input_quant(self) -> Fp8Input | X16Input | None:
+        """One W8A8 fp8 GEMM: its producer may quantize x for it (FITLLM_FP8_FUSED_QUANT=0 turns that off,
+        A/B runs); one 4-bit tiled GEMM whose batch-1 GEMV runs on dp4a (w4a16_dp4a.dp4a_wanted, opt-in:
+        FITLLM_W4_DP4A=1): the producer of one row may hand it X16."""
+        one = self.parts[0] if len(self.parts) == 1 else None
+        if (isinstance(one, FP8Weight) and self.fp8_mode == "w8a8"
                 and os.environ.get("FITLLM_FP8_FUSED_QUANT", "1") != "0"):
-            return Fp8Input(self.parts[0].input_scale)
+            return Fp8Input(one.input_scale)
+        if isinstance(one, TiledWeight):
+            from fitllm.kernels.w4a16_dp4a import dp4a_wanted
+
+            if dp4a_wanted(one.bits, one.group_size, one.in_features, one.perm, one.qtile.device):
+                return X16Input()
         return None
 
     def input_perm(self) -> torch.Tensor | None:
@@ -131,7 +138,7 @@ class QuantLinear(FusedLinear):
     def forward(self, x: torch.Tensor | Fp8Activations | Gathered, defer: bool = False):
         """y = x W^T (+ bias). defer (x 2-D, the decoder's consumers only): the GEMM may return a
         PendingSum that one of fitllm.kernels.fused's kernels takes (see _utils.PendingSum). x may
-        be Fp8Activations where fp8_input asked for them, Gathered where input_perm did."""
+        be Fp8Activations or X16 where input_quant asked for them, Gathered where input_perm did."""
         if defer and len(self.parts) == 1 and self.bias is None and len(x.shape) == 2:
             return self._gemm(x, self.parts[0], defer=True)
         outs = [self._gemm(x, p) for p in self.parts]
@@ -145,6 +152,10 @@ class QuantLinear(FusedLinear):
             return fp8_linear(x, p, self.fp8_mode, defer)
         if isinstance(p, CodebookWeight):
             return codebook_linear(x, p)
+        if isinstance(x, X16):  # one row, as input_quant asked of the producer
+            from fitllm.kernels.w4a16_dp4a import dp4a_gemv
+
+            return dp4a_gemv(x, p.qtile, p.scales, p.zeros, p.group_size, defer=defer)
         shape = x.shape
         x2 = _in_stored_order(x, p.perm)
         if isinstance(p, TiledWeight):

@@ -1,0 +1,116 @@
+"""The batch-1 W4A16 GEMV on dp4a (fitllm/kernels/w4a16_dp4a.py) on a GPU, Llama-3-8B layer shapes, random
+weights: correctness first (the Triton quantizer and the fused producers bit for bit against the torch
+reference of X16; the GEMV against its exact integer math and against float64 of the dequantized weights
+and the bf16 x), then µs per linear and for a layer's four linears with their split-K sums pending (as the
+decoder runs them), the 16-bit GEMV of the table against dp4a, weights from HBM (enough copies per CUDA
+graph). o_proj is timed on both, though the engine keeps it on the 16-bit GEMV (its producer is the
+attention). Writes $OUT/dp4a_check.json.
+
+  python3 benchmarks/dp4a_check.py --out $OUT [--checks-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.bench_gemm import GS, SHAPES, rel_err  # noqa: E402
+from benchmarks.gemv_explore import graph_us, log  # noqa: E402
+from benchmarks.gemv_tiled_explore import dense64, hbm_copies  # noqa: E402
+from fitllm.kernels import fused  # noqa: E402
+from fitllm.kernels._utils import X16, X16Input, splitk_workspace  # noqa: E402
+from fitllm.kernels.w4a16_dp4a import dp4a_gemv, quantize_x16, quantize_x16_ref, w4a16_dp4a_ref  # noqa: E402
+from fitllm.kernels.w4a16_tiled import w4a16_tiled_triton  # noqa: E402
+
+
+def same(a: X16, b: X16) -> bool:
+    return torch.equal(a.codes, b.codes) and torch.equal(a.stats, b.stats)
+
+
+def checks(dev) -> dict:
+    out = {}
+    g = torch.Generator(device=dev).manual_seed(0)
+    for K in (4096, 14336, 576):
+        x = torch.randn(1, K, device=dev, generator=g).bfloat16() * 3
+        x[0, 7] = 200.0
+        out[f"quantizer K={K}"] = same(quantize_x16(x), quantize_x16_ref(x))
+        w = (torch.rand(K, device=dev, generator=g) + 0.5).bfloat16()
+        r = torch.randn(1, K, device=dev, generator=g).bfloat16()
+        got, _ = fused.rms_norm(x, w, 1e-5, r, X16Input())
+        out[f"rms_norm K={K}"] = isinstance(got, X16) and same(got, quantize_x16_ref(fused.rms_norm(x, w, 1e-5, r)[0]))
+        gu = torch.randn(1, 2 * K, device=dev, generator=g).bfloat16() * 2
+        got = fused.silu_mul(gu, X16Input())
+        out[f"silu_mul K={K}"] = isinstance(got, X16) and same(got, quantize_x16_ref(fused.silu_mul(gu)))
+    for name, (K, N) in SHAPES.items():
+        _, qts = hbm_copies(K, N, dev)
+        qt = qts[0]
+        x = torch.randn(1, K, device=dev, generator=g).bfloat16()
+        x16 = quantize_x16(x)
+        y = torch.full((1, N), float("nan"), device=dev, dtype=torch.bfloat16)
+        dp4a_gemv(x16, qt["qtile"], qt["scales"], qt["zeros"], GS, out=y)
+        out[f"{name} vs its integer math"] = rel_err(y, w4a16_dp4a_ref(x16, qt["qtile"], qt["scales"], qt["zeros"], GS))
+        out[f"{name} vs float64"] = rel_err(y, x.double() @ dense64(qt))
+        y16 = w4a16_tiled_triton(x, **qt)
+        out[f"{name} 16-bit GEMV vs float64"] = rel_err(y16, x.double() @ dense64(qt))
+        del qts
+    out["workspace clean"] = bool((splitk_workspace(torch.device(dev), 1, 1)[0] == 0).all())
+    return out
+
+
+def timings(dev) -> dict:
+    res, lin = {}, {}
+    for name, (K, N) in SHAPES.items():
+        _, qts = hbm_copies(K, N, dev)
+        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        x16, y = quantize_x16(x), torch.empty(1, N, device=dev, dtype=torch.bfloat16)
+        res[f"{name} 16-bit"] = graph_us([lambda q=q: w4a16_tiled_triton(x, **q, out=y) for q in qts])
+        res[f"{name} dp4a"] = graph_us([lambda q=q: dp4a_gemv(x16, q["qtile"], q["scales"], q["zeros"], GS, out=y)
+                                        for q in qts])
+        lin[name] = (x, x16, qts)
+        log(f"{name}: 16-bit {res[f'{name} 16-bit']:.1f} µs, dp4a {res[f'{name} dp4a']:.1f} µs")
+    n = min(len(q) for _, _, q in lin.values())
+
+    def chain(i, dp4a_for):
+        for name, (x, x16, qts) in lin.items():
+            q = qts[i]
+            if name in dp4a_for:
+                dp4a_gemv(x16, q["qtile"], q["scales"], q["zeros"], GS, defer=True)
+            else:
+                w4a16_tiled_triton(x, **q, defer=True)
+    for label, dp4a_for in (("16-bit", ()), ("dp4a but o", ("qkv", "gate_up", "down")),
+                            ("dp4a", tuple(SHAPES)), ("16-bit again", ())):
+        res[f"layer, sums pending: {label}"] = graph_us([lambda i=i, d=dp4a_for: chain(i, d) for i in range(n)])
+    splitk_workspace(torch.device(dev), 1, 1)[0].zero_()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--checks-only", action="store_true")
+    a = ap.parse_args()
+    dev = "cuda"
+    torch.manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(), "checks": checks(dev)}
+    bad = [k for k, v in res["checks"].items() if v is False or (isinstance(v, float) and not v < 1e-2)]
+    print("\n| check | result |\n|---|---|")
+    for k, v in res["checks"].items():
+        print(f"| {k} | {v if isinstance(v, bool) else f'{v:.2e}'} |")
+    print("CHECKS", "FAIL: " + ", ".join(bad) if bad else "PASS")
+    if a.checks_only:
+        json.dump(res, open(os.path.join(a.out, "dp4a_check.json"), "w"), indent=1)
+        return
+    res["us"] = timings(dev)
+    print("\n| µs, M = 1 | value |\n|---|---|")
+    for k, v in res["us"].items():
+        print(f"| {k} | {v:.1f} |")
+    json.dump(res, open(os.path.join(a.out, "dp4a_check.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
