@@ -184,8 +184,9 @@ def rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HK, HALF,
 def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl.constexpr, X_SUM: tl.constexpr = False,
                     QUANT: tl.constexpr = 0, ACT: tl.constexpr = tl.bfloat16, EXACT: tl.constexpr = False,
                     PDL: tl.constexpr = False, GELU: tl.constexpr = False):
-    # X_SUM: x is a GEMM's pending fp32 sum (taken here). QUANT (one program a row: BLOCK >= I): out
-    # and s_ptr get the row quantized for the next GEMM (see _store_out). GELU: gelu_tanh(gate)
+    # X_SUM: x is a GEMM's pending fp32 sum (taken here). QUANT: out and s_ptr get the row quantized
+    # for the next GEMM (see _store_out; fp8: one program a row, BLOCK >= I; X16: BLOCK a multiple of
+    # 128). GELU: gelu_tanh(gate)
     # (Gemma) instead of silu(gate).
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)

@@ -36,6 +36,7 @@ exact in fp32).
 from __future__ import annotations
 
 import os
+
 import torch
 
 from ._utils import X16, defer_splitk, interpreting, num_sms, pdl_args, pending_or_y, split_k_for, splitk_buffers
