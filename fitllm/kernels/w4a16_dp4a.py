@@ -39,7 +39,8 @@ import os
 
 import torch
 
-from ._utils import X16, defer_splitk, interpreting, num_sms, pdl_args, pending_or_y, split_k_for, splitk_buffers
+from ._utils import (X16, defer_splitk, interpreting, num_sms, pdl_args, pending_or_y, split_k_for, split_waves,
+                     splitk_buffers)
 
 try:
     import triton
@@ -47,7 +48,7 @@ try:
 
     from ._pdl import let_next_launch, wait_for_previous
     from .w4a16 import _store_tile
-    from .w4a16_tiled import _word_offsets
+    from .w4a16_tiled import _group_raw, _load_words, _word_offsets
 except ImportError:  # CPU-only installs without triton still get the reference
     triton = None
 
@@ -143,8 +144,9 @@ if triton is not None:
         B: tl.constexpr = v.shape[0]
         NT: tl.constexpr = B // 128
         T = (K + 127) // 128
-        tile = tl.min(tl.reshape(cols, (NT, 128)), 1) // 128
-        v2 = tl.where(tl.reshape(cols, (NT, 128)) < K, tl.reshape(v, (NT, 128)), 0.0)
+        c2 = tl.reshape(cols, (NT, 128))
+        tile = tl.min(c2, 1) // 128
+        v2 = tl.where(c2 < K, tl.reshape(v, (NT, 128)), 0.0)
         step = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v2), 1), 32258.0), 1e-30)
         q = _rint(v2 * tl.math.div_rn(tl.full(step.shape, 1.0, tl.float32), step)[:, None])  # one division a tile
         ok = tile < T
@@ -172,15 +174,9 @@ if triton is not None:
     def _tile_words(q_ptr, s_ptr, z_ptr, kt, offs_n, n_mask, N, NUM_GROUPS, stride_q, p_ar,
                     GROUP_SIZE: tl.constexpr, EVEN_N: tl.constexpr):
         """K tile kt's words [BN, 16], and its group's scales (fp32) and zeros (int32) [BN]."""
-        q_ptrs = q_ptr + _word_offsets(offs_n, kt, N, stride_q)[:, None] + p_ar
-        if EVEN_N:
-            qw = tl.load(q_ptrs)
-        else:
-            qw = tl.load(q_ptrs, mask=n_mask[:, None], other=0)
-        g = tl.minimum(kt * 128 // GROUP_SIZE, NUM_GROUPS - 1)
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.int32)
-        return qw, s, z
+        qw = _load_words(q_ptr, _word_offsets(offs_n, kt, N, stride_q)[:, None] + p_ar, None if EVEN_N else n_mask)
+        s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
+        return qw, s, z.to(tl.int32)
 
     @triton.jit
     def _tile_dot(qw, s, z, kt, codes_ptr, stats_ptr, p_ar, ASM: tl.constexpr):
@@ -255,8 +251,7 @@ def dp4a_gemv(x16: X16, qtile, scales, zeros, group_size: int, bias=None, out=No
     y = out if out is not None else torch.empty(1, N, dtype=x16.dtype, device=dev)
     T = x16.stats.shape[1]
     n_blocks = triton.cdiv(N, cfg["BN"])
-    waves = cfg["wide"][1] if cfg.get("wide") and N >= cfg["wide"][0] else cfg["waves"]
-    split, k_iters = split_k_for(n_blocks, T, num_sms(dev.index), waves)
+    split, k_iters = split_k_for(n_blocks, T, num_sms(dev.index), split_waves(cfg, N, K))
     use_ws = split > 1
     ws, cnt, order = splitk_buffers(dev, N, n_blocks, split) if use_ws else (y, y, {})
     defer = defer_splitk(defer, out, bias) and use_ws
