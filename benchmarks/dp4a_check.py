@@ -23,7 +23,7 @@ from benchmarks.bench_gemm import GS, SHAPES, rel_err  # noqa: E402
 from benchmarks.gemv_explore import graph_us, log  # noqa: E402
 from benchmarks.gemv_tiled_explore import dense64, hbm_copies  # noqa: E402
 from fitllm.kernels import fused  # noqa: E402
-from fitllm.kernels._utils import X16, X16Input, splitk_workspace  # noqa: E402
+from fitllm.kernels._utils import X16, Fp8Input, X16Input, splitk_workspace  # noqa: E402
 from fitllm.kernels.w4a16_dp4a import dp4a_gemv, quantize_x16, quantize_x16_ref, w4a16_dp4a_ref  # noqa: E402
 from fitllm.kernels.w4a16_tiled import w4a16_tiled_triton  # noqa: E402
 
@@ -62,8 +62,21 @@ def checks(dev) -> dict:
     return out
 
 
+def producer_timings(dev) -> dict:
+    """µs a call (graphs of 8 calls) of the producers that feed the dp4a GEMVs, each writing plain bf16, fp8
+    (dynamic per-row scale) or X16: RMSNorm + residual at K = 4096, SiLU·mul at I = 14336."""
+    res = {}
+    for name, quant in (("plain", None), ("fp8", Fp8Input()), ("X16", X16Input())):
+        x, r = (torch.randn(1, 4096, device=dev).bfloat16() for _ in range(2))
+        w = torch.rand(4096, device=dev).bfloat16()
+        gu = torch.randn(1, 2 * 14336, device=dev).bfloat16()
+        res[f"RMSNorm + residual K=4096, {name}"] = graph_us([lambda: fused.rms_norm(x, w, 1e-5, r, quant)] * 8)
+        res[f"SiLU·mul I=14336, {name}"] = graph_us([lambda: fused.silu_mul(gu, quant)] * 8)
+    return res
+
+
 def timings(dev) -> dict:
-    res, lin = {}, {}
+    res, lin = producer_timings(dev), {}
     for name, (K, N) in SHAPES.items():
         _, qts = hbm_copies(K, N, dev)
         x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)

@@ -43,13 +43,16 @@ def test_x16_layout_and_rounding(K):
     assert v.abs().max() <= dp.TOP
     assert torch.equal(v.sum(-1).float(), total)
     xp = torch.nn.functional.pad(x.float(), (0, T * 128 - K)).view(2, T, 128)
-    # half a step (and x / step's fp32 rounding: up to 32258 * 2^-24 of a step)
-    assert ((xp - v * step[..., None]).abs() <= step[..., None] * (0.5 + 2e-3)).all()
-    assert (v.abs().amax(-1) == dp.TOP).all()  # each tile's largest |x| is the full range
+    # half a step
+    assert ((xp - v * step[..., None]).abs() <= step[..., None] * 0.5).all()
+    # the step is a power of two (x / step exact: the same codes with and without FMA contraction)
+    assert torch.equal(torch.frexp(step).mantissa, torch.full_like(step, 0.5))
+    assert (v.abs().amax(-1) > dp.TOP // 2).all()  # each tile's largest |x| spans at least half the range
     # the documented bytes: position p = 4c + t holds word r = c + 4t; byte j of entry 0 (hi, low
     # nibbles) is k = 2r, 64 + 2r, 2r + 1, 65 + 2r; entry 1 the same k + 32; entries 2, 3 lo
-    hi = torch.round(v.float() / dp.HALF).int()
+    hi = torch.floor((v.double() + 128) / dp.HALF).int()
     lo = v - dp.HALF * hi
+    assert hi.abs().max() <= 127 and lo.min() >= -128 and lo.max() <= 127
     w = x16.codes[0, 0].to(torch.int64) & 0xFFFFFFFF
     for p in (0, 5, 15):
         r = p // 4 + 4 * (p % 4)
@@ -152,3 +155,12 @@ def test_a_tiled_layer_asks_for_x16_where_dp4a_runs(monkeypatch):
     assert y.shape == (1, N) and rel_err(y, x.double() @ w64) < 1e-2
     assert isinstance(layer(dp.quantize_x16_ref(x), defer=True), PendingSum)
     splitk_workspace(torch.device("cpu"), 1, 1)[0].zero_()
+
+
+def test_pow2_step_is_the_smallest_power_of_two_at_or_above_amax_over_top():
+    k = torch.tensor([-20.0, 0.0, 3.0])
+    at = dp.TOP * torch.exp2(k)  # amax / TOP exactly a power of two: that power
+    above = torch.nextafter(at, torch.full_like(at, float("inf")))  # one ulp more: the next power
+    amax = torch.cat([at, above, torch.tensor([0.0, 1e-40])])
+    assert torch.equal(dp._pow2_step(amax), torch.cat([torch.exp2(k), torch.exp2(k + 1),
+                                                       torch.full((2,), dp.TINY)]))

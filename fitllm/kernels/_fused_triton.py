@@ -73,13 +73,14 @@ def _take_two_sums(pa, pb, mask, DT: tl.constexpr, RNE: tl.constexpr):
 
 @triton.jit
 def _store_out(out_ptr, row, cols, N, v, mask, s_ptr, RNE: tl.constexpr, QUANT: tl.constexpr, ACT: tl.constexpr,
-               EXACT: tl.constexpr):
+               EXACT: tl.constexpr, col0=0):
     """A kernel's output row v (fp32, columns cols of N): rounded to the output's dtype, or rounded to
     the activation dtype ACT and quantized for the next GEMM, exactly as that GEMM's own quantizer
     would quantize the rounded row: QUANT 1 / 2 e4m3 codes with a dynamic scale per row / the static
-    scale (an fp8 GEMM), 3 X16 (a batch-1 4-bit GEMM on dp4a: out_ptr its codes, s_ptr its stats)."""
+    scale (an fp8 GEMM), 3 X16 (a batch-1 4-bit GEMM on dp4a: out_ptr its codes, s_ptr its stats; cols
+    are col0 + arange, col0 a multiple of 128)."""
     if QUANT == 3:
-        quantize_row_x16(_cast(v, ACT, RNE).to(tl.float32), cols, out_ptr, s_ptr, row, N)
+        quantize_row_x16(_cast(v, ACT, RNE).to(tl.float32), col0, out_ptr, s_ptr, row, N)
     elif QUANT:
         quantize_row(_cast(v, ACT, RNE).to(tl.float32), mask, out_ptr + row * N + cols, s_ptr, row, QUANT == 2,
                      EXACT)
@@ -190,7 +191,8 @@ def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl
     # (Gemma) instead of silu(gate).
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col0 = tl.program_id(1) * BLOCK
+    cols = col0 + tl.arange(0, BLOCK)
     mask = cols < I
     DT = ACT if QUANT else out_ptr.dtype.element_ty
     if X_SUM:
@@ -203,7 +205,7 @@ def silu_mul_kernel(x_ptr, out_ptr, s_ptr, I, sx_t, RNE: tl.constexpr, BLOCK: tl
     else:
         a = g / (1.0 + tl.exp(-g))
     a = _cast(a, DT, RNE).to(tl.float32)  # the activation rounds (as F.silu / F.gelu do), then the multiply
-    _store_out(out_ptr, t, cols, I, a * u, mask, s_ptr, RNE, QUANT, DT, EXACT)
+    _store_out(out_ptr, t, cols, I, a * u, mask, s_ptr, RNE, QUANT, DT, EXACT, col0)
 
 
 @triton.jit

@@ -9,12 +9,17 @@ next tile's words while this one's math runs. H100, Llama-3-8B shapes at M = 1, 
 forty-eighth session): qkv 8.2 -> 7.3, gate_up 27.0 -> 24.8, o and down a tie; a layer's four
 linears with their split-K sums pending 50.8 -> 49.8 (o_proj on the 16-bit GEMV).
 
-x as 16-bit integers (X16): each 128-column tile of a row gets one fp32 step d = max|x| / (127 * 254)
-and v = round(x / d) in [-32258, 32258], stored as v = 254 hi + lo with hi, lo int8 in [-127, 127].
-A word's dot product with x is 254 dp4a(codes, hi) + dp4a(codes, lo), exact in int32; the zero point
+x as 16-bit integers (X16): each 128-column tile of a row gets one fp32 step d, the smallest power of
+two >= max|x| / 32639, and v = round(x / d) in [-32639, 32639], stored as v = 256 hi + lo with
+hi = floor((v + 128) / 256) in [-127, 127] and lo in [-128, 127], both int8: lo's byte is v's low byte
+and hi's the next, after adding 128, so the producer splits v with a shift and a mask. d is a power of
+two so that x / d is exact: the GPU compiler fuses a multiply and the rounding's add into one FMA, the
+interpreter does not, and with an exact product both round alike (with d = max|x| / TOP itself the
+H100 and the torch reference disagreed on a few codes in every row).
+A word's dot product with x is 256 dp4a(codes, hi) + dp4a(codes, lo), exact in int32; the zero point
 comes off a tile as z * sum(v) (exact), and one multiply by the group's scale times d ends the tile.
-The only rounding beyond the 16-bit GEMV's is x's: |x - d v| <= d / 2, a 1 / 64516 of the tile's
-largest |x| (bf16 rounds each x by up to 2^-9 of its own size); against float64 the four linears are
+The only rounding beyond the 16-bit GEMV's is x's: |x - d v| <= d / 2, 1 / 65278 to 1 / 32639 of the
+tile's largest |x| (bf16 rounds each x by up to 2^-9 of its own size); against float64 the four linears are
 at 1.65e-3 where the 16-bit GEMV is at 3.0-3.3e-3 (H100).
 
 The producer of x writes X16 instead of x when the GEMM asks (FusedLinear.input_quant -> X16Input;
@@ -52,10 +57,10 @@ try:
 except ImportError:  # CPU-only installs without triton still get the reference
     triton = None
 
-HALF = 254  # v = HALF * hi + lo
-TOP = 127 * HALF  # the largest |v|
-TINY = 1e-30  # the smallest step (an all-zero tile)
-INV_HALF = 0.003937007874015748  # 1 / 254 (in fp32: either rounding at v = 254 n + 127 keeps |lo| <= 127)
+HALF = 256  # v = HALF * hi + lo
+TOP = 127 * HALF + 127  # the largest |v|
+TINY = 2.0 ** -100  # the smallest step (an all-zero tile)
+EXPONENT = 0x7F800000  # an fp32's exponent bits
 GEMV_CONFIG = dict(BN=256, num_warps=8, waves=4.0, wide=(16384, 6.0))  # H100 sweep (RESULTS.md, 48th session)
 
 
@@ -84,11 +89,9 @@ def quantize_x16_ref(x: torch.Tensor) -> X16:
     T = -(-K // 128)
     xf = torch.nn.functional.pad(x.float(), (0, T * 128 - K)).view(M, T, 128)
     amax = xf.abs().amax(-1)
-    step = (amax / torch.full_like(amax, TOP)).clamp_min(TINY)  # a tensor divisor: CUDA divides a tensor by a
-    # scalar as a multiply by its reciprocal, one rounding away from the kernel's division
-    inv = torch.ones_like(step) / step  # one division a tile, as the kernel
-    v = torch.round(xf * inv[..., None]).clamp(-TOP, TOP).to(torch.int32)
-    hi = torch.round(v.float() * INV_HALF).to(torch.int32)
+    step = _pow2_step(amax)
+    v = torch.round(xf / step[..., None]).to(torch.int32)  # exact quotients; |v| <= TOP: step >= amax / TOP
+    hi = torch.div(v + HALF // 2, HALF, rounding_mode="floor")
     ks = _byte_ks(x.device)
     words = []
     for part in (hi, v - HALF * hi):
@@ -97,6 +100,15 @@ def quantize_x16_ref(x: torch.Tensor) -> X16:
         words.append(torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32))
     stats = torch.stack([step, v.sum(-1).float()], -1)
     return X16(torch.cat(words, 2).contiguous(), stats.contiguous(), K, x.dtype)
+
+
+def _pow2_step(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= amax / TOP (fp32, at least TINY), without a division, as the kernel
+    computes it: with 2^E amax's leading power, TOP 2^(E - 14) < 2^E <= amax, and whether amax <= TOP
+    2^(E - 14) (exact: TOP has 15 bits) decides between 2^(E - 14) and 2^(E - 13)."""
+    two_e = (amax.view(torch.int32) & EXPONENT).view(torch.float32)
+    low = two_e * 2.0 ** -14
+    return torch.where(amax <= low * TOP, low, 2 * low).clamp_min(TINY)
 
 
 def unpack_x16(x16: X16) -> torch.Tensor:
@@ -134,31 +146,51 @@ if triton is not None:
         return (v + 12582912.0) - 12582912.0
 
     @triton.jit
-    def quantize_row_x16(v, cols, codes_ptr, stats_ptr, row, K):
+    def quantize_row_x16(v, col0, codes_ptr, stats_ptr, row, K):
         """Row `row` of x, its values v (fp32 [B], already rounded to the activation dtype) at columns
-        cols (B a multiple of 128, cols[0] one too), into X16 (codes_ptr, stats_ptr: X16's tensors):
-        the producers' epilogue (fused.rms_norm, fused.silu_mul). Columns past K count as 0. The bytes
-        are put together into words in registers (a permute), so each word is one 32-bit store (byte by
-        byte, one program's 8-28 K scattered stores took longer than the GEMV they feed), and x is
-        multiplied by the tile's 1 / step (a division an element cost as much again)."""
+        col0 .. col0 + B - 1 (B and col0 multiples of 128), into X16 (codes_ptr, stats_ptr: X16's
+        tensors): the producers' epilogue (fused.rms_norm, fused.silu_mul). Columns past K count as 0.
+        x is multiplied by the tile's 1 / step, a power of two found from bits, not divisions (a
+        division an element cost the engine more than the GEMV gained), and each word's four bytes are put together in registers
+        (a permute, two splits), so each word is one 32-bit store: byte by byte, one program's 8-28 K
+        scattered stores took longer than the GEMV they feed."""
         B: tl.constexpr = v.shape[0]
         NT: tl.constexpr = B // 128
         T = (K + 127) // 128
-        c2 = tl.reshape(cols, (NT, 128))
-        tile = tl.min(c2, 1) // 128
+        tile = col0 // 128 + tl.arange(0, NT)
+        c2 = tile[:, None] * 128 + tl.arange(0, 128)[None, :]
         v2 = tl.where(c2 < K, tl.reshape(v, (NT, 128)), 0.0)
-        step = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v2), 1), 32258.0), 1e-30)
-        q = _rint(v2 * tl.math.div_rn(tl.full(step.shape, 1.0, tl.float32), step)[:, None])  # one division a tile
+        amax = tl.max(tl.abs(v2), 1)
+        low = (amax.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True) * 6.103515625e-05
+        step = tl.maximum(tl.where(amax <= low * 32639.0, low, 2 * low), 7.888609052210118e-31)  # _pow2_step
+        inv = (0x7F000000 - step.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / step, exact
+        q = _rint(v2 * inv[:, None])
         ok = tile < T
         tl.store(stats_ptr + (row * T + tile) * 2, step, mask=ok)
         tl.store(stats_ptr + (row * T + tile) * 2 + 1, tl.sum(q, 1), mask=ok)
         # k = 64 a + 32 h + 8 t + 2 c + b -> word h * 16 + (4 c + t) of the entries, byte j = 2 b + a
-        q = tl.reshape(tl.permute(tl.reshape(q, (NT, 2, 2, 4, 4, 2)), (0, 2, 4, 3, 5, 1)), (NT, 32, 4))
-        hi = _rint(q * 0.003937007874015748)  # INV_HALF
-        shift = 8 * tl.arange(0, 4)[None, None, :]
+        q = tl.reshape(tl.permute(tl.reshape(q.to(tl.int32), (NT, 2, 2, 4, 4, 2)), (0, 2, 4, 3, 5, 1)),
+                       (NT, 32, 2, 2))
+        q_a0, q_a1 = tl.split(q)  # a = 0, 1: [NT, 32, 2 (b)]
         words = codes_ptr + (row * T + tile[:, None]) * 64 + tl.arange(0, 32)[None, :]
-        tl.store(words, tl.sum((hi.to(tl.int32) & 255) << shift, 2), mask=ok[:, None])
-        tl.store(words + 32, tl.sum(((q - 254.0 * hi).to(tl.int32) & 255) << shift, 2), mask=ok[:, None])
+        hi_w, lo_w = _x16_words(tl.split(q_a0), tl.split(q_a1))
+        tl.store(words, hi_w, mask=ok[:, None])
+        tl.store(words + 32, lo_w, mask=ok[:, None])
+
+    @triton.jit
+    def _x16_hilo(v):
+        """v (int32) -> the bytes of (hi, lo), v = 256 hi + lo: hi = floor((v + 128) / 256), lo v's low byte."""
+        return ((v + 128) >> 8) & 255, v & 255
+
+    @triton.jit
+    def _x16_words(a0, a1):
+        """Bytes j = 2 b + a of the words as the pairs a0 = (b = 0, b = 1) for a = 0 and a1 for a = 1 ->
+        the hi word and the lo word."""
+        h0, l0 = _x16_hilo(a0[0])
+        h1, l1 = _x16_hilo(a1[0])
+        h2, l2 = _x16_hilo(a0[1])
+        h3, l3 = _x16_hilo(a1[1])
+        return h0 | (h1 << 8) | (h2 << 16) | (h3 << 24), l0 | (l1 << 8) | (l2 << 16) | (l3 << 24)
 
     @triton.jit
     def _dp4a(a, b, c, ASM: tl.constexpr):
@@ -187,7 +219,7 @@ if triton is not None:
         zero = tl.zeros_like(qw)
         hi = _dp4a(high, tl.load(xw + 16), _dp4a(low, tl.load(xw), zero, ASM), ASM)
         lo = _dp4a(high, tl.load(xw + 48), _dp4a(low, tl.load(xw + 32), zero, ASM), ASM)
-        dots = tl.sum(hi * 254 + lo, 1) - z * tl.load(stats_ptr + 2 * kt + 1).to(tl.int32)
+        dots = tl.sum(hi * 256 + lo, 1) - z * tl.load(stats_ptr + 2 * kt + 1).to(tl.int32)
         return dots.to(tl.float32) * (s * tl.load(stats_ptr + 2 * kt))
 
     @triton.jit(do_not_specialize=["K_ITERS", "SPLIT"])
@@ -226,7 +258,7 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         v = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        quantize_row_x16(v, cols, codes_ptr, stats_ptr, row, K)
+        quantize_row_x16(v, 0, codes_ptr, stats_ptr, row, K)
 
 
 def quantize_x16(x: torch.Tensor) -> X16:
