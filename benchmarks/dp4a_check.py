@@ -6,12 +6,16 @@ decoder runs them), the 16-bit GEMV of the table against dp4a, weights from HBM 
 graph). o_proj is timed on both, though the engine keeps it on the 16-bit GEMV (its producer is the
 attention). Writes $OUT/dp4a_check.json.
 
-  python3 benchmarks/dp4a_check.py --out $OUT [--checks-only]
+  python3 benchmarks/dp4a_check.py --out $OUT [--checks-only] [--sweep]
+
+--sweep also times each linear over the GEMV's configs (BN, warps, split-K waves; sums ended) to retune
+GEMV_CONFIG for the card at hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -102,10 +106,28 @@ def timings(dev) -> dict:
     return res
 
 
+def sweep(dev) -> dict:
+    """µs of each linear alone (sums ended) for each config: the best one per linear first in the log."""
+    res = {}
+    for name, (K, N) in SHAPES.items():
+        _, qts = hbm_copies(K, N, dev)
+        x16 = quantize_x16(torch.randn(1, K, device=dev, dtype=torch.bfloat16))
+        y = torch.empty(1, N, device=dev, dtype=torch.bfloat16)
+        for bn, warps, waves in itertools.product((128, 256), (4, 8), (2.0, 3.0, 4.0, 6.0, 8.0)):
+            cfg = dict(BN=bn, num_warps=warps, waves=waves, wide=None)
+            res[f"{name} BN{bn} w{warps} waves{waves:g}"] = graph_us(
+                [lambda q=q: dp4a_gemv(x16, q["qtile"], q["scales"], q["zeros"], GS, out=y, config=cfg) for q in qts])
+        best = min((k for k in res if k.startswith(name + " ")), key=res.get)
+        log(f"{name}: best {best} {res[best]:.1f} µs")
+    splitk_workspace(torch.device(dev), 1, 1)[0].zero_()
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--checks-only", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
     dev = "cuda"
     torch.manual_seed(0)
@@ -122,6 +144,8 @@ def main():
     print("\n| µs, M = 1 | value |\n|---|---|")
     for k, v in res["us"].items():
         print(f"| {k} | {v:.1f} |")
+    if a.sweep:
+        res["sweep"] = sweep(dev)
     json.dump(res, open(os.path.join(a.out, "dp4a_check.json"), "w"), indent=1)
 
 
