@@ -8,8 +8,8 @@ attention). Writes $OUT/dp4a_check.json.
 
   python3 benchmarks/dp4a_check.py --out $OUT [--checks-only] [--sweep]
 
---sweep also times each linear over the GEMV's configs (BN, warps, split-K waves, the row-thread layout;
-sums ended) to retune GEMV_CONFIG for the card at hand.
+--sweep also times each linear over the GEMV's configs (BN, warps, split-K waves; sums ended) to retune
+GEMV_CONFIG for the card at hand.
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ from fitllm.kernels import fused  # noqa: E402
 from fitllm.kernels._utils import X16, Fp8Input, X16Input, splitk_workspace  # noqa: E402
 from fitllm.kernels.w4a16_dp4a import dp4a_gemv, quantize_x16, quantize_x16_ref, w4a16_dp4a_ref  # noqa: E402
 from fitllm.kernels.w4a16_tiled import w4a16_tiled_triton  # noqa: E402
-
-
-ROWS = dict(row_threads=True)  # the row-thread layout at GEMV_CONFIG's BN and warps
 
 
 def same(a: X16, b: X16) -> bool:
@@ -89,27 +86,22 @@ def timings(dev) -> dict:
         x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
         x16, y = quantize_x16(x), torch.empty(1, N, device=dev, dtype=torch.bfloat16)
         res[f"{name} 16-bit"] = graph_us([lambda q=q: w4a16_tiled_triton(x, **q, out=y) for q in qts])
-        for label, cfg in (("dp4a", None), ("dp4a rows", ROWS)):
-            res[f"{name} {label}"] = graph_us([lambda q=q, c=cfg: dp4a_gemv(x16, q["qtile"], q["scales"], q["zeros"],
-                                                                            GS, out=y, config=c) for q in qts])
+        res[f"{name} dp4a"] = graph_us([lambda q=q: dp4a_gemv(x16, q["qtile"], q["scales"], q["zeros"], GS, out=y)
+                                        for q in qts])
         lin[name] = (x, x16, qts)
-        log(f"{name}: 16-bit {res[f'{name} 16-bit']:.1f} µs, dp4a {res[f'{name} dp4a']:.1f} µs, "
-            f"rows {res[f'{name} dp4a rows']:.1f} µs")
+        log(f"{name}: 16-bit {res[f'{name} 16-bit']:.1f} µs, dp4a {res[f'{name} dp4a']:.1f} µs")
     n = min(len(q) for _, _, q in lin.values())
 
-    def chain(i, dp4a_for, cfg):
+    def chain(i, dp4a_for):
         for name, (x, x16, qts) in lin.items():
             q = qts[i]
             if name in dp4a_for:
-                dp4a_gemv(x16, q["qtile"], q["scales"], q["zeros"], GS, defer=True, config=cfg)
+                dp4a_gemv(x16, q["qtile"], q["scales"], q["zeros"], GS, defer=True)
             else:
                 w4a16_tiled_triton(x, **q, defer=True)
-    but_o = ("qkv", "gate_up", "down")
-    for label, dp4a_for, cfg in (("16-bit", (), None), ("dp4a but o", but_o, None), ("dp4a", tuple(SHAPES), None),
-                                 ("dp4a rows but o", but_o, ROWS), ("dp4a rows", tuple(SHAPES), ROWS),
-                                 ("16-bit again", (), None)):
-        res[f"layer, sums pending: {label}"] = graph_us([lambda i=i, d=dp4a_for, c=cfg: chain(i, d, c)
-                                                         for i in range(n)])
+    for label, dp4a_for in (("16-bit", ()), ("dp4a but o", ("qkv", "gate_up", "down")),
+                            ("dp4a", tuple(SHAPES)), ("16-bit again", ())):
+        res[f"layer, sums pending: {label}"] = graph_us([lambda i=i, d=dp4a_for: chain(i, d) for i in range(n)])
     splitk_workspace(torch.device(dev), 1, 1)[0].zero_()
     return res
 
@@ -121,11 +113,9 @@ def sweep(dev) -> dict:
         _, qts = hbm_copies(K, N, dev)
         x16 = quantize_x16(torch.randn(1, K, device=dev, dtype=torch.bfloat16))
         y = torch.empty(1, N, device=dev, dtype=torch.bfloat16)
-        for (bn, warps, rows), waves in itertools.product(
-                ((128, 4, False), (128, 8, False), (256, 4, False), (256, 8, False), (128, 4, True), (256, 8, True)),
-                (2.0, 3.0, 4.0, 6.0, 8.0)):
-            cfg = dict(BN=bn, num_warps=warps, waves=waves, wide=None, row_threads=rows)
-            res[f"{name} BN{bn} w{warps} waves{waves:g}{' rows' if rows else ''}"] = graph_us(
+        for bn, warps, waves in itertools.product((128, 256), (4, 8), (2.0, 3.0, 4.0, 6.0, 8.0)):
+            cfg = dict(BN=bn, num_warps=warps, waves=waves, wide=None)
+            res[f"{name} BN{bn} w{warps} waves{waves:g}"] = graph_us(
                 [lambda q=q: dp4a_gemv(x16, q["qtile"], q["scales"], q["zeros"], GS, out=y, config=cfg) for q in qts])
         best = min((k for k in res if k.startswith(name + " ")), key=res.get)
         log(f"{name}: best {best} {res[best]:.1f} µs")

@@ -27,8 +27,7 @@ committed), small-prev that and _pa_baseline together. Variant early-w-on lets t
 its first weight tile before the PDL wait (the default), early-w-off after it (FITLLM_EARLY_WEIGHTS=0);
 fp8-pf-2 lets the fp8 tensor-core kernel ask L2 for its first two weight tiles before the wait, fp8-pf-0
 not (FITLLM_FP8_PREFETCH). Variant dp4a-on runs the batch-1 int4 GEMVs on dp4a (kernels.w4a16_dp4a,
-FITLLM_W4_DP4A=1), dp4a-rows the same in the row-thread layout (GEMV_CONFIG row_threads), dp4a-off on the
-16-bit GEMV.
+FITLLM_W4_DP4A=1), dp4a-off on the 16-bit GEMV.
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -58,7 +57,6 @@ from gpu_engine_check import decode_speed, free, throughput  # noqa: E402
 import fitllm.kernels._fused_triton as current_fused  # noqa: E402
 import fitllm.kernels.fp8 as current_fp8  # noqa: E402
 import fitllm.kernels.paged_attention as current_attention  # noqa: E402
-import fitllm.kernels.w4a16_dp4a as current_dp4a  # noqa: E402
 import fitllm.kernels.w4a16_tiled as current_w4  # noqa: E402
 from fitllm.kernels import fused  # noqa: E402
 from fitllm.models.kv_cache import PagedKVCache  # noqa: E402
@@ -80,8 +78,7 @@ VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart":
             "fp8-pf-0": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "0"},
             "fp8-pf-2": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "2"},
             "dp4a-off": {"FITLLM_PDL": "1", "FITLLM_W4_DP4A": "0"},
-            "dp4a-on": {"FITLLM_PDL": "1", "FITLLM_W4_DP4A": "1"},
-            "dp4a-rows": {"FITLLM_PDL": "1", "FITLLM_W4_DP4A": "1"}}
+            "dp4a-on": {"FITLLM_PDL": "1", "FITLLM_W4_DP4A": "1"}}
 SWITCHES = sorted({key for env in VARIANTS.values() for key in env})  # every variable a variant sets
 
 
@@ -127,7 +124,6 @@ def main() -> int:
     one_split = lambda *a, **k: dict(decode_config(*a, **k), num_splits=1)  # noqa: E731
     gemv_row = current_w4.TILED_CONFIGS["sm90"][0][1]  # variant wide-off: every linear at the row's waves
     wide = gemv_row["wide"]
-    dp4a_config = current_dp4a.GEMV_CONFIG  # variant dp4a-rows: dp4a-on in the row-thread layout
     for scheme in args.schemes.split(","):
         models = {}
         reference, own = None, {}
@@ -137,7 +133,6 @@ def main() -> int:
                     os.environ.pop(key, None)
                 os.environ.update(VARIANTS[name])
                 gemv_row["wide"] = None if name == "wide-off" else wide
-                dp4a_config["row_threads"] = name == "dp4a-rows"
                 PagedKVCache.fuses_rope = apart if name == "rope-apart" else fuses_rope
                 PagedKVCache.attention = no_attention if name == "skip-attn" else attention
                 current_attention.decode_config = one_split if name == "attn-one-split" else decode_config

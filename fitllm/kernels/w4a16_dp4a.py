@@ -211,73 +211,42 @@ if triton is not None:
         return qw, s, z.to(tl.int32)
 
     @triton.jit
-    def _words_dot(qw, xw, p_ar, ASM: tl.constexpr):
-        """The rows' [BN] integer dot products of words qw [BN, W] at positions p_ar [1, W] of a tile
-        with x's codes there (xw: the tile's 64 code words)."""
+    def _tile_dot(qw, s, z, kt, codes_ptr, stats_ptr, p_ar, ASM: tl.constexpr):
+        """The rows' [BN] dot products with x over K tile kt, in fp32."""
+        xw = codes_ptr + kt * 64 + p_ar
         low = qw & 0x0F0F0F0F
         high = (qw >> 4) & 0x0F0F0F0F
         zero = tl.zeros_like(qw)
-        hi = _dp4a(high, tl.load(xw + p_ar + 16), _dp4a(low, tl.load(xw + p_ar), zero, ASM), ASM)
-        lo = _dp4a(high, tl.load(xw + p_ar + 48), _dp4a(low, tl.load(xw + p_ar + 32), zero, ASM), ASM)
-        return tl.sum(hi * 256 + lo, 1)
-
-    @triton.jit
-    def _scaled(dots, s, z, kt, stats_ptr):
-        """A tile's integer dot products [BN] less the zero point's share, times scale and step: fp32."""
-        dots -= z * tl.load(stats_ptr + 2 * kt + 1).to(tl.int32)
+        hi = _dp4a(high, tl.load(xw + 16), _dp4a(low, tl.load(xw), zero, ASM), ASM)
+        lo = _dp4a(high, tl.load(xw + 48), _dp4a(low, tl.load(xw + 32), zero, ASM), ASM)
+        dots = tl.sum(hi * 256 + lo, 1) - z * tl.load(stats_ptr + 2 * kt + 1).to(tl.int32)
         return dots.to(tl.float32) * (s * tl.load(stats_ptr + 2 * kt))
-
-    @triton.jit
-    def _row_chunks(q_ptr, s_ptr, z_ptr, kt, offs_n, n_mask, N, NUM_GROUPS, stride_q,
-                    GROUP_SIZE: tl.constexpr, EVEN_N: tl.constexpr):
-        """_tile_words as four [BN, 4] chunks: a 16-byte load a row each, so each row's words sit in
-        one thread (the row-thread layout)."""
-        base = _word_offsets(offs_n, kt, N, stride_q)[:, None] + tl.arange(0, 4)[None, :]
-        w_mask = None if EVEN_N else n_mask
-        s, z = _group_raw(s_ptr, z_ptr, kt * 128, N, NUM_GROUPS, offs_n, n_mask, GROUP_SIZE, True)
-        return (_load_words(q_ptr, base, w_mask), _load_words(q_ptr, base + 4, w_mask),
-                _load_words(q_ptr, base + 8, w_mask), _load_words(q_ptr, base + 12, w_mask), s, z.to(tl.int32))
 
     @triton.jit(do_not_specialize=["K_ITERS", "SPLIT"])
     def _dp4a_gemv_kernel(codes_ptr, stats_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                           N, NUM_GROUPS, stride_q, K_ITERS, SPLIT, T, GROUP_SIZE: tl.constexpr,
                           HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr,
                           EVEN_N: tl.constexpr = False, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
-                          DEFER: tl.constexpr = False, ROW_THREADS: tl.constexpr = False):
+                          DEFER: tl.constexpr = False):
         """y = x W^T for one row x given as X16: program (n, k) owns BN weight rows and K_ITERS K tiles.
         The next tile's words are loaded before this tile's math (two tiles' loads in flight: qkv and
-        gate_up 8-10 % faster on an H100, the others a tie). ROW_THREADS: each thread holds whole rows
-        (BN a multiple of the threads), so the row sums, scales and zeros need no lanes' exchange: no
-        shuffles and no barrier a tile, for 16 loads of x's words a tile a thread instead of 4."""
+        gate_up 8-10 % faster on an H100, the others a tie)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
+        p_ar = tl.arange(0, 16)[None, :]
         acc = tl.zeros((BN,), dtype=tl.float32)
         kt0 = pid_k * K_ITERS
         kt_end = tl.minimum(kt0 + K_ITERS, T)
         wait_for_previous(PDL)  # x is the previous kernel's output
-        if ROW_THREADS:
-            p4 = tl.arange(0, 4)[None, :]
-            n0, n1, n2, n3, sn, zn = _row_chunks(q_ptr, s_ptr, z_ptr, kt0, offs_n, n_mask, N, NUM_GROUPS,
-                                                 stride_q, GROUP_SIZE, EVEN_N)
-            for kt in range(kt0, kt_end):
-                w0, w1, w2, w3, s, z = n0, n1, n2, n3, sn, zn
-                n0, n1, n2, n3, sn, zn = _row_chunks(q_ptr, s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1), offs_n,
-                                                     n_mask, N, NUM_GROUPS, stride_q, GROUP_SIZE, EVEN_N)
-                xw = codes_ptr + kt * 64
-                dots = (_words_dot(w0, xw, p4, ASM) + _words_dot(w1, xw, p4 + 4, ASM)
-                        + _words_dot(w2, xw, p4 + 8, ASM) + _words_dot(w3, xw, p4 + 12, ASM))
-                acc += _scaled(dots, s, z, kt, stats_ptr)
-        else:
-            p_ar = tl.arange(0, 16)[None, :]
-            qn, sn, zn = _tile_words(q_ptr, s_ptr, z_ptr, kt0, offs_n, n_mask, N, NUM_GROUPS, stride_q, p_ar,
-                                     GROUP_SIZE, EVEN_N)
-            for kt in range(kt0, kt_end):
-                qw, s, z = qn, sn, zn
-                qn, sn, zn = _tile_words(q_ptr, s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1), offs_n, n_mask, N,
-                                         NUM_GROUPS, stride_q, p_ar, GROUP_SIZE, EVEN_N)
-                acc += _scaled(_words_dot(qw, codes_ptr + kt * 64, p_ar, ASM), s, z, kt, stats_ptr)
+        qn, sn, zn = _tile_words(q_ptr, s_ptr, z_ptr, kt0, offs_n, n_mask, N, NUM_GROUPS, stride_q, p_ar,
+                                 GROUP_SIZE, EVEN_N)
+        for kt in range(kt0, kt_end):
+            qw, s, z = qn, sn, zn
+            qn, sn, zn = _tile_words(q_ptr, s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1), offs_n, n_mask, N,
+                                     NUM_GROUPS, stride_q, p_ar, GROUP_SIZE, EVEN_N)
+            acc += _tile_dot(qw, s, z, kt, codes_ptr, stats_ptr, p_ar, ASM)
         let_next_launch(PDL)
         offs_m = tl.arange(0, 1)
         _store_tile(acc[None, :], bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < 1, n_mask, N, N,
@@ -322,6 +291,5 @@ def dp4a_gemv(x16: X16, qtile, scales, zeros, group_size: int, bias=None, out=No
         x16.codes, x16.stats, qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
         N, scales.shape[0], qtile.shape[1], k_iters, split, T, GROUP_SIZE=min(group_size, K),
         HAS_BIAS=bias is not None, USE_WS=use_ws, BN=cfg["BN"], ASM=not interpreting(), EVEN_N=N % cfg["BN"] == 0,
-        DEFER=defer, ROW_THREADS=cfg.get("row_threads", False), num_warps=cfg["num_warps"], **pdl_args(qtile),
-        **order)
+        DEFER=defer, num_warps=cfg["num_warps"], **pdl_args(qtile), **order)
     return pending_or_y(y, ws, defer)
