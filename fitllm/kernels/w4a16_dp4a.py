@@ -61,7 +61,7 @@ HALF = 256  # v = HALF * hi + lo
 TOP = 127 * HALF + 127  # the largest |v|
 TINY = 2.0 ** -100  # the smallest step (an all-zero tile)
 EXPONENT = 0x7F800000  # an fp32's exponent bits
-GEMV_CONFIG = dict(BN=256, num_warps=8, waves=4.0, wide=(16384, 6.0))  # H100 sweep (RESULTS.md, 48th session)
+GEMV_CONFIG = dict(BN=128, num_warps=4, waves=4.0, wide=(16384, 6.0), deep=(8192, 6.0))  # H100 sweep (RESULTS.md, 49th)
 
 
 def dp4a_wanted(bits: int, group_size: int, K: int, perm, device: torch.device) -> bool:
