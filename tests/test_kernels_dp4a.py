@@ -125,8 +125,9 @@ def test_silu_mul_hands_over_x16_and_takes_a_pending_sum(I):
 
 
 def test_a_tiled_layer_asks_for_x16_where_dp4a_runs(monkeypatch):
-    """FusedLinear.input_quant: X16Input for a 4-bit tiled weight on a dp4a card with FITLLM_W4_DP4A=1
-    (not for 8 bits, an act-order gather, groups of 64, or by default), and the layer serves an X16."""
+    """FusedLinear.input_quant: X16Input for a 4-bit tiled weight on a dp4a card, by default and with
+    FITLLM_W4_DP4A=1 (not for 8 bits, an act-order gather, groups of 64, or with FITLLM_W4_DP4A=0),
+    and the layer serves an X16."""
     from fitllm.quant.formats.packing import TiledWeight
     from fitllm.quant.layers import QuantLinear
 
@@ -135,7 +136,7 @@ def test_a_tiled_layer_asks_for_x16_where_dp4a_runs(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.delenv("FITLLM_W4_DP4A", raising=False)
-    assert not dp.dp4a_wanted(4, 128, K, None, cuda)  # opt-in
+    assert dp.dp4a_wanted(4, 128, K, None, cuda)  # on by default
     monkeypatch.setenv("FITLLM_W4_DP4A", "1")
     assert dp.dp4a_wanted(4, 128, K, None, cuda)
     assert not dp.dp4a_wanted(8, 128, K, None, cuda) and not dp.dp4a_wanted(4, 64, K, None, cuda)

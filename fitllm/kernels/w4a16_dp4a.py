@@ -1,13 +1,14 @@
 """The batch-1 W4A16 GEMV on integer dot products (dp4a), for 4-bit weights in the tiled layout.
-Opt-in (FITLLM_W4_DP4A=1): the GEMV is faster, the engine so far is not (below).
+On by default where it applies (dp4a_wanted; FITLLM_W4_DP4A=0 turns it off): H100, int4 batch-1
+decode 433.3 -> 447.5 tok/s (RESULTS.md, forty-ninth session).
 
 Why: the 16-bit GEMV (w4a16_tiled._tiled_gemv_kernel) spends ~27 instructions on each 8-weight word
 (unpack to 16-bit floats, subtract the zero, packed FMAs, fold into fp32); with x as integers a word
 is two masks and a shift (its eight codes as two words of four bytes) and four dp4a: 133 instructions
 a tile of 8 words a thread instead of 216 (offline sm_90 SASS), and the registers this frees hold the
 next tile's words while this one's math runs. H100, Llama-3-8B shapes at M = 1, µs (RESULTS.md,
-forty-eighth session): qkv 8.2 -> 7.3, gate_up 27.0 -> 24.8, o and down a tie; a layer's four
-linears with their split-K sums pending 50.8 -> 49.8 (o_proj on the 16-bit GEMV).
+forty-ninth session, GEMV_CONFIG): qkv 7.9 -> 7.1, o 6.3 -> 5.8, gate_up 28.8 -> 23.8, down 14.6 ->
+13.2; a layer's four linears with their split-K sums pending 49.6 -> 46.6 (o_proj on the 16-bit GEMV).
 
 x as 16-bit integers (X16): each 128-column tile of a row gets one fp32 step d, the smallest power of
 two >= max|x| / 32639, and v = round(x / d) in [-32639, 32639], stored as v = 256 hi + lo with
@@ -24,11 +25,11 @@ at 1.65e-3 where the 16-bit GEMV is at 3.0-3.3e-3 (H100).
 
 The producer of x writes X16 instead of x when the GEMM asks (FusedLinear.input_quant -> X16Input;
 fused.rms_norm and fused.silu_mul, one row only): quantizing in a launch of its own costs ~2.4 µs a
-launch against the GEMV's ~1 µs gain. o_proj, whose input the attention writes, stays on the 16-bit
-GEMV. That epilogue is what the engine pays for: H100, int4 batch-1 decode 424 -> 368 tok/s with the
-forty-eighth session's second producer form (RMSNorm + residual at K = 4096 1.4 -> 4.1 µs, SiLU·mul at
-14336 1.1 -> 10.5 µs, one program a row and an IEEE division an element); the third form (one
-division a tile, SiLU·mul over 1024-column programs) is checked on the CPU only, not timed.
+launch against the GEMV's ~1 µs a linear. o_proj, whose input the attention writes, stays on the
+16-bit GEMV. The epilogue is what the engine pays for, so it must be cheap: H100, RMSNorm + residual at
+K = 4096 plain / fp8 / X16 1.4 / 1.8 / 1.9 µs, SiLU·mul at 14336 1.1 / 3.3 / 1.5 (SiLU·mul in programs
+of 1024 columns: X16 needs a tile's max, not a row's). The forty-eighth session's first forms (a byte
+store and an IEEE division a value) took the engine from 424 to 234-368 tok/s.
 
 Layout, per row and tile: `codes` int32 [M, T, 4, 16], entry e, word position p (the tiled layout's
 position p = 4c + t holds word r = c + 4t), byte j the k (within the tile) of one of the word's
@@ -65,10 +66,10 @@ GEMV_CONFIG = dict(BN=128, num_warps=4, waves=4.0, wide=(16384, 6.0), deep=(8192
 
 
 def dp4a_wanted(bits: int, group_size: int, K: int, perm, device: torch.device) -> bool:
-    """Whether a weight's batch-1 GEMM takes X16 (FusedLinear.input_quant): asked for with FITLLM_W4_DP4A=1
-    (off by default: see the module docstring), 4-bit codes in the tiled layout, one group a 128-tile,
-    no act-order gather, a CUDA card with dp4a (sm61+)."""
-    if os.environ.get("FITLLM_W4_DP4A", "0") != "1" or triton is None or device.type != "cuda":
+    """Whether a weight's batch-1 GEMM takes X16 (FusedLinear.input_quant): 4-bit codes in the tiled layout,
+    one group a 128-tile, no act-order gather, a CUDA card with dp4a (sm61+), unless FITLLM_W4_DP4A=0
+    (the 16-bit GEMV: A/B runs)."""
+    if os.environ.get("FITLLM_W4_DP4A", "1") == "0" or triton is None or device.type != "cuda":
         return False
     if bits != 4 or perm is not None or not (group_size % 128 == 0 or group_size >= K):
         return False

@@ -92,8 +92,8 @@ class QuantLinear(FusedLinear):
 
     def input_quant(self) -> Fp8Input | X16Input | None:
         """One W8A8 fp8 GEMM: its producer may quantize x for it (FITLLM_FP8_FUSED_QUANT=0 turns that off,
-        A/B runs); one 4-bit tiled GEMM whose batch-1 GEMV runs on dp4a (w4a16_dp4a.dp4a_wanted, opt-in:
-        FITLLM_W4_DP4A=1): the producer of one row may hand it X16."""
+        A/B runs); one 4-bit tiled GEMM whose batch-1 GEMV runs on dp4a (w4a16_dp4a.dp4a_wanted;
+        FITLLM_W4_DP4A=0 turns it off): the producer of one row may hand it X16."""
         one = self.parts[0] if len(self.parts) == 1 else None
         if (isinstance(one, FP8Weight) and self.fp8_mode == "w8a8"
                 and os.environ.get("FITLLM_FP8_FUSED_QUANT", "1") != "0"):
