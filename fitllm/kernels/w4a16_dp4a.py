@@ -152,9 +152,9 @@ if triton is not None:
         col0 .. col0 + B - 1 (B and col0 multiples of 128), into X16 (codes_ptr, stats_ptr: X16's
         tensors): the producers' epilogue (fused.rms_norm, fused.silu_mul). Columns past K count as 0.
         x is multiplied by the tile's 1 / step, a power of two found from bits, not divisions (a
-        division an element cost the engine more than the GEMV gained), and each word's four bytes are put together in registers
-        (a permute, two splits), so each word is one 32-bit store: byte by byte, one program's 8-28 K
-        scattered stores took longer than the GEMV they feed."""
+        division a value cost the engine more than the GEMV gained), and each word's four bytes are put
+        together in registers (a permute, two splits), so each word is one 32-bit store: byte by byte,
+        one program's 8-28 K scattered stores took longer than the GEMV they feed."""
         B: tl.constexpr = v.shape[0]
         NT: tl.constexpr = B // 128
         T = (K + 127) // 128
