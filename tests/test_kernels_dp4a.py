@@ -165,3 +165,35 @@ def test_pow2_step_is_the_smallest_power_of_two_at_or_above_amax_over_top():
     amax = torch.cat([at, above, torch.tensor([0.0, 1e-40])])
     assert torch.equal(dp._pow2_step(amax), torch.cat([torch.exp2(k), torch.exp2(k + 1),
                                                        torch.full((2,), dp.TINY)]))
+
+
+def test_the_decoder_hands_x16_to_three_gemvs_a_layer(monkeypatch):
+    """A batch-1 step of a 4-bit tiled model (the interpreter's Triton kernels): with dp4a wanted, the
+    input RMSNorm, the post-attention RMSNorm and SiLU·mul hand X16 to qkv_proj, gate_up_proj and down_proj
+    (three dp4a GEMVs a layer; o_proj takes the attention's output as it is), and the step's output is the
+    16-bit GEMVs' within their roundings."""
+    from fitllm.models.config import ModelConfig
+    from fitllm.models.kv_cache import NoCacheContext
+    from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
+    from test_kernels_fused import quantized_model
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=256, intermediate_size=384,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6)
+    model = quantized_model(cfg, lambda K, N: TiledWeight.from_kernel(KernelWeight(
+        pack_dim0(torch.randint(0, 16, (K, N), generator=GEN), 4),
+        (torch.rand(K // 128, N, generator=GEN) * 0.02 + 0.01).bfloat16(),
+        torch.randint(0, 16, (K // 128, N), generator=GEN).bfloat16(), 4, 128)))
+    monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
+    ids, positions = torch.randint(0, 96, (1,), generator=GEN), torch.arange(1)
+    calls = []  # (QuantLinear imports both functions from the module at each call)
+    gemv = dp.dp4a_gemv
+    monkeypatch.setattr(dp, "dp4a_gemv", lambda x16, *a, **k: calls.append(x16.K) or gemv(x16, *a, **k))
+    outputs = {}
+    for wanted in (False, True):
+        monkeypatch.setattr(dp, "dp4a_wanted", lambda bits, gs, K, perm, device, w=wanted: w and bits == 4
+                            and perm is None)
+        with torch.no_grad():
+            outputs[wanted] = model(ids, positions, NoCacheContext([1]))
+    assert sorted(calls) == sorted([256, 256, 384] * cfg.num_layers)  # qkv, gate_up (K 256), down (K 384)
+    assert torch.isfinite(outputs[True]).all() and rel_err(outputs[True], outputs[False]) < 2e-2
+    assert clean_workspace()
