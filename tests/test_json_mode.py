@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import datetime
 import enum
+import itertools
 import json
 import random
 import re
 import uuid
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import jsonschema
 import pydantic
@@ -265,8 +266,26 @@ def unique_arrays(draw):
             **({} if hi is None else {"maxItems": hi})}
 
 
+UNIQUE_SCALARS = st.sampled_from([{"type": t} for t in ("integer", "number", "boolean", "string")]) \
+    | bounded_numbers() | st.just({"type": ["integer", "boolean", "null"]}) \
+    | st.just({"anyOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"enum": [1, 2.5, "a", True]}]})
+
+
+@st.composite
+def unique_scalar_arrays(draw):
+    """uniqueItems over scalars (pydantic's set[int], frozenset[float], set[bool], unions of them): minItems
+    where the values are enough (else the schema is refused, tested elsewhere)."""
+    schema = {"type": "array", "items": draw(UNIQUE_SCALARS), "uniqueItems": True,
+              "minItems": draw(st.integers(0, 2)), **draw(st.sampled_from([{}, {"maxItems": 3}]))}
+    try:
+        jm.Schema(schema)
+    except jm.SchemaError:
+        schema["minItems"] = 0
+    return schema
+
+
 def containers(inner):
-    return objects(inner) | arrays(inner) | unique_arrays() \
+    return objects(inner) | arrays(inner) | unique_arrays() | unique_scalar_arrays() \
         | inner.map(lambda s: {"type": "object", "additionalProperties": s}) \
         | st.lists(inner, min_size=2, max_size=3).map(lambda options: {"anyOf": options}) \
         | st.tuples(inner, inner).map(lambda pair: {"type": ["object", "string"], "properties": {"x": pair[0]}})
@@ -293,6 +312,10 @@ def instances(draw, schema):
                 if name in schema.get("required", []) or draw(st.booleans())}
     if kind == "object":
         return draw(st.dictionaries(NAMES, instances(schema.get("additionalProperties", {})), max_size=3))
+    if kind == "array" and schema.get("uniqueItems") and "enum" not in schema["items"]:
+        plain = instances(schema["items"]).filter(lambda v: "e" not in json.dumps(v))  # (numbers: plain decimals)
+        return draw(st.lists(plain, unique_by=lambda v: jm._identity(v), min_size=schema["minItems"],
+                             max_size=schema.get("maxItems", 4)))
     if kind == "array" and schema.get("uniqueItems"):
         distinct = list({jm._identity(json.loads(json.dumps(v))): v for v in reversed(schema["items"]["enum"])}.values())
         hi = min(schema.get("maxItems", len(distinct)), len(distinct))
@@ -473,6 +496,150 @@ def test_unique_strings_never_repeat_as_values(grammar):
         assert_mask_is_exact(grammar, compiled, config)
 
 
+class Ids(pydantic.BaseModel):
+    ids: set[int]
+    weights: frozenset[float] = frozenset()
+    levels: set[pydantic.conint(ge=1, le=3)] = set()
+    flags: set[bool] = set()
+    mixed: set[Union[int, bool, Literal["x"]]] = set()
+
+
+def token_ids(grammar, *texts: bytes) -> list[int]:
+    return [i for i, d in enumerate(grammar.tokens) if d in texts]
+
+
+def test_unique_numbers_never_repeat_nor_dead_end(grammar):
+    """pydantic's set[int], frozenset[float], a set of bounded integers, set[bool] and a set of a union:
+    uniqueItems over scalars, values compared as JSON Schema does (1 and 1.0 equal, -0 and 0 too, true
+    and 1 not). A number item is finished at the byte after it, which is refused where its value is an
+    earlier item's; a digit is refused where every value it can still become is taken, and a comma where
+    no value is left, so no walk dead-ends."""
+    schema = Ids.model_json_schema()
+    assert schema["properties"]["ids"] == {"items": {"type": "integer"}, "title": "Ids", "type": "array",
+                                           "uniqueItems": True}
+    compiled = jm.Schema(schema)
+    walk = lambda doc: compiled.walk(compiled.start, doc.encode())  # noqa: E731
+    doc = ('{"ids": [1, 2, 10, -0, 11, -1], "weights": [0.5, 1, 1.25, -0.5], "levels": [3, 1, 2], '
+           '"flags": [true, false], "mixed": [1, true, "x", 2, false]}')
+    assert compiled.done(walk(doc))
+    Ids.model_validate_json(doc)
+    for stray in ('{"ids": [1, 1]', '{"ids": [1, 1,', '{"ids": [7, 7 ', '{"ids": [0, -0', '{"ids": [-0, 0',
+                  '{"ids": [1, 10, 1]', '{"ids": [1e', '{"ids": [], "weights": [1, 1.0]', '{"ids": [], "weights": [1e',
+                  '{"ids": [], "weights": [0.5, 0.50,', '{"ids": [], "levels": [3, 3', '{"ids": [], "levels": [4',
+                  '{"ids": [], "levels": [1, 2, 3,', '{"ids": [], "flags": [true, true',
+                  '{"ids": [], "flags": [true, false,', '{"ids": [], "mixed": [1, true, 1]',
+                  '{"ids": [], "mixed": [1, 1.0',
+                  '{"ids": [], "mixed": ["x", "x"', '{"ids": [], "mixed": [false, false'):
+        assert walk(stray) is None, stray
+    for fine in ('{"ids": [1, 1', '{"ids": [1, 10, 1', '{"ids": [1, -1', '{"ids": [], "weights": [1, 1.0',
+                 '{"ids": [], "weights": [1, 1.01]', '{"ids": [], "levels": [3, 2, 1]', '{"ids": [], "levels": [3, 2,',
+                 '{"ids": [], "mixed": [1, true, 0]', '{"ids": [], "mixed": [true, 1, 12'):
+        assert walk(fine) is not None, fine
+    # the masks: after a repeat of 7 nothing may end the item, digits may go on; the last level left is all
+    # that may begin
+    ends = token_ids(grammar, b",", b"]", b", ", b"]}", b" ")
+    assert len(ends) >= 4
+    repeat = walk('{"ids": [7, 12, 7')
+    mask = grammar.mask(compiled, repeat, "cpu")
+    assert not mask[ends].any() and mask[token_ids(grammar, b"0", b"5")].all()
+    assert grammar.mask(compiled, walk('{"ids": [7, 12, 70'), "cpu")[token_ids(grammar, b",", b"]")].all()
+    last = grammar.mask(compiled, walk('{"ids": [], "levels": [1, 3, '), "cpu")
+    assert last[token_ids(grammar, b"2")].all() and not last[token_ids(grammar, b"1", b"3", b"]")].any()
+    data = doc.encode()
+    for config in {compiled.walk(compiled.start, data[:i]) for i in range(len(data) + 1)}:
+        assert_mask_is_exact(grammar, compiled, config)
+
+    def distinct(text):
+        for name, items in json.loads(text).items():
+            assert len({jm._identity(v) for v in items}) == len(items), (name, items)
+    assert finished_walks(compiled, schema, 7, 500, lambda text: (distinct(text), Ids.model_validate_json(text))) >= 5
+
+
+@pytest.mark.parametrize("items, lo", [
+    ({"type": "integer", "minimum": 1, "maximum": 3}, 3), ({"type": "integer", "minimum": -2, "maximum": 1}, 2),
+    ({"type": ["integer", "null"], "minimum": 0, "maximum": 10, "multipleOf": 5}, 4),
+    ({"anyOf": [{"type": "integer", "minimum": 0, "maximum": 2}, {"enum": [1, 2.0, 3.5, "a"]}, {"type": "boolean"}]},
+     6),
+])
+def test_unique_items_of_few_values_never_dead_end(items, lo):
+    """Every configuration reachable in an array of unique items drawn from a few values (taken up to
+    minItems, all of them) has a byte to go on with or is done: repeats that would strand the walk
+    (a digit that can only become a taken value, a comma with nothing left) are refused before."""
+    compiled = jm.Schema({"type": "array", "items": items, "uniqueItems": True, "minItems": lo})
+    seen, todo = {compiled.start}, [compiled.start]
+    while todo:  # (newlines and tabs left out: indentation multiplies the configurations, not the values)
+        config = todo.pop()
+        after = [c for c in (compiled.step(config, b) for b in range(256) if b not in b"\n\t") if c is not None]
+        assert after or compiled.done(config), config
+        todo += [c for c in after if c not in seen and not seen.add(c)]
+    assert len(seen) > 20
+
+
+SEVERAL_PATTERNS = {"type": "object", "patternProperties": {
+    "^a_": {"type": "integer"}, "^b_": {"type": "string", "maxLength": 3}, "^c_": {"type": "integer"},
+    "^[0-9]+$": {"type": "boolean"}, "x$": {"type": "null"}, "^nox": False}, "additionalProperties": False}
+
+
+def test_several_pattern_properties_give_each_key_its_schema(grammar):
+    """patternProperties with several patterns: a key matches one of them, its value follows that pattern's
+    schema; patterns of one schema are one group. A key that patterns of two schemas match ("a_x" under
+    "^a_" and "x$") is never finished, and a character comes only while the key can still end matching
+    one group alone; keys of a false schema never come. Accepted documents, refused prefixes, masks exact,
+    random walks that jsonschema reads (it holds a key to every pattern it matches)."""
+    compiled = jm.Schema(SEVERAL_PATTERNS)
+    walk = lambda doc: compiled.walk(compiled.start, doc.encode())  # noqa: E731
+    doc = '{"a_n": -1, "b_s": "abc", "c_": 2, "12": true, "zx": null, "a_xy": 3, "nx": null}'
+    assert compiled.done(walk(doc)) and compiled.done(walk("{}"))
+    jsonschema.validate(json.loads(doc), SEVERAL_PATTERNS)
+    for stray in ('{"a_n": "s"', '{"b_s": 1', '{"b_s": "abcd', '{"c_": true', '{"12": 1', '{"zx": 1', '{"d"',
+                  '{"a_x"', '{"a_x": ', '{"b_x"', '{"nox', '{"a_": 1, "q"'):
+        assert walk(stray) is None, stray
+    for fine in ('{"a_x', '{"a_xy"', '{"1', '{"12', '{"no', '{"1x": null}', '{"b_xy": "x"}'):
+        assert walk(fine) is not None, fine
+    data = doc.encode()
+    for config in {compiled.walk(compiled.start, data[:i]) for i in range(len(data) + 1)}:
+        assert_mask_is_exact(grammar, compiled, config)
+    assert finished_walks(compiled, SEVERAL_PATTERNS, 4, 400) >= 5
+    # patterns whose keys overlap but whose schemas are the same: one group, the key takes the value
+    same = jm.Schema({"type": "object", "patternProperties": {"^a": {"type": "integer"}, "b$": {"type": "integer"}}})
+    assert same.done(same.walk(same.start, b'{"ab": 1, "b": 2}'))
+    # one pattern still as before (pydantic's dict with constrained keys), false as only {}
+    one = jm.Schema({"type": "object", "patternProperties": {"^k": False}})
+    assert one.done(one.walk(one.start, b"{}")) and one.walk(one.start, b'{"') is None
+
+
+@pytest.mark.parametrize("patterns", [["^a", "b$"], ["^[ab]+$", "^a*$", "b{2}"], ["x", "^x", "^(?:x|y)$"]])
+def test_choice_can_finish_equals_brute_force(patterns):
+    """json_regex.Choice (each pattern its own group): can_finish against trying every string of up to 4
+    characters drawn from one code point of each class the patterns tell apart; accepted exactly where
+    the patterns that match are of one group."""
+    choice = json_regex.Choice([(json_regex.Regex(p), i) for i, p in enumerate(patterns)])
+    letters = [cp for cp in choice.cuts if not 0xD800 <= cp <= 0xDFFF]
+    for word in itertools.product(letters[:6], repeat=2):
+        text = "".join(map(chr, word))
+        state = choice.start
+        for cp in word:
+            state = choice.step(state, cp) if state else state
+        matched = [p for p in patterns if re.search(p, text)]
+        assert bool(state) and choice.accepts(state) == (len(matched) == 1), (text, matched)
+    for state in {choice.start} | {choice.step(choice.start, cp) for cp in letters}:
+        if not state:
+            continue
+        ends = set()  # lengths after which a string is accepted
+        for n in range(5):
+            for word in itertools.product(letters, repeat=n):
+                at = state
+                for cp in word:
+                    at = choice.step(at, cp) if at else at
+                if at and choice.accepts(at):
+                    ends.add(n)
+        for lo in range(4):
+            for hi in (lo, lo + 1, None):
+                want = any(lo <= n and (hi is None or n <= hi) for n in ends)
+                if want or hi is not None:  # (past 4 characters brute force cannot say no)
+                    assert choice.can_finish(state, lo, hi) == want, (state, lo, hi)
+
+
 def test_pydantic_schemas_with_refs_enums_and_recursion():
     schema = Owner.model_json_schema()  # $defs, $ref (a recursive one), enum, const, anyOf with null, defaults
     compiled = jm.Schema(schema)
@@ -499,6 +666,31 @@ def test_pydantic_schemas_with_refs_enums_and_recursion():
      "a.uniqueItems: supported where the items are enum / const values"),
     ({"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, 1.0, 2]}, "uniqueItems": True,
                                              "minItems": 3}}}, "more than the 2 distinct values"),
+    ({"type": "array", "items": {"type": "boolean"}, "uniqueItems": True, "minItems": 3},
+     "schema: minItems (3) is more than the 2 distinct values its items allow"),  # set[bool] of 3
+    ({"type": "array", "items": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                                           {"type": "integer", "minimum": 5, "maximum": 14}, {"enum": [3, 15.0]}]},
+      "uniqueItems": True, "minItems": 17}, "more than the 16 distinct values"),  # (overlaps counted once)
+    ({"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25}, "uniqueItems": True,
+      "minItems": 6}, "more than the 5 distinct values"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "object"}, "uniqueItems": True}}},
+     "properties.a.uniqueItems: supported where the items are enum / const values, strings, numbers"),
+    ({"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "array"}]}, "uniqueItems": True},
+     "schema.uniqueItems: supported where"),
+    ({"type": "array", "items": {"$ref": "#"}, "uniqueItems": True}, "schema.uniqueItems: supported where"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "integer"}, "uniqueItems": True},
+     "no prefixItems"),
+    ({"type": "array", "items": {"type": "string", "format": "date"}, "uniqueItems": True},
+     "uniqueItems: strings with a pattern, format or maxLength are not supported"),
+    ({"type": "object", "patternProperties": {"": {"type": "integer"}, ".*": {"type": "string"}}},
+     "schema.patternProperties: every key that matches a pattern also matches one of another schema"),
+    ({"type": "object", "properties": {"a": {}}, "patternProperties": {"^a": {}, "^b": {}}},
+     "patternProperties: supported as one or more patterns on an object that lists no properties"),
+    ({"type": "object", "patternProperties": {"^a": {}}, "additionalProperties": {}}, "supported as one or more"),
+    ({"type": "object", "patternProperties": {"^a": {}, "[z-a]": {}}},
+     r"patternProperties.\[z-a\]: a range out of order"),
+    ({"type": "object", "patternProperties": {"^a": {}, "^b": {"type": "date"}}},
+     r"patternProperties.\^b.type: expected one of"),
     ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 0}}}, "greater than 0"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 4, "multipleOf": 5}}},
      "no integer lies between its minimum and maximum that is a multiple of its multipleOf"),
@@ -723,6 +915,28 @@ def test_tagged_values_follow_their_schema(embedded_model, embedded_tokenizer):
     assert closed >= 3
     plain = eng.generate([prompt], [SamplingParams(max_tokens=20, temperature=0.0)])[0]
     assert outs[3].new_token_ids == plain.new_token_ids or open_ in outs[3].new_token_ids  # free until a tag
+    assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_engine_output_keeps_items_unique_and_keys_to_their_pattern(embedded_model, embedded_tokenizer):
+    """The engine under a schema of unique integers, unique numbers and several patternProperties: every
+    output is a prefix the automaton takes, and every finished one validates (jsonschema checks both)."""
+    schema = {"type": "object", "properties": {
+        "ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 4}, "uniqueItems": True,
+                "minItems": 3},
+        "sizes": {"type": "array", "items": {"type": "number"}, "uniqueItems": True, "maxItems": 4},
+        "by": {"type": "object", "patternProperties": {"^n_": {"type": "integer"}, "^s_": {"type": "string"}},
+               "additionalProperties": False}}, "required": ["ids", "sizes", "by"]}
+    eng, prompt = engine_and_prompt(embedded_model, embedded_tokenizer, "List some numbers as JSON.")
+    params = [SamplingParams(max_tokens=80, temperature=t, seed=s, json_schema=schema)
+              for t, s in ((0.0, 0), (1.0, 1), (1.0, 2), (1.0, 3))]
+    outs = eng.generate([prompt] * len(params), params)
+    compiled = jm.Schema(schema)
+    for out in outs:
+        assert out.error is None and compiled.walk(compiled.start, out.new_text.encode()) is not None, out.new_text
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.new_text), schema)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 2, [o.new_text for o in outs]
     assert eng.stats()["kv_blocks_used"] == 0
 
 

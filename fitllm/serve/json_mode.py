@@ -24,7 +24,10 @@ that lists properties takes no others; an object that lists none takes any keys 
 enforced or refused with a SchemaError naming it: nothing is silently ignored but annotations.
 A string with a pattern, format or length is walked character by character through json_regex's
 automaton (mode "text"); a number with bounds keeps its text so far and goes on only while some
-way to finish it lies within them (plain decimals: no exponent).
+way to finish it lies within them (plain decimals: no exponent). uniqueItems holds on scalar items: each
+item's value (as JSON Schema compares them: 1 and 1.0 alike) is kept in its array's frame, and an item may
+begin, go on or end only where it can still be a value no earlier item is; a number item ends at the byte
+after it, and takes plain decimals only.
 """
 from __future__ import annotations
 
@@ -32,17 +35,21 @@ import json
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from decimal import Decimal
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
 import torch
 
-from fitllm.serve.json_regex import ANY_TEXT, FORMATS, SYNTAX, PatternError, Regex
+from fitllm.serve.json_regex import ANY_TEXT, FORMATS, SYNTAX, Choice, PatternError, Regex
 
 MAX_WHITESPACE = 64  # a newline and its indentation between two tokens of the JSON text
 MAX_DEPTH = 32
+# uniqueItems with a minItems: the items' values listed (to count them, overlaps removed) up to this many
+LIST_LIMIT = 1 << 16
 WHITESPACE = frozenset(b" \t\n\r")
+ENDS_VALUE = WHITESPACE | frozenset(b",]}")  # the bytes that may follow a number
 DIGITS = frozenset(b"0123456789")
 HEX = frozenset(b"0123456789abcdefABCDEF")
 ESCAPES = frozenset(b'"\\/bfnrtu')
@@ -71,15 +78,16 @@ TYPE_KEYWORDS = {"object": {"properties", "required", "additionalProperties", "p
 # "number", "literal", "done" (only EOS). Detail: (whitespace, node) in the whitespace modes (0: none yet, -1:
 # one space, no more; k > 0: a newline and k - 1 bytes of indentation); in a string
 # (key_node: the value's node after an object key, else None; escape; utf8); (part, integer only) in a
-# number, (part, integer only, node, text so far) in a number with bounds or a multipleOf; (bytes left, property index
-# or -1) in a literal. In "text", a string value with a pattern, format or length: (node, characters
+# number, (part, integer only, node, text so far) in a number with bounds or a multipleOf or an item of unique
+# items; (bytes left, property index or -1; an item of unique items: its whole text) in a literal. In "text", a
+# string value with a pattern, format or length: (node, characters
 # so far, the pattern's state, the character under way: () none, ("\\",) after a backslash, ("u", hex
 # digits left, value so far), ("8", UTF-8 bytes left, bits so far, the next byte's range)), and a 5th entry
-# for a key of an object whose propertyNames limit its keys (the value's node after it: an int) or for an
-# item of unique strings (its text so far: a str). Stack
+# for a key of an object whose propertyNames or patternProperties limit its keys (the value's node after it: an
+# int; with several patterns, the first, the key's Choice telling which) or for an item of unique strings (its
+# text so far: a str). Stack
 # frames: ("o", node, next property) and ("a", node, items begun, capped where the count stops mattering),
-# with a 4th entry in an array of unique items: the frozenset of its items' literal indices (unique
-# strings: their texts) so far.
+# with a 4th entry in an array of unique items: the frozenset of its items' values so far (their _identity).
 WHITESPACE_MODES = frozenset({"value", "key_or_close", "key", "value_or_close", "colon", "after"})
 DONE = ("done", (), ())
 State = tuple
@@ -100,14 +108,18 @@ class Node:
     props: tuple = ()  # objects: ((key's JSON text with its quotes, value node, required), ...) in schema order
     extra: Optional[int] = None  # objects without props: the values' node (any key may come)
     key: Optional[int] = None  # objects without props: the keys' string node where propertyNames limits them
+    # objects with several patternProperties: each group's values' node, by the group the key's Choice says it
+    # matched (extra is the first)
+    values: tuple = ()
     items: Optional[int] = None  # arrays: the items' node (past the prefix; None: no more items)
     prefix: tuple = ()  # arrays: the nodes of the first items, in order (prefixItems)
     min_items: int = 0
     max_items: Optional[int] = None
-    unique: bool = False  # arrays: uniqueItems (items are then one literals node, each value at most once, or strings)
+    unique: bool = False  # arrays: uniqueItems (items are then a union of literals, strings walked as text, numbers)
     literals: tuple = ()  # the JSON texts (bytes) of enum / const values, true, false and null
     options: tuple = ()  # a union's node ids
-    text: Optional[Regex] = None  # strings with a pattern, format or length (ANY_TEXT: lengths only)
+    # strings with a pattern, format or length (ANY_TEXT: lengths only); keys of several patternProperties: a Choice
+    text: Optional[Regex | Choice] = None
     min_len: int = 0  # (in characters, as JSON Schema counts them)
     max_len: Optional[int] = None
     low: Optional[tuple] = None  # numbers: (bound, exclusive) below and above
@@ -286,16 +298,17 @@ class Schema:
             raise SchemaError(f"{where}.properties: expected an object")
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError(f"{where}.required: expected a list of property names")
-        key, values = self._property_names(s, props, where), f"{where}.additionalProperties"
+        key, values = self._property_names(s, props, where), None
         if "patternProperties" in s:  # (pydantic's dict with constrained string keys)
-            key, extra = self._pattern_properties(s, props, extra, key, where)
-            values = f"{where}.patternProperties"
+            key, values = self._pattern_properties(s, props, extra, key, where)
         if not props:
             if required:
                 raise SchemaError(f"{where}.required: required properties need their schemas under 'properties'")
-            if extra is False:
+            if values is None and extra is not False:
+                values = (self._compile(True if extra is None else extra, f"{where}.additionalProperties"),)
+            if not values:
                 return self._add(Node("object", props=()))  # only {}
-            return self._add(Node("object", key=key, extra=self._compile(True if extra is None else extra, values)))
+            return self._add(Node("object", key=key, extra=values[0], values=values if len(values) > 1 else ()))
         if extra not in (None, False):
             raise SchemaError(f"{where}.additionalProperties: only false is supported next to 'properties' "
                               "(an object lists its properties or takes any keys, not both)")
@@ -334,27 +347,88 @@ class Schema:
         unique = s.get("uniqueItems", False)
         if not isinstance(unique, bool):
             raise SchemaError(f"{where}.uniqueItems: expected true or false")
-        if unique and not prefix and self.nodes[items] == Node("string"):  # (pydantic's set[str])
-            items = self._add(Node("string", text=ANY_TEXT))  # walked by character: each item's text is kept
-        elif unique:
-            items = self._distinct_literals(items, prefix, where)
-            count = len(self.nodes[items].literals)
-            if lo > count:
-                raise SchemaError(f"{where}: minItems ({lo}) is more than the {count} distinct values its items allow")
-            hi = count if hi is None else min(hi, count)
+        if unique:
+            items = self._unique_items(items, prefix, lo, where)
         return self._add(Node("array", items=items, prefix=prefix, min_items=lo, max_items=hi, unique=unique))
 
-    def _distinct_literals(self, items: int, prefix: tuple, where: str) -> int:
-        """uniqueItems, enforced where the items are values listed by enum / const (pydantic's set of an
-        Enum or Literal): a literals node of the distinct values (equal as JSON Schema compares them)."""
-        options = self._alternatives(items)
-        if prefix or not all(self.nodes[o].kind == "literals" for o in options):
-            raise SchemaError(f"{where}.uniqueItems: supported where the items are enum / const values (no "
-                              "prefixItems)")
-        distinct = {}
-        for text in (t for o in options for t in self.nodes[o].literals):
-            distinct.setdefault(_identity(json.loads(text)), text)
-        return self._add(Node("literals", literals=tuple(distinct.values())))
+    def _unique_items(self, items: int, prefix: tuple, lo: int, where: str) -> int:
+        """uniqueItems, enforced on scalar items: the node the items are walked with (a union of their options).
+        An enum / const value begins only while no earlier item took it (pydantic's set of an Enum or Literal);
+        a string (no pattern, format or maxLength: some new one always remains) keeps its text and closes only
+        where no earlier item had it (set[str]); a number keeps its text, takes a digit only while it can still
+        end on a value of its bounds and step that no earlier item took, and ends (at the byte after it) only
+        on such a value (set[int], set[float]), so a walk never dead-ends on repeats. Values compare as JSON
+        Schema's do (1 and 1.0 equal, true and 1 not) across the options. A minItems more than the distinct
+        values there are is refused here where that is certain (set[bool] of 3); past LIST_LIMIT values to
+        list, options that might overlap are not worked out (an answer that long is cut by max_tokens first)."""
+        options = self._scalar_options(items)
+        if prefix or not options:
+            raise SchemaError(f"{where}.uniqueItems: supported where the items are enum / const values, strings, "
+                              "numbers, booleans or null (not objects or arrays, and no prefixItems)")
+        walked = []
+        for o in options:
+            n = self.nodes[o]
+            if n.kind == "string" and (n.text not in (None, ANY_TEXT) or n.max_len is not None):
+                raise SchemaError(f"{where}.uniqueItems: strings with a pattern, format or maxLength are not "
+                                  "supported as unique items")
+            walked.append(self._add(Node("string", text=ANY_TEXT)) if n == Node("string") else o)  # (text kept)
+        self._check_min_items(walked, lo, where)
+        return self._union(walked)
+
+    def _scalar_options(self, node: int, seen: Optional[set] = None) -> Optional[list[int]]:
+        """The options of a union (anyOf, $ref, a list of types) past unions; None where one is an object or an
+        array (or a $ref to a schema still being compiled: one around this one). A union met twice (a cycle,
+        refused later) adds nothing."""
+        n, seen = self.nodes[node], set() if seen is None else seen
+        if n is None or n.kind in ("object", "array"):
+            return None
+        if n.kind != "union":
+            return [node]
+        if node in seen:
+            return []
+        seen.add(node)
+        out = []
+        for option in n.options:
+            found = self._scalar_options(option, seen)
+            if found is None:
+                return None
+            out += found
+        return out
+
+    def _check_min_items(self, options: list[int], lo: int, where: str) -> None:
+        """minItems of unique items: refused where the distinct values of the options are fewer (counted where
+        no one option has enough by itself: listed if they are at most LIST_LIMIT, else only their sum)."""
+        sizes = [self._size(o) for o in options]
+        if max(sizes) >= lo:
+            return
+        if sum(sizes) <= LIST_LIMIT:
+            count = len({v for o in options for v in self._values(o)})
+            if count < lo:
+                raise SchemaError(f"{where}: minItems ({lo}) is more than the {count} distinct values its items allow")
+        elif sum(sizes) < lo:
+            raise SchemaError(f"{where}: minItems ({lo}) is more than the at most {sum(sizes)} distinct values its "
+                              "items allow")
+
+    def _size(self, node: int) -> float:
+        """How many distinct values a scalar node takes (math.inf: no end of them)."""
+        n = self.nodes[node]
+        if n.kind == "literals":
+            return len({_text_identity(text) for text in n.literals})
+        return math.inf if n.kind == "string" else _count(n, None, False, None, False)
+
+    def _values(self, node: int):
+        """The identities of the values of a scalar node with finitely many."""
+        n = self.nodes[node]
+        if n.kind == "literals":
+            yield from (_text_identity(text) for text in n.literals)
+            return
+        lo, lo_in, hi, hi_in = _narrowed(n, None, False, None, False)
+        unit = _unit(n)
+        if unit is None:  # (a number whose bounds meet: one value)
+            yield "number", lo
+            return
+        first, last = _multiples(unit, lo, lo_in, hi, hi_in)
+        yield from (("number", k * unit) for k in range(first, last + 1))
 
     def _property_names(self, s: dict, props: Optional[dict], where: str) -> Optional[int]:
         """propertyNames: the keys' string node (a pattern, format or lengths; enum / const of strings as
@@ -384,18 +458,44 @@ class Schema:
                 raise SchemaError(f"{where}: the property {name!r} is not a name it allows")
         return None if props else key
 
-    def _pattern_properties(self, s: dict, props, extra, key: Optional[int], where: str) -> tuple[int, Any]:
-        """patternProperties with one pattern on an object that lists no properties: (its keys' node, their
-        values' schema), read strictly: only keys that match come (JSON Schema would also take others,
-        with any value, unless additionalProperties says otherwise)."""
+    def _pattern_properties(self, s: dict, props, extra, key: Optional[int], where: str) -> tuple[Optional[int], tuple]:
+        """patternProperties on an object that lists no properties: (its keys' node, the values' node of each
+        group of patterns; none: only {}), read strictly: only keys that match a pattern come (JSON Schema would
+        also take others, with any value, unless additionalProperties says otherwise). One pattern: the keys are
+        strings of it. Several: a json_regex.Choice walks each key through all of them at once, and its value
+        follows the schema of the pattern it matched. JSON Schema has a key that several patterns match take a
+        value valid for each of their schemas; here such a key is written only where those schemas are the
+        same (patterns of equal schemas, as JSON, form one group): the keys are restricted to those that match
+        patterns of one group, character by character (a key never begins that could not end so), and keys
+        that a pattern of schema false matches never come."""
         patterns = s["patternProperties"]
         where = f"{where}.patternProperties"
-        if not isinstance(patterns, dict) or len(patterns) != 1 or props or extra not in (None, False) \
-                or key is not None:
-            raise SchemaError(f"{where}: supported as one pattern on an object that lists no properties, with no "
-                              "additionalProperties or propertyNames beside it")
-        (pattern, values), = patterns.items()
-        return self._compile({"type": "string", "pattern": pattern}, where), values
+        if not isinstance(patterns, dict) or not patterns or props or extra not in (None, False) or key is not None:
+            raise SchemaError(f"{where}: supported as one or more patterns on an object that lists no properties, "
+                              "with no additionalProperties or propertyNames beside it")
+        if len(patterns) == 1:
+            (pattern, values), = patterns.items()
+            key = self._compile({"type": "string", "pattern": pattern}, where)
+            return (None, ()) if values is False else (key, (self._compile(values, where),))
+        groups: dict[str, int] = {}  # a values' schema (as JSON) -> its group: the index of its node
+        values, regexes = [], []
+        for pattern, sub in patterns.items():
+            try:
+                regex = _regex(pattern)
+            except PatternError as e:
+                raise SchemaError(f"{where}.{pattern}: {e}") from None
+            same = json.dumps(sub, sort_keys=True)
+            if sub is not False and same not in groups:
+                groups[same] = len(values)
+                values.append(self._compile(sub, f"{where}.{pattern}"))
+            regexes.append((regex, groups.get(same)))  # (schema false: group None, never accepted)
+        if not values:
+            return None, ()
+        text = Choice(regexes)
+        if not text.can_finish(text.start, 0, None):
+            raise SchemaError(f"{where}: every key that matches a pattern also matches one of another schema (keys "
+                              "that patterns of different schemas match are not written)")
+        return self._add(Node("string", text=text)), tuple(values)
 
     def takes_text(self, node: int, value: str) -> bool:
         """Whether the string node takes `value` (its pattern and lengths)."""
@@ -537,20 +637,7 @@ class Schema:
         if mode == "text":
             return self._text_step(stack, detail, b)
         if mode == "number":
-            part = _number_step(detail[0], b, detail[1])
-            if len(detail) == 2:
-                if part is not None:
-                    return ("number", stack, (part, detail[1]))
-                return self._step(("after", stack, (0, None)), b) if detail[0] in NUMBER_DONE else None
-            _, integer, node, text = detail  # with bounds
-            if part is not None:
-                text += bytes((b,))
-                if not _may_reach(self.nodes[node], text, part):
-                    return None
-                return ("number", stack, (part, integer, node, text))
-            if detail[0] in NUMBER_DONE and _meets(self.nodes[node], *(Fraction(text.decode()), True) * 2):
-                return self._step(("after", stack, (0, None)), b)
-            return None
+            return self._in_number(stack, detail, b)
         if mode == "literal":
             rest, prop = detail
             if b != rest[0]:
@@ -567,6 +654,33 @@ class Schema:
         if mode == "colon":
             return ("value", stack, (0, node)) if b == 0x3A else None  # ":"
         return self._in_container(mode, stack, b)
+
+    def _in_number(self, stack: tuple, detail: tuple, b: int):
+        """A number, byte by byte. Where its text is kept (bounds, a step, an item of unique items) a digit
+        comes only while the number can still end on a value it may take, and the byte after it only where
+        its value is one: an item of unique items is finished there, at the "," "]" or space after it."""
+        part = _number_step(detail[0], b, detail[1])
+        if len(detail) == 2:  # any number
+            if part is not None:
+                return ("number", stack, (part, detail[1]))
+            return self._step(("after", stack, (0, None)), b) if detail[0] in NUMBER_DONE else None
+        _, integer, node, text = detail
+        n, used = self.nodes[node], stack[-1][3] if len(stack[-1]) == 4 else None
+        if part is not None:
+            text += bytes((b,))
+            if not (_may_reach(n, text, part) if used is None else _fresh(n, text, part, used)):
+                return None
+            return ("number", stack, (part, integer, node, text))
+        if detail[0] not in NUMBER_DONE or b not in ENDS_VALUE:  # (a byte the value's end refuses: not worth its value)
+            return None
+        value = _number_value(text)
+        if not _meets(n, value, True, value, True):
+            return None
+        if used is not None:  # an item of unique items, ending: not an earlier item's value
+            if ("number", value) in used:
+                return None
+            stack = _with_used(stack, ("number", value))
+        return self._step(("after", stack, (0, None)), b)
 
     def _in_container(self, mode: str, stack: tuple, b: int):
         kind, node, count = stack[-1][:3]
@@ -587,6 +701,8 @@ class Schema:
                 return ("key", stack, (0, None)) if self._next_keys(stack) else None
             if n.max_items is not None and count >= n.max_items:
                 return None
+            if n.unique and not self._item_left(n, stack[-1][3]):  # every value its items may take is taken
+                return None
             return ("value", self._item_begun(stack), (0, n.item(count)))
         if c == "}" and kind == "o" and n.may_close(count):
             return _close(stack)
@@ -601,12 +717,25 @@ class Schema:
         cap = max(n.max_items if n.max_items is not None else n.min_items, len(n.prefix))
         return stack[:-1] + (("a", node, min(count + 1, cap)) + stack[-1][3:],)
 
+    def _item_left(self, n: Node, used: frozenset) -> bool:
+        """Whether an array of unique items has a value left for one more item (no earlier item took it)."""
+        for option in self._alternatives(n.items):
+            o = self.nodes[option]
+            if o.kind == "literals":
+                left = any(_text_identity(text) not in used for text in o.literals)
+            else:  # a string (a new one always remains) or a number
+                left = o.kind == "string" or _fresh(o, b"", "start", used)
+            if left:
+                return True
+        return False
+
     def _next_keys(self, stack: tuple) -> list[int]:
-        """The properties whose key may come next (their values fit); [-1]: any key (a free object)."""
+        """The properties whose key may come next (their values fit); [-1]: any key (a free object; with
+        several patternProperties, where each pattern's values fit: the key decides which comes)."""
         _, node, index = stack[-1]
         n = self.nodes[node]
         if n.extra is not None:
-            return [-1] if self.fits(stack, n.extra) else []
+            return [-1] if all(self.fits(stack, v) for v in n.values or (n.extra,)) else []
         return [j for j in n.keys_from(index) if self.fits(stack, n.props[j][1])]
 
     def _key_start(self, stack: tuple):
@@ -618,9 +747,9 @@ class Schema:
         return _branches([free if j < 0 else
                           ("literal", stack, (n.props[j][0][1:], j)) for j in self._next_keys(stack)])
 
-    def _literal_end(self, stack: tuple, prop: int) -> State:
-        if prop < -1:  # item -2 - prop of an array of unique items
-            return ("after", _with_used(stack, -2 - prop), (0, None))
+    def _literal_end(self, stack: tuple, prop: int | bytes) -> State:
+        if isinstance(prop, bytes):  # an item of unique items: its value now taken
+            return ("after", _with_used(stack, _text_identity(prop)), (0, None))
         if prop < 0:
             return ("after", stack, (0, None))
         _, node, _ = stack[-1]
@@ -628,13 +757,8 @@ class Schema:
 
     def _value_start(self, stack: tuple, node: int, b: int) -> list:
         """The states a value of `node` is in after its first byte b (a list: unions branch)."""
-        if stack and len(stack[-1]) == 4 and self.nodes[node].kind == "string":  # a unique string: its text kept
-            return [("text", stack, (node, 0, self.nodes[node].text.start, (), ""))] if b == 0x22 else []
-        if stack and len(stack[-1]) == 4:  # an item of unique items: the values not taken yet
-            used = stack[-1][3]
-            return [("after", _with_used(stack, i), (0, None)) if len(text) == 1 else
-                    ("literal", stack, (text[1:], -2 - i))
-                    for i, text in enumerate(self.nodes[node].literals) if text[0] == b and i not in used]
+        if stack and len(stack[-1]) == 4:  # an item of unique items
+            return self._unique_start(stack, node, b)
         row = self._starts.get(node)
         if row is None:
             row = self._starts[node] = [None] * 256
@@ -643,6 +767,26 @@ class Schema:
             starts = row[b] = self._first_byte(node, b)
         return [(mode, stack + (frame,), detail) if frame else (mode, stack, detail)
                 for mode, frame, detail in starts if not frame or self.fits(stack, frame[1])]
+
+    def _unique_start(self, stack: tuple, node: int, b: int) -> list:
+        """The states an item of unique items is in after its first byte b: an enum / const value no earlier
+        item took, a string (its text kept: it may close only on a new one) or a number that can still end on
+        a value not taken (its text kept)."""
+        used, out = stack[-1][3], []
+        for option in self._alternatives(node):
+            n = self.nodes[option]
+            if n.kind == "literals":
+                out += [("after", _with_used(stack, _text_identity(text)), (0, None)) if len(text) == 1 else
+                        ("literal", stack, (text[1:], text))
+                        for text in n.literals if text[0] == b and _text_identity(text) not in used]
+            elif n.kind == "string":
+                out += [("text", stack, (option, 0, n.text.start, (), ""))] if b == 0x22 else []
+            else:
+                integer = n.kind == "integer"
+                part = _number_step("start", b, integer)
+                if part and _fresh(n, bytes((b,)), part, used):
+                    out.append(("number", stack, (part, integer, option, bytes((b,)))))
+        return out
 
     def _first_byte(self, node: int, b: int) -> list:
         """(mode, frame to push or None, detail) of each way a value of `node` can begin with b."""
@@ -679,9 +823,10 @@ class Schema:
                     return None
                 if len(detail) == 4:
                     return ("after", stack, (0, None))
-                if isinstance(detail[4], int):  # an object's key: its value next
-                    return ("colon", stack, (0, detail[4]))
-                text = detail[4]  # an item of unique strings: not one of the items before
+                if isinstance(detail[4], int):  # an object's key: its value next (of the patterns it matched)
+                    values = self.nodes[stack[-1][1]].values
+                    return ("colon", stack, (0, values[n.text.group(at)] if values else detail[4]))
+                text = ("str", detail[4])  # an item of unique strings: not one of the items before
                 return None if text in stack[-1][3] else ("after", _with_used(stack, text), (0, None))
             if b < 0x20:
                 return None
@@ -735,19 +880,26 @@ class Schema:
         return ("text", stack, (node, count if n.max_len is not None else min(count, n.min_len), after, ()) + rest)
 
 
-def _with_used(stack: tuple, i: int | str) -> tuple:
-    """The stack with literal i (a unique string: its text) taken in its top frame (an array of unique items)."""
+def _with_used(stack: tuple, value: tuple) -> tuple:
+    """The stack with a value (its _identity) taken in its top frame (an array of unique items)."""
     top = stack[-1]
-    return stack[:-1] + (top[:3] + (top[3] | {i},),)
+    return stack[:-1] + (top[:3] + (top[3] | {value},),)
 
 
 def _identity(value) -> tuple:
     """What JSON Schema's equality compares (1 and 1.0 equal, true and 1 not), for uniqueItems."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return type(value).__name__, value
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float, Decimal)):
         return "number", Fraction(value)
     return "json", json.dumps(value, sort_keys=True)
+
+
+@lru_cache(maxsize=4096)
+def _text_identity(text: bytes) -> tuple:
+    """The identity of an enum / const value's JSON text: its numbers exactly as written (0.1 is 1/10, as a
+    number item that writes 0.1 is), not as the nearest float."""
+    return _identity(json.loads(text, parse_float=Decimal))
 
 
 def _room(n: Node, count: int) -> tuple[int, Optional[int]]:
@@ -768,9 +920,13 @@ def _code_points(pending: tuple) -> tuple[int, int]:
     return (value << 6 | (lo & 0x3F)) << shift, ((value << 6 | (hi & 0x3F)) << shift) | ((1 << shift) - 1)
 
 
-def _meets(n: Node, lo: Optional[Fraction], lo_in: bool, hi: Optional[Fraction], hi_in: bool) -> bool:
-    """Whether a number of node n (within its bounds, a multiple of its step) lies in the interval lo..hi
-    (None: unbounded; _in: inclusive)."""
+def _unit(n: Node) -> Optional[Fraction]:
+    """What a number node's values are multiples of (None: any decimal)."""
+    return n.step if n.step is not None else Fraction(1) if n.kind == "integer" else None
+
+
+def _narrowed(n: Node, lo: Optional[Fraction], lo_in: bool, hi: Optional[Fraction], hi_in: bool) -> tuple:
+    """The interval lo..hi (None: unbounded; _in: inclusive) within node n's bounds."""
     if n.low is not None:
         value, inclusive = n.low[0], not n.low[1]
         if lo is None or value > lo or (value == lo and not inclusive):
@@ -779,45 +935,106 @@ def _meets(n: Node, lo: Optional[Fraction], lo_in: bool, hi: Optional[Fraction],
         value, inclusive = n.high[0], not n.high[1]
         if hi is None or value < hi or (value == hi and not inclusive):
             hi, hi_in = value, inclusive
-    unit = n.step if n.step is not None else 1 if n.kind == "integer" else None
-    if unit is not None and lo is not None:  # the smallest multiple of the unit in it
-        first = math.ceil(lo / unit) * unit
-        lo, lo_in = (first + unit if first == lo and not lo_in else first), True
+    return lo, lo_in, hi, hi_in
+
+
+def _multiples(unit: Fraction, lo: Fraction, lo_in: bool, hi: Fraction, hi_in: bool) -> tuple[int, int]:
+    """(first, last): the multiples k * unit in the interval lo..hi are those of first <= k <= last."""
+    first, last = math.ceil(lo / unit), math.floor(hi / unit)
+    return first + (first * unit == lo and not lo_in), last - (last * unit == hi and not hi_in)
+
+
+def _count(n: Node, lo: Optional[Fraction], lo_in: bool, hi: Optional[Fraction], hi_in: bool) -> float:
+    """How many numbers of node n (within its bounds, multiples of its step) lie in the interval lo..hi (None:
+    unbounded; _in: inclusive): math.inf where it is unbounded or, without a step, wider than a point."""
+    lo, lo_in, hi, hi_in = _narrowed(n, lo, lo_in, hi, hi_in)
     if lo is None or hi is None:
-        return True
-    return lo < hi or (lo == hi and lo_in and hi_in)
+        return math.inf
+    unit = _unit(n)
+    if unit is None:
+        return math.inf if lo < hi else int(lo == hi and lo_in and hi_in)
+    first, last = _multiples(unit, lo, lo_in, hi, hi_in)
+    return max(0, last - first + 1)
+
+
+def _meets(n: Node, lo: Optional[Fraction], lo_in: bool, hi: Optional[Fraction], hi_in: bool) -> bool:
+    """Whether a number of node n lies in the interval lo..hi."""
+    return _count(n, lo, lo_in, hi, hi_in) > 0
+
+
+def _number_value(text: bytes) -> Fraction:
+    """The exact value of a number's text (through Decimal: Python's int refuses over 4300 digits)."""
+    return Fraction(Decimal(text.decode()))
+
+
+def _spans(digits: bytes, part: str):
+    """The magnitudes a number begun as `digits` (past its sign, a plain decimal: no exponent) can still end
+    on, as intervals [a, b) (b None: unbounded) in increasing order: every decimal of one interval, or, while
+    more digits may join its integer part, of one interval per length (1 -> [1, 2), [10, 20), ...)."""
+    if part == "minus":
+        yield Fraction(0), None
+    elif part == "zero":
+        yield Fraction(0), Fraction(1)
+    elif part in ("dot", "frac"):
+        start = _number_value(digits)
+        yield start, start + Fraction(1, 10 ** len(digits.partition(b".")[2]))
+    else:  # int
+        w, scale = int(Decimal(digits.decode())), 1
+        while True:
+            yield Fraction(w * scale), Fraction((w + 1) * scale)
+            scale *= 10
+
+
+def _reachable(n: Node, text: bytes, part: str, enough: float = 1) -> float:
+    """How many values of node n (within its bounds, on its step) a number begun as `text` can still end on,
+    counted until `enough` (part "start": nothing written yet). Bounds, steps and unique items are checked on
+    plain decimals, so none past an exponent. (The values a decimal prefix can still become are every decimal
+    in its spans, so the multiples in them are the ones it can reach.)"""
+    if part in EXPONENT:
+        return 0
+    if part == "start":
+        return _count(n, None, False, None, False)
+    negative = text.startswith(b"-")
+    far = n.low if negative else n.high  # the bound on the side its magnitude grows to
+    if part == "int" and far is None:  # long enough numbers pass any bound on the other side
+        return math.inf
+    total = 0
+    for a, b in _spans(text[1:] if negative else text, part):
+        if total >= enough or (far is not None and a > abs(far[0])):
+            break
+        total += _count(n, -b if b is not None else None, False, -a, True) if negative else _count(n, a, True, b, False)
+    return total
 
 
 def _may_reach(n: Node, text: bytes, part: str) -> bool:
-    """Whether a number begun as `text` (no exponent: bounds and steps are checked on plain decimals) can
-    still end within node n's bounds, on a multiple of its step. (The values a decimal prefix can still
-    become are every decimal in an interval, so a multiple in that interval is one it can reach.)"""
-    if part in EXPONENT:
-        return False
-    negative = text.startswith(b"-")
-    digits = text[1:] if negative else text
+    """Whether a number begun as `text` can still end within node n's bounds, on a multiple of its step."""
+    return _reachable(n, text, part) > 0
 
-    def meets(a: Fraction, b: Optional[Fraction]) -> bool:  # some value of magnitude in [a, b)
-        return _meets(n, -b if b is not None else None, False, -a, True) if negative else _meets(n, a, True, b, False)
 
-    if part == "minus":
-        return meets(Fraction(0), None)
-    if part == "zero":
-        return meets(Fraction(0), Fraction(1))
-    whole, _, fraction = digits.decode().partition(".")
-    if part in ("dot", "frac"):
-        start = Fraction(int(whole)) + (Fraction(int(fraction), 10 ** len(fraction)) if fraction else 0)
-        return meets(start, start + Fraction(1, 10 ** len(fraction)))
-    # more digits may follow: magnitudes [w * 10^k, (w + 1) * 10^k) for k = 0, 1, ...
-    w, far = int(whole), n.low if negative else n.high
-    if far is None:  # unbounded on this side: long enough numbers pass any bound on the other
+def _can_become(text: bytes, part: str, value: Fraction) -> bool:
+    """Whether a number begun as `text` (a plain decimal) can end on `value` (0 and -0 alike)."""
+    if part == "start":
         return True
-    scale = 1
-    while w * scale <= abs(far[0]):
-        if meets(Fraction(w * scale), Fraction((w + 1) * scale)):
+    negative = text.startswith(b"-")
+    if value and (value < 0) != negative:
+        return False
+    for a, b in _spans(text[1:] if negative else text, part):
+        if a > abs(value):
+            return False
+        if b is None or abs(value) < b:
             return True
-        scale *= 10
     return False
+
+
+def _fresh(n: Node, text: bytes, part: str, used: frozenset) -> bool:
+    """Whether an item of unique items of number node n, begun as `text`, can still end on a value no earlier
+    item took: more values within its reach than taken ones among them."""
+    reach = _reachable(n, text, part, len(used) + 1)
+    if not reach or reach > len(used):
+        return reach > 0
+    taken = sum(1 for kind, value in used if kind == "number" and _meets(n, value, True, value, True)
+                and _can_become(text, part, value))
+    return reach > taken
 
 
 def _whitespace(ws: int, b: int) -> Optional[int]:

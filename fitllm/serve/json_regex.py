@@ -13,12 +13,13 @@ Lookaround, backreferences, word boundaries and flags are refused with a SchemaE
 The automaton is Thompson's NFA; a state of the walk is the frozenset of its positions, stepped
 once per (positions, class of equivalent code points) and memoised, so a walk costs a dict lookup
 per character once warm. `can_finish` answers whether a length window can still be met, which is
-how the walk never enters a string it could not close.
+how the walk never enters a string it could not close. A Choice walks several patterns at once (the keys of
+an object with several patternProperties) and accepts a string that patterns of one group only match.
 """
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Optional
+from typing import Optional, Sequence
 
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # not characters: JSON text cannot hold them unpaired
@@ -280,7 +281,44 @@ class _Parser:
         return ranges
 
 
-class Regex:
+class _Automaton:
+    """What json_mode walks a constrained string with: a state per string so far, code points classed by
+    `cuts` (those between two cuts step alike), memoised answers to whether the string can still end.
+    Subclasses give start, cuts, step_class, accepts and _search, and the memos _finish and _some."""
+
+    def class_of(self, cp: int) -> int:
+        """The class of code points cp steps alike with: those between two cuts."""
+        return bisect_right(self.cuts, cp) - 1
+
+    def step(self, state, cp: int):
+        """The state after character cp (empty: it cannot come)."""
+        return self.step_class(state, self.class_of(cp))
+
+    def can_finish(self, state, lo: int, hi: Optional[int]) -> bool:
+        """Whether some string of lo..hi more characters (hi None: any number) leads to acceptance."""
+        key = (state, lo, hi)
+        hit = self._finish.get(key)
+        if hit is None:
+            hit = _remember(self._finish, key, self._search(state, lo, hi))
+        return hit
+
+    def some_char(self, state, cp_lo: int, cp_hi: int, lo: int, hi: Optional[int]) -> bool:
+        """Whether a character in cp_lo..cp_hi can come next and still leave lo..hi characters to finish
+        with (a partly written character or escape: its possible code points form that range)."""
+        key = (state, cp_lo, cp_hi, lo, hi)
+        hit = self._some.get(key)
+        if hit is None:
+            hit = False
+            i = self.class_of(cp_lo)
+            while not hit and i < len(self.cuts) and self.cuts[i] <= cp_hi:
+                after = self.step_class(state, i)
+                hit = bool(after) and self.can_finish(after, lo, hi)
+                i += 1
+            _remember(self._some, key, hit)
+        return hit
+
+
+class Regex(_Automaton):
     """A pattern's automaton over code points. States of a walk: frozensets of positions."""
 
     def __init__(self, pattern: str):
@@ -374,14 +412,6 @@ class Regex:
     def accepts(self, state: frozenset) -> bool:
         return self.accept in state
 
-    def class_of(self, cp: int) -> int:
-        """The class of code points cp steps alike with: those between two cuts."""
-        return bisect_right(self.cuts, cp) - 1
-
-    def step(self, state: frozenset, cp: int) -> frozenset:
-        """The positions after character cp (empty: it cannot come)."""
-        return self.step_class(state, self.class_of(cp))
-
     def step_class(self, state: frozenset, cls: int) -> frozenset:
         key = (state, cls)
         hit = self._steps.get(key)
@@ -389,14 +419,6 @@ class Regex:
             cp = self.cuts[cls]
             hit = _remember(self._steps, key, self._close(self.out[n][0] for n in state
                                                           if n != self.accept and _contains(self.chars[n], cp)))
-        return hit
-
-    def can_finish(self, state: frozenset, lo: int, hi: Optional[int]) -> bool:
-        """Whether some string of lo..hi more characters (hi None: any number) leads to acceptance."""
-        key = (state, lo, hi)
-        hit = self._finish.get(key)
-        if hit is None:
-            hit = _remember(self._finish, key, self._search(state, lo, hi))
         return hit
 
     def _search(self, state: frozenset, lo: int, hi: Optional[int]) -> bool:
@@ -414,20 +436,55 @@ class Regex:
             length += 1
         return False
 
-    def some_char(self, state: frozenset, cp_lo: int, cp_hi: int, lo: int, hi: Optional[int]) -> bool:
-        """Whether a character in cp_lo..cp_hi can come next and still leave lo..hi characters to finish
-        with (a partly written character or escape: its possible code points form that range)."""
-        key = (state, cp_lo, cp_hi, lo, hi)
-        hit = self._some.get(key)
+
+class Choice(_Automaton):
+    """Several patterns walked at once, each in a group (json_mode: patternProperties, a group per schema of
+    the values). A string is accepted where the patterns it matches are all of one group, and `group` says
+    which: a string that patterns of two groups match is never finished, nor is one that only patterns of
+    group None match. States: tuples of the patterns' states, () once none of them can go on."""
+
+    def __init__(self, patterns: Sequence[tuple[Regex, Optional[int]]]):
+        self.regexes = tuple(regex for regex, _ in patterns)
+        self.groups = tuple(group for _, group in patterns)
+        self.start = tuple(regex.start for regex in self.regexes)
+        self.cuts = sorted(set().union(*(regex.cuts for regex in self.regexes)))  # (a class steps each pattern alike)
+        self._steps: dict[tuple, tuple] = {}
+        self._finish: dict[tuple, bool] = {}
+        self._some: dict[tuple, bool] = {}
+
+    def group(self, state: tuple) -> Optional[int]:
+        """The one group of the patterns that accept (None: none accepts, or patterns of several groups do)."""
+        found = {g for regex, g, at in zip(self.regexes, self.groups, state) if regex.accepts(at)}
+        return found.pop() if len(found) == 1 else None
+
+    def accepts(self, state: tuple) -> bool:
+        return self.group(state) is not None
+
+    def step_class(self, state: tuple, cls: int) -> tuple:
+        key = (state, cls)
+        hit = self._steps.get(key)
         if hit is None:
-            hit = False
-            i = self.class_of(cp_lo)
-            while not hit and i < len(self.cuts) and self.cuts[i] <= cp_hi:
-                after = self.step_class(state, i)
-                hit = bool(after) and self.can_finish(after, lo, hi)
-                i += 1
-            _remember(self._some, key, hit)
+            cp = self.cuts[cls]
+            after = tuple(regex.step(at, cp) if at else at for regex, at in zip(self.regexes, state))
+            hit = _remember(self._steps, key, after if any(after) else ())
         return hit
+
+    def _search(self, state: tuple, lo: int, hi: Optional[int]) -> bool:
+        # breadth first over the states the strings of each length reach: one string must bring one pattern
+        # to acceptance and keep the other groups' out, so (unlike Regex._search) states are not merged;
+        # past lo a state met before adds nothing
+        layer, seen, length = {state}, set(), 0
+        while layer:
+            if length >= lo:
+                if any(self.accepts(at) for at in layer):
+                    return True
+                if hi is not None and length >= hi:
+                    return False
+                layer -= seen
+                seen |= layer
+            layer = {after for at in layer for cls in range(len(self.cuts)) if (after := self.step_class(at, cls))}
+            length += 1
+        return False
 
 
 def _contains(ranges: Ranges, cp: int) -> bool:
