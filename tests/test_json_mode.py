@@ -964,3 +964,27 @@ def test_engine_output_follows_the_schema(embedded_model, embedded_tokenizer):
         eng.generate([prompt], [SamplingParams(json_schema={"type": "object", "properties": {
             "a": {"type": "array", "uniqueItems": True}}})])
     assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_untyped_schemas_take_the_types_their_keywords_imply():
+    """No "type": the keywords say which types (read strictly, as a "type" listing them would), so no keyword
+    is dropped by reading the schema as any value."""
+    def accepts(schema: dict, text: bytes) -> bool:  # (as an array's item: the top level is an object or array)
+        compiled = jm.Schema({"type": "array", "items": schema})
+        config = compiled.start
+        for b in b"[" + text + b"]":
+            config = compiled.step(config, b)
+            if config is None:
+                return False
+        return compiled.done(config)
+
+    assert accepts({"minimum": 3}, b"5") and not accepts({"minimum": 3}, b"2")
+    assert not accepts({"minimum": 3}, b'"a"')
+    keyed = {"patternProperties": {"^a": {"type": "integer"}}}
+    assert accepts(keyed, b'{"ab": 1}') and not accepts(keyed, b'{"b": 1}') and not accepts(keyed, b'{"ab": "s"}')
+    either = {"minLength": 2, "minimum": 3}
+    assert accepts(either, b'"ab"') and accepts(either, b"4")
+    assert not accepts(either, b'"a"') and not accepts(either, b"2") and not accepts(either, b"true")
+    assert accepts({"format": "date"}, b'"2024-01-02"') and not accepts({"format": "date"}, b'"x"')
+    with pytest.raises(jm.SchemaError, match="uniqueItems"):
+        jm.Schema({"type": "array", "items": {"uniqueItems": True}})  # (unique items of any value: said so)

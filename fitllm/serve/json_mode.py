@@ -264,10 +264,9 @@ class Schema:
         if unknown:
             raise SchemaError(f"{where}: keyword {sorted(unknown)[0]!r} is not supported")
         types = s.get("type")
-        if types is None:  # untyped: what its keywords imply, else any value
-            types = "object" if {"properties", "required", "additionalProperties"} & set(s) else \
-                "array" if {"items", "prefixItems", "minItems", "maxItems"} & set(s) else None
-            if types is None:
+        if types is None:  # untyped: the types its keywords imply (read strictly, as "type" would say), else any value
+            types = [t for t in ("object", "array", "string", "number") if TYPE_KEYWORDS[t] & set(s)]
+            if not types:
                 return self.any_value()
         if isinstance(types, str):
             types = [types]
