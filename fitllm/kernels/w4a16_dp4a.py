@@ -41,6 +41,7 @@ exact in fp32).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -58,8 +59,10 @@ try:
 except ImportError:  # CPU-only installs without triton still get the reference
     triton = None
 
-HALF = 256  # v = HALF * hi + lo
+HALF_BITS = 8
+HALF = 1 << HALF_BITS  # v = HALF * hi + lo
 TOP = 127 * HALF + 127  # the largest |v|
+LOW = 2.0 ** (1 - TOP.bit_length())  # 2^-14: a power of two 2^E times LOW times TOP lies in [2^E, 2^(E + 1))
 TINY = 2.0 ** -100  # the smallest step (an all-zero tile)
 EXPONENT = 0x7F800000  # an fp32's exponent bits
 GEMV_CONFIG = dict(BN=128, num_warps=4, waves=4.0, wide=(16384, 6.0), deep=(8192, 6.0))  # H100 sweep (RESULTS.md, 49th)
@@ -73,7 +76,13 @@ def dp4a_wanted(bits: int, group_size: int, K: int, perm, device: torch.device) 
         return False
     if bits != 4 or perm is not None or not (group_size % 128 == 0 or group_size >= K):
         return False
-    return torch.cuda.get_device_capability(device) >= (6, 1)
+    return _has_dp4a(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_dp4a(index: int) -> bool:
+    """sm61+ (asked once a card: the decoder asks dp4a_wanted on every eager step)."""
+    return torch.cuda.get_device_capability(index) >= (6, 1)
 
 
 def _byte_ks(device) -> torch.Tensor:
@@ -105,10 +114,10 @@ def quantize_x16_ref(x: torch.Tensor) -> X16:
 
 def _pow2_step(amax: torch.Tensor) -> torch.Tensor:
     """The smallest power of two >= amax / TOP (fp32, at least TINY), without a division, as the kernel
-    computes it: with 2^E amax's leading power, TOP 2^(E - 14) < 2^E <= amax, and whether amax <= TOP
-    2^(E - 14) (exact: TOP has 15 bits) decides between 2^(E - 14) and 2^(E - 13)."""
+    computes it: with 2^E amax's leading power, 2^E <= TOP LOW 2^E < 2^(E + 1), and whether amax <= TOP
+    LOW 2^E (exact: TOP has 15 bits) decides between LOW 2^E and 2 LOW 2^E."""
     two_e = (amax.view(torch.int32) & EXPONENT).view(torch.float32)
-    low = two_e * 2.0 ** -14
+    low = two_e * LOW
     return torch.where(amax <= low * TOP, low, 2 * low).clamp_min(TINY)
 
 
@@ -140,6 +149,11 @@ def w4a16_dp4a_ref(x16: X16, qtile, scales, zeros, group_size: int) -> torch.Ten
 
 
 if triton is not None:
+    # the module's constants as the kernels see them (the torch reference reads the plain ones)
+    _HALF_BITS, _HALF_ROUND = tl.constexpr(HALF_BITS), tl.constexpr(HALF // 2)
+    _TOP, _LOW = tl.constexpr(float(TOP)), tl.constexpr(LOW)
+    _TINY, _EXPONENT = tl.constexpr(TINY), tl.constexpr(EXPONENT)
+
     @triton.jit
     def _rint(v):
         """Round half to even for |v| < 2**22 (the fp32 magic 1.5 * 2**23; no libdevice under the
@@ -162,9 +176,10 @@ if triton is not None:
         c2 = tile[:, None] * 128 + tl.arange(0, 128)[None, :]
         v2 = tl.where(c2 < K, tl.reshape(v, (NT, 128)), 0.0)
         amax = tl.max(tl.abs(v2), 1)
-        low = (amax.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True) * 6.103515625e-05
-        step = tl.maximum(tl.where(amax <= low * 32639.0, low, 2 * low), 7.888609052210118e-31)  # _pow2_step
-        inv = (0x7F000000 - step.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)  # 1 / step, exact
+        low = (amax.to(tl.int32, bitcast=True) & _EXPONENT).to(tl.float32, bitcast=True) * _LOW
+        step = tl.maximum(tl.where(amax <= low * _TOP, low, 2 * low), _TINY)  # _pow2_step
+        # 1 / step, exact: a power of two's exponent field e becomes 254 - e (254 << 23 = 0x7F000000)
+        inv = (0x7F000000 - step.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
         q = _rint(v2 * inv[:, None])
         ok = tile < T
         tl.store(stats_ptr + (row * T + tile) * 2, step, mask=ok)
@@ -180,8 +195,9 @@ if triton is not None:
 
     @triton.jit
     def _x16_hilo(v):
-        """v (int32) -> the bytes of (hi, lo), v = 256 hi + lo: hi = floor((v + 128) / 256), lo v's low byte."""
-        return ((v + 128) >> 8) & 255, v & 255
+        """v (int32) -> the bytes of (hi, lo), v = HALF hi + lo: hi = floor((v + HALF / 2) / HALF), lo v's low
+        byte."""
+        return ((v + _HALF_ROUND) >> _HALF_BITS) & 255, v & 255
 
     @triton.jit
     def _x16_words(a0, a1):
@@ -220,7 +236,7 @@ if triton is not None:
         zero = tl.zeros_like(qw)
         hi = _dp4a(high, tl.load(xw + 16), _dp4a(low, tl.load(xw), zero, ASM), ASM)
         lo = _dp4a(high, tl.load(xw + 48), _dp4a(low, tl.load(xw + 32), zero, ASM), ASM)
-        dots = tl.sum(hi * 256 + lo, 1) - z * tl.load(stats_ptr + 2 * kt + 1).to(tl.int32)
+        dots = tl.sum((hi << _HALF_BITS) + lo, 1) - z * tl.load(stats_ptr + 2 * kt + 1).to(tl.int32)
         return dots.to(tl.float32) * (s * tl.load(stats_ptr + 2 * kt))
 
     @triton.jit(do_not_specialize=["K_ITERS", "SPLIT"])
