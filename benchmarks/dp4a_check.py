@@ -4,12 +4,14 @@ reference of X16; the GEMV against its exact integer math and against float64 of
 and the bf16 x), then µs per linear and for a layer's four linears with their split-K sums pending (as the
 decoder runs them), the 16-bit GEMV of the table against dp4a, weights from HBM (enough copies per CUDA
 graph). o_proj is timed on both, though the engine keeps it on the 16-bit GEMV (its producer is the
-attention). Writes $OUT/dp4a_check.json.
+attention). Also issue 4's M = 1 ratio: bf16 cuBLAS over the same four linears in the same run against the
+decoder's layer (issue4_ratio). Writes $OUT/dp4a_check.json.
 
-  python3 benchmarks/dp4a_check.py --out $OUT [--checks-only] [--sweep]
+  python3 benchmarks/dp4a_check.py --out $OUT [--checks-only] [--sweep] [--rows]
 
 --sweep also times each linear over the GEMV's configs (BN, warps, split-K waves; sums ended) to retune
-GEMV_CONFIG for the card at hand.
+GEMV_CONFIG for the card at hand. --rows checks and times the GEMV over 2-4 rows against the tiled table
+(and with --sweep its configs).
 """
 
 from __future__ import annotations
@@ -103,6 +105,70 @@ def timings(dev) -> dict:
                             ("dp4a", tuple(SHAPES)), ("16-bit again", ())):
         res[f"layer, sums pending: {label}"] = graph_us([lambda i=i, d=dp4a_for: chain(i, d) for i in range(n)])
     splitk_workspace(torch.device(dev), 1, 1)[0].zero_()
+    res.update(issue4_ratio(dev, res))
+    return res
+
+
+def issue4_ratio(dev, res: dict) -> dict:
+    """Issue 4's M = 1 measure in the same run: bf16 cuBLAS over the layer's four linears (two bf16 copies of
+    the layer: 0.87 GB, past L2) against the dp4a layer with its sums pending, alone and charged with what its
+    producers' X16 epilogue costs beyond a plain bf16 output (two RMSNorms and one SiLU·mul a layer; the
+    attention feeds o_proj, so "dp4a but o" is the decoder's layer)."""
+    copies = [{n: (torch.randn(N, K, device=dev, dtype=torch.bfloat16), torch.empty(1, N, device=dev,
+                                                                                    dtype=torch.bfloat16))
+               for n, (K, N) in SHAPES.items()} for _ in range(2)]
+    xs = {K: torch.randn(1, K, device=dev, dtype=torch.bfloat16) for K in (4096, 14336)}
+    bf16 = graph_us([lambda c=c: [torch.mm(xs[w.shape[1]], w.t(), out=y) for w, y in c.values()] for c in copies])
+    extra = 2 * (res["RMSNorm + residual K=4096, X16"] - res["RMSNorm + residual K=4096, plain"]) + \
+        res["SiLU·mul I=14336, X16"] - res["SiLU·mul I=14336, plain"]
+    layer = res["layer, sums pending: dp4a but o"]
+    return {"layer, bf16 cuBLAS": bf16, "layer dp4a but o, with its producers' extra epilogue": layer + extra,
+            "issue 4 M=1: bf16 / (dp4a but o)": bf16 / layer,
+            "issue 4 M=1: bf16 / (dp4a but o + producers' extra)": bf16 / (layer + extra),
+            "issue 4 M=1: bf16 / 16-bit GEMV layer": bf16 / res["layer, sums pending: 16-bit"]}
+
+
+def rows_checks_and_timings(dev, sweep_configs: bool) -> dict:
+    """The GEMV over 2-4 rows (small decode batches, w4a16_dp4a.max_rows): against float64 at the real
+    shapes, then µs of a layer's four linears with sums pending against the tiled table at the same M
+    (its tensor-core row), each dp4a config of ROWS_CONFIG's neighbourhood with --sweep."""
+    from fitllm.kernels.w4a16_dp4a import ROWS_CONFIG
+
+    res, lin = {}, {}
+    g = torch.Generator(device=dev).manual_seed(1)
+    for name, (K, N) in SHAPES.items():
+        _, qts = hbm_copies(K, N, dev)
+        for M in (2, 3, 4):
+            x = torch.randn(M, K, device=dev, generator=g).bfloat16()
+            y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
+            dp4a_gemv(quantize_x16(x), qts[0]["qtile"], qts[0]["scales"], qts[0]["zeros"], GS, out=y)
+            res[f"rows check: {name} M={M} vs float64"] = rel_err(y, x.double() @ dense64(qts[0]))
+        lin[name] = qts
+    n = min(len(q) for q in lin.values())
+    configs = [("ROWS_CONFIG", None)]
+    if sweep_configs:
+        configs += [(f"BN{bn} w{w} waves{wv:g}", dict(BN=bn, num_warps=w, waves=wv, wide=None, deep=None))
+                    for bn, w, wv in itertools.product((64, 128), (4, 8), (3.0, 4.0, 6.0))]
+    for M in (2, 3, 4):
+        xs = {K: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for K in (4096, 14336)}
+        x16s = {K: quantize_x16(x) for K, x in xs.items()}
+
+        def table(i):
+            for name, (K, N) in SHAPES.items():
+                w4a16_tiled_triton(xs[K], **lin[name][i], defer=True)
+
+        def dp4a(i, cfg):
+            for name, (K, N) in SHAPES.items():
+                q = lin[name][i]
+                dp4a_gemv(x16s[K], q["qtile"], q["scales"], q["zeros"], GS, defer=True, config=cfg)
+        res[f"rows M={M}: tiled table, layer, sums pending"] = graph_us([lambda i=i: table(i) for i in range(n)])
+        for label, cfg in configs:
+            res[f"rows M={M}: dp4a {label}, layer, sums pending"] = graph_us(
+                [lambda i=i, c=cfg: dp4a(i, c) for i in range(n)])
+        best = min((k for k in res if k.startswith(f"rows M={M}: dp4a")), key=res.get)
+        log(f"M={M}: table {res[f'rows M={M}: tiled table, layer, sums pending']:.1f} µs, best dp4a {best} "
+            f"{res[best]:.1f} µs (ROWS_CONFIG = {ROWS_CONFIG})")
+    splitk_workspace(torch.device(dev), 1, 1)[0].zero_()
     return res
 
 
@@ -128,6 +194,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--checks-only", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--rows", action="store_true", help="also the GEMV over 2-4 rows (checks and timings; "
+                    "with --sweep its configs too)")
     a = ap.parse_args()
     dev = "cuda"
     torch.manual_seed(0)
@@ -143,7 +211,14 @@ def main():
     res["us"] = timings(dev)
     print("\n| µs, M = 1 | value |\n|---|---|")
     for k, v in res["us"].items():
-        print(f"| {k} | {v:.1f} |")
+        print(f"| {k} | {v:.2f}x |" if k.startswith("issue 4") else f"| {k} | {v:.1f} |")
+    if a.rows:
+        res["rows"] = rows_checks_and_timings(dev, a.sweep)
+        print("\n| rows | value |\n|---|---|")
+        for k, v in res["rows"].items():
+            print(f"| {k} | {v:.2e} |" if "check" in k else f"| {k} | {v:.1f} |")
+        bad = [k for k, v in res["rows"].items() if "check" in k and not v < 1e-2]
+        print("ROWS CHECKS", "FAIL: " + ", ".join(bad) if bad else "PASS")
     if a.sweep:
         res["sweep"] = sweep(dev)
     json.dump(res, open(os.path.join(a.out, "dp4a_check.json"), "w"), indent=1)
