@@ -7,11 +7,11 @@ graph). o_proj is timed on both, though the engine keeps it on the 16-bit GEMV (
 attention). Also issue 4's M = 1 ratio: bf16 cuBLAS over the same four linears in the same run against the
 decoder's layer (issue4_ratio). Writes $OUT/dp4a_check.json.
 
-  python3 benchmarks/dp4a_check.py --out $OUT [--checks-only] [--sweep] [--rows]
+  python3 benchmarks/dp4a_check.py --out $OUT [--checks-only] [--sweep] [--rows [--rows-sweep]]
 
 --sweep also times each linear over the GEMV's configs (BN, warps, split-K waves; sums ended) to retune
 GEMV_CONFIG for the card at hand. --rows checks and times the GEMV over 2-4 rows against the tiled table
-(and with --sweep its configs).
+(four configs; twelve with --rows-sweep).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def issue4_ratio(dev, res: dict) -> dict:
     copies = [{n: (torch.randn(N, K, device=dev, dtype=torch.bfloat16), torch.empty(1, N, device=dev,
                                                                                     dtype=torch.bfloat16))
                for n, (K, N) in SHAPES.items()} for _ in range(2)]
-    xs = {K: torch.randn(1, K, device=dev, dtype=torch.bfloat16) for K in (4096, 14336)}
+    xs = {K: torch.randn(1, K, device=dev, dtype=torch.bfloat16) for K, _ in SHAPES.values()}
     bf16 = graph_us([lambda c=c: [torch.mm(xs[w.shape[1]], w.t(), out=y) for w, y in c.values()] for c in copies])
     extra = 2 * (res["RMSNorm + residual K=4096, X16"] - res["RMSNorm + residual K=4096, plain"]) + \
         res["SiLU·mul I=14336, X16"] - res["SiLU·mul I=14336, plain"]
@@ -131,7 +131,7 @@ def issue4_ratio(dev, res: dict) -> dict:
 def rows_checks_and_timings(dev, sweep_configs: bool) -> dict:
     """The GEMV over 2-4 rows (small decode batches, w4a16_dp4a.max_rows): against float64 at the real
     shapes, then µs of a layer's four linears with sums pending against the tiled table at the same M
-    (its tensor-core row), each dp4a config of ROWS_CONFIG's neighbourhood with --sweep."""
+    (its tensor-core row): ROWS_CONFIG and three neighbours, twelve with sweep_configs."""
     from fitllm.kernels.w4a16_dp4a import ROWS_CONFIG
 
     res, lin = {}, {}
@@ -145,12 +145,12 @@ def rows_checks_and_timings(dev, sweep_configs: bool) -> dict:
             res[f"rows check: {name} M={M} vs float64"] = rel_err(y, x.double() @ dense64(qts[0]))
         lin[name] = qts
     n = min(len(q) for q in lin.values())
-    configs = [("ROWS_CONFIG", None)]
-    if sweep_configs:
-        configs += [(f"BN{bn} w{w} waves{wv:g}", dict(BN=bn, num_warps=w, waves=wv, wide=None, deep=None))
-                    for bn, w, wv in itertools.product((64, 128), (4, 8), (3.0, 4.0, 6.0))]
+    configs = [("ROWS_CONFIG", None)] + [
+        (f"BN{bn} w{w} waves{wv:g}", dict(BN=bn, num_warps=w, waves=wv, wide=None, deep=None))
+        for bn, w, wv in (itertools.product((64, 128), (4, 8), (3.0, 4.0, 6.0)) if sweep_configs
+                          else ((64, 4, 6.0), (128, 4, 4.0), (128, 4, 6.0)))]
     for M in (2, 3, 4):
-        xs = {K: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for K in (4096, 14336)}
+        xs = {K: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for K, _ in SHAPES.values()}
         x16s = {K: quantize_x16(x) for K, x in xs.items()}
 
         def table(i):
@@ -194,8 +194,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--checks-only", action="store_true")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--rows", action="store_true", help="also the GEMV over 2-4 rows (checks and timings; "
-                    "with --sweep its configs too)")
+    ap.add_argument("--rows", action="store_true", help="also the GEMV over 2-4 rows (checks and timings)")
+    ap.add_argument("--rows-sweep", action="store_true", help="with --rows: twelve configs instead of four")
     a = ap.parse_args()
     dev = "cuda"
     torch.manual_seed(0)
@@ -213,7 +213,7 @@ def main():
     for k, v in res["us"].items():
         print(f"| {k} | {v:.2f}x |" if k.startswith("issue 4") else f"| {k} | {v:.1f} |")
     if a.rows:
-        res["rows"] = rows_checks_and_timings(dev, a.sweep)
+        res["rows"] = rows_checks_and_timings(dev, a.rows_sweep)
         print("\n| rows | value |\n|---|---|")
         for k, v in res["rows"].items():
             print(f"| {k} | {v:.2e} |" if "check" in k else f"| {k} | {v:.1f} |")
