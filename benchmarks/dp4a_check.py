@@ -7,11 +7,10 @@ graph). o_proj is timed on both, though the engine keeps it on the 16-bit GEMV (
 attention). Also issue 4's M = 1 ratio: bf16 cuBLAS over the same four linears in the same run against the
 decoder's layer (issue4_ratio). Writes $OUT/dp4a_check.json.
 
-  python3 benchmarks/dp4a_check.py --out $OUT [--checks-only] [--sweep] [--rows [--rows-sweep]]
+  python3 benchmarks/dp4a_check.py --out $OUT [--checks-only] [--sweep]
 
 --sweep also times each linear over the GEMV's configs (BN, warps, split-K waves; sums ended) to retune
-GEMV_CONFIG for the card at hand. --rows checks and times the GEMV over 2-4 rows against the tiled table
-(four configs; twelve with --rows-sweep).
+GEMV_CONFIG for the card at hand.
 """
 
 from __future__ import annotations
@@ -128,50 +127,6 @@ def issue4_ratio(dev, res: dict) -> dict:
             "issue 4 M=1: bf16 / 16-bit GEMV layer": bf16 / res["layer, sums pending: 16-bit"]}
 
 
-def rows_checks_and_timings(dev, sweep_configs: bool) -> dict:
-    """The GEMV over 2-4 rows (small decode batches, w4a16_dp4a.max_rows): against float64 at the real
-    shapes, then µs of a layer's four linears with sums pending against the tiled table at the same M
-    (its tensor-core row): ROWS_CONFIG and three neighbours, twelve with sweep_configs."""
-    from fitllm.kernels.w4a16_dp4a import ROWS_CONFIG
-
-    res, lin = {}, {}
-    g = torch.Generator(device=dev).manual_seed(1)
-    for name, (K, N) in SHAPES.items():
-        _, qts = hbm_copies(K, N, dev)
-        for M in (2, 3, 4):
-            x = torch.randn(M, K, device=dev, generator=g).bfloat16()
-            y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-            dp4a_gemv(quantize_x16(x), qts[0]["qtile"], qts[0]["scales"], qts[0]["zeros"], GS, out=y)
-            res[f"rows check: {name} M={M} vs float64"] = rel_err(y, x.double() @ dense64(qts[0]))
-        lin[name] = qts
-    n = min(len(q) for q in lin.values())
-    configs = [("ROWS_CONFIG", None)] + [
-        (f"BN{bn} w{w} waves{wv:g}", dict(BN=bn, num_warps=w, waves=wv, wide=None, deep=None))
-        for bn, w, wv in (itertools.product((64, 128), (4, 8), (3.0, 4.0, 6.0)) if sweep_configs
-                          else ((64, 4, 6.0), (128, 4, 4.0), (128, 4, 6.0)))]
-    for M in (2, 3, 4):
-        xs = {K: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for K, _ in SHAPES.values()}
-        x16s = {K: quantize_x16(x) for K, x in xs.items()}
-
-        def table(i):
-            for name, (K, N) in SHAPES.items():
-                w4a16_tiled_triton(xs[K], **lin[name][i], defer=True)
-
-        def dp4a(i, cfg):
-            for name, (K, N) in SHAPES.items():
-                q = lin[name][i]
-                dp4a_gemv(x16s[K], q["qtile"], q["scales"], q["zeros"], GS, defer=True, config=cfg)
-        res[f"rows M={M}: tiled table, layer, sums pending"] = graph_us([lambda i=i: table(i) for i in range(n)])
-        for label, cfg in configs:
-            res[f"rows M={M}: dp4a {label}, layer, sums pending"] = graph_us(
-                [lambda i=i, c=cfg: dp4a(i, c) for i in range(n)])
-        best = min((k for k in res if k.startswith(f"rows M={M}: dp4a")), key=res.get)
-        log(f"M={M}: table {res[f'rows M={M}: tiled table, layer, sums pending']:.1f} µs, best dp4a {best} "
-            f"{res[best]:.1f} µs (ROWS_CONFIG = {ROWS_CONFIG})")
-    splitk_workspace(torch.device(dev), 1, 1)[0].zero_()
-    return res
-
-
 def sweep(dev) -> dict:
     """µs of each linear alone (sums ended) for each config: the best one per linear first in the log."""
     res = {}
@@ -194,8 +149,6 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--checks-only", action="store_true")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--rows", action="store_true", help="also the GEMV over 2-4 rows (checks and timings)")
-    ap.add_argument("--rows-sweep", action="store_true", help="with --rows: twelve configs instead of four")
     a = ap.parse_args()
     dev = "cuda"
     torch.manual_seed(0)
@@ -212,13 +165,6 @@ def main():
     print("\n| µs, M = 1 | value |\n|---|---|")
     for k, v in res["us"].items():
         print(f"| {k} | {v:.2f}x |" if k.startswith("issue 4") else f"| {k} | {v:.1f} |")
-    if a.rows:
-        res["rows"] = rows_checks_and_timings(dev, a.rows_sweep)
-        print("\n| rows | value |\n|---|---|")
-        for k, v in res["rows"].items():
-            print(f"| {k} | {v:.2e} |" if "check" in k else f"| {k} | {v:.1f} |")
-        bad = [k for k, v in res["rows"].items() if "check" in k and not v < 1e-2]
-        print("ROWS CHECKS", "FAIL: " + ", ".join(bad) if bad else "PASS")
     if a.sweep:
         res["sweep"] = sweep(dev)
     json.dump(res, open(os.path.join(a.out, "dp4a_check.json"), "w"), indent=1)

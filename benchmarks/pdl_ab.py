@@ -27,8 +27,7 @@ committed), small-prev that and _pa_baseline together. Variant early-w-on lets t
 its first weight tile before the PDL wait (the default), early-w-off after it (FITLLM_EARLY_WEIGHTS=0);
 fp8-pf-2 lets the fp8 tensor-core kernel ask L2 for its first two weight tiles before the wait, fp8-pf-0
 not (FITLLM_FP8_PREFETCH). Variant dp4a-on runs the batch-1 int4 GEMVs on dp4a (kernels.w4a16_dp4a,
-FITLLM_W4_DP4A=1), dp4a-off on the 16-bit GEMV; dp4a-rows-R also runs steps of up to R rows on dp4a
-(FITLLM_W4_DP4A_ROWS=R: small batches, with --batch).
+FITLLM_W4_DP4A=1), dp4a-off on the 16-bit GEMV.
 
 Each variant sets its environment before its engine is built (the CUDA graphs are captured then,
 and the kernels compile per setting), decodes 256 tokens at batch 1, and counts how many of its
@@ -79,9 +78,7 @@ VARIANTS = {"off": {"FITLLM_PDL": "0"}, "on": {"FITLLM_PDL": "1"}, "rope-apart":
             "fp8-pf-0": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "0"},
             "fp8-pf-2": {"FITLLM_PDL": "1", "FITLLM_FP8_PREFETCH": "2"},
             "dp4a-off": {"FITLLM_PDL": "1", "FITLLM_W4_DP4A": "0"},
-            "dp4a-on": {"FITLLM_PDL": "1", "FITLLM_W4_DP4A": "1"},
-            **{f"dp4a-rows-{r}": {"FITLLM_PDL": "1", "FITLLM_W4_DP4A": "1", "FITLLM_W4_DP4A_ROWS": str(r)}
-               for r in (2, 3, 4)}}
+            "dp4a-on": {"FITLLM_PDL": "1", "FITLLM_W4_DP4A": "1"}}
 SWITCHES = sorted({key for env in VARIANTS.values() for key in env})  # every variable a variant sets
 
 

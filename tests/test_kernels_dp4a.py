@@ -95,30 +95,8 @@ def test_bias_a_deferred_sum_and_one_row_only():
     assert isinstance(pending, PendingSum)
     assert rel_err(pending.materialize(), x.double() @ w64) < 1e-2
     assert clean_workspace()
-    with pytest.raises(ValueError, match="1 to 4 rows"):
-        dp.dp4a_gemv(dp.quantize_x16_ref(x.repeat(5, 1)), qt, s, z, 128)
-
-
-@pytest.mark.parametrize("M,K,N,BN,waves", [(2, 256, 128, 64, 0), (3, 384, 200, 32, 4.0), (4, 200, 96, 32, 2.0)])
-def test_gemv_over_a_few_rows(M, K, N, BN, waves):
-    """Rows 2-4 (small decode batches): each row as the one-row GEMV computes it alone, and against
-    float64; deferred, the pending sum holds every row."""
-    qt, s, z, w64, _ = rand_weight(K, N, 128)
-    x = rand_x(K, rows=M)
-    x16 = dp.quantize_x16_ref(x)
-    cfg = dict(BN=BN, num_warps=2, waves=waves, wide=None)
-    y = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
-    dp.dp4a_gemv(x16, qt, s, z, 128, out=y, config=cfg)
-    assert rel_err(y, dp.w4a16_dp4a_ref(x16, qt, s, z, 128)) < 4e-3 and rel_err(y, x.double() @ w64) < 1e-2
-    for r in (0, M - 1):
-        one = dp.dp4a_gemv(dp.quantize_x16_ref(x[r:r + 1]), qt, s, z, 128, config=cfg)
-        assert rel_err(y[r:r + 1], one) < 4e-3
-    pending = dp.dp4a_gemv(x16, qt, s, z, 128, defer=True, config=cfg)
-    if waves:
-        assert isinstance(pending, PendingSum) and pending.shape == (M, N)
-        pending = pending.materialize()
-    assert rel_err(pending, x.double() @ w64) < 1e-2
-    assert clean_workspace()
+    with pytest.raises(ValueError, match="one row"):
+        dp.dp4a_gemv(dp.quantize_x16_ref(x.repeat(2, 1)), qt, s, z, 128)
 
 
 @pytest.mark.parametrize("N", [256, 576])
@@ -135,19 +113,6 @@ def test_rms_norm_hands_over_x16_of_its_rounded_row(N):
                     dp.quantize_x16_ref(fused.rms_norm_triton(x, w, 1e-6)))
     two = fused.rms_norm_triton(x.repeat(2, 1), w, 1e-6, quant=X16Input())
     assert torch.is_tensor(two) and torch.equal(two, fused.rms_norm_triton(x.repeat(2, 1), w, 1e-6))
-
-
-def test_producers_hand_x16_to_a_few_rows_where_asked(monkeypatch):
-    """FITLLM_W4_DP4A_ROWS=3: up to three rows come as X16 (each row's own tiles), four as they are."""
-    monkeypatch.setenv("FITLLM_W4_DP4A_ROWS", "3")
-    x, r = rand_x(256, rows=3), rand_x(256, outlier=False, rows=3)
-    w = (torch.rand(256, generator=GEN) + 0.5).to(torch.bfloat16)
-    out, h = fused.rms_norm_triton(x, w, 1e-6, r, quant=X16Input())
-    assert isinstance(out, X16) and same_x16(out, dp.quantize_x16_ref(fused.rms_norm_triton(x, w, 1e-6, r)[0]))
-    gate_up = rand_x(2 * 384, outlier=False, rows=3) * 2
-    got = fused.silu_mul_triton(gate_up, quant=X16Input())
-    assert isinstance(got, X16) and same_x16(got, dp.quantize_x16_ref(fused.silu_mul_triton(gate_up)))
-    assert torch.is_tensor(fused.silu_mul_triton(rand_x(2 * 384, rows=4), quant=X16Input()))
 
 
 @pytest.mark.parametrize("I", [384, 1536])  # one program; two (blocks of 1024: X16 needs a tile's max only)
@@ -206,13 +171,11 @@ def test_pow2_step_is_the_smallest_power_of_two_at_or_above_amax_over_top():
                                                        torch.full((2,), dp.TINY)]))
 
 
-@pytest.mark.parametrize("rows,max_rows", [(1, None), (3, "4"), (3, None)])
-def test_the_decoder_hands_x16_to_three_gemvs_a_layer(monkeypatch, rows, max_rows):
-    """A step of `rows` tokens through a 4-bit tiled model (the interpreter's Triton kernels): with dp4a
-    wanted and rows <= max_rows() (FITLLM_W4_DP4A_ROWS, 1 by default), the input RMSNorm, the
-    post-attention RMSNorm and SiLU·mul hand X16 to qkv_proj, gate_up_proj and down_proj (three dp4a GEMVs a
-    layer; o_proj takes the attention's output as it is), and the step's output is the 16-bit GEMMs' within
-    their roundings; more rows than max_rows() take no dp4a GEMV."""
+def test_the_decoder_hands_x16_to_three_gemvs_a_layer(monkeypatch):
+    """A batch-1 step of a 4-bit tiled model (the interpreter's Triton kernels): with dp4a wanted, the
+    input RMSNorm, the post-attention RMSNorm and SiLU·mul hand X16 to qkv_proj, gate_up_proj and down_proj
+    (three dp4a GEMVs a layer; o_proj takes the attention's output as it is), and the step's output is the
+    16-bit GEMVs' within their roundings."""
     from fitllm.models.config import ModelConfig
     from fitllm.models.kv_cache import NoCacheContext
     from fitllm.quant.formats.packing import KernelWeight, TiledWeight, pack_dim0
@@ -225,11 +188,7 @@ def test_the_decoder_hands_x16_to_three_gemvs_a_layer(monkeypatch, rows, max_row
         (torch.rand(K // 128, N, generator=GEN) * 0.02 + 0.01).bfloat16(),
         torch.randint(0, 16, (K // 128, N), generator=GEN).bfloat16(), 4, 128)))
     monkeypatch.setenv("FITLLM_KERNEL_BACKEND", "triton")
-    if max_rows is None:
-        monkeypatch.delenv("FITLLM_W4_DP4A_ROWS", raising=False)
-    else:
-        monkeypatch.setenv("FITLLM_W4_DP4A_ROWS", max_rows)
-    ids, positions = torch.randint(0, 96, (rows,), generator=GEN), torch.arange(rows)
+    ids, positions = torch.randint(0, 96, (1,), generator=GEN), torch.arange(1)
     calls = []  # (QuantLinear imports both functions from the module at each call)
     gemv = dp.dp4a_gemv
     monkeypatch.setattr(dp, "dp4a_gemv", lambda x16, *a, **k: calls.append(x16.K) or gemv(x16, *a, **k))
@@ -238,8 +197,7 @@ def test_the_decoder_hands_x16_to_three_gemvs_a_layer(monkeypatch, rows, max_row
         monkeypatch.setattr(dp, "dp4a_wanted", lambda bits, gs, K, perm, device, w=wanted: w and bits == 4
                             and perm is None)
         with torch.no_grad():
-            outputs[wanted] = model(ids, positions, NoCacheContext([rows]))
-    expected = [256, 256, 384] * cfg.num_layers if rows <= dp.max_rows() else []  # qkv, gate_up (K 256), down
-    assert sorted(calls) == sorted(expected)
+            outputs[wanted] = model(ids, positions, NoCacheContext([1]))
+    assert sorted(calls) == sorted([256, 256, 384] * cfg.num_layers)  # qkv, gate_up (K 256), down (K 384)
     assert torch.isfinite(outputs[True]).all() and rel_err(outputs[True], outputs[False]) < 2e-2
     assert clean_workspace()

@@ -20,8 +20,8 @@ results agree to the last bit up to reduction order and the GPU's exp/sqrt.
       FusedLinear.input_quant): their output comes as e4m3 codes and scales for a W8A8 fp8 GEMM
       (_utils.Fp8Activations), bit for bit what that GEMM's own quantizer would make of it, so the
       GEMM skips that launch (fp8 batch-1 decode +2.3 %, the producers of 1000 tokens 34 % faster).
-      quant=X16Input: one row (up to w4a16_dp4a.max_rows()) comes as 16-bit integers for a 4-bit GEMV
-      on dp4a (w4a16_dp4a.X16); more rows come as they are.
+      quant=X16Input: one row comes as 16-bit integers for a batch-1 4-bit GEMM on dp4a
+      (w4a16_dp4a.X16); more rows come as they are.
   head_affine(x, rot, shift, pre, post, add, out_dtype, split=None) -> per-head ((x - shift) * pre)
       @ rot * post + add: the KV cache's maps between model space and cache space (kv_cache.py) in
       one launch instead of ~6 elementwise kernels and a matmul each; with split=(h0, dtype2), heads
@@ -135,12 +135,6 @@ def _kernels():
     return _fused_triton
 
 
-def _dp4a():
-    from . import w4a16_dp4a
-
-    return w4a16_dp4a
-
-
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -177,14 +171,14 @@ def _quant_out(quant: Fp8Input | X16Input | None, shape, rows: int, dtype: torch
     """(output buffer, scale pointer, QUANT mode, kernel options) of a producer kernel: e4m3 codes and
     scales when an fp8 GEMM asked for them, X16's codes and stats when a 4-bit GEMM on dp4a did (one
     row of at least 128 values), else the plain output in `dtype`."""
-    if isinstance(quant, X16Input) and not (1 <= rows <= _dp4a().max_rows() and shape[-1] >= 128):
-        quant = None  # dp4a is the GEMV's of a row or a few
+    if isinstance(quant, X16Input) and (rows != 1 or shape[-1] < 128):
+        quant = None  # dp4a is the batch-1 GEMV's
     if quant is None:
         out = _empty(shape, dtype, device)
         return out, out, 0, {}
     opts = dict(ACT=_kernels().TL_DTYPES[dtype], EXACT=interpreting())
     if isinstance(quant, X16Input):
-        x16 = X16.empty(rows, shape[-1], dtype, device)
+        x16 = X16.empty(1, shape[-1], dtype, device)
         return x16.codes, x16.stats, 3, dict(opts, QUANT=3)
     q = _empty(shape, torch.float8_e4m3fn, device)
     if quant.static_scale is None:

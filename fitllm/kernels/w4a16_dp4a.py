@@ -66,17 +66,6 @@ LOW = 2.0 ** (1 - TOP.bit_length())  # 2^-14: a power of two 2^E times LOW times
 TINY = 2.0 ** -100  # the smallest step (an all-zero tile)
 EXPONENT = 0x7F800000  # an fp32's exponent bits
 GEMV_CONFIG = dict(BN=128, num_warps=4, waves=4.0, wide=(16384, 6.0), deep=(8192, 6.0))  # H100 sweep (RESULTS.md, 49th)
-# A few rows (small decode batches): each word is unpacked once for every row, but the dp4a grow with the
-# rows (4 a word a row: at 4 rows ~26 µs of an H200's integer issue a Llama-3-8B layer, near its ~32 µs
-# read floor), so only up to KERNEL_ROWS, and the producers hand X16 to up to max_rows() rows.
-KERNEL_ROWS = 4
-ROWS_CONFIG = dict(BN=64, num_warps=4, waves=4.0, wide=(16384, 6.0), deep=(8192, 6.0))  # not yet swept
-
-
-def max_rows() -> int:
-    """How many rows of x a producer hands over as X16 (FITLLM_W4_DP4A_ROWS, 1 to KERNEL_ROWS): 1 until the
-    GEMV over several rows has been measured against the tensor-core path on a GPU."""
-    return max(1, min(int(os.environ.get("FITLLM_W4_DP4A_ROWS", "1")), KERNEL_ROWS))
 
 
 def dp4a_wanted(bits: int, group_size: int, K: int, perm, device: torch.device) -> bool:
@@ -250,39 +239,21 @@ if triton is not None:
         dots = tl.sum((hi << _HALF_BITS) + lo, 1) - z * tl.load(stats_ptr + 2 * kt + 1).to(tl.int32)
         return dots.to(tl.float32) * (s * tl.load(stats_ptr + 2 * kt))
 
-    @triton.jit
-    def _rows_tile(acc0, acc1, acc2, acc3, ROWS: tl.constexpr):
-        """Each row's [BN] sums as one [R, BN] tile, R = ROWS rounded up to a power of two (a 4th row of
-        zeros for 3): once a program, for its store."""
-        if ROWS == 1:
-            out = acc0[None, :]
-        elif ROWS == 2:
-            out = tl.trans(tl.join(acc0, acc1))
-        else:  # [BN, i, j] holds row 2 j + i
-            out = tl.trans(tl.reshape(tl.permute(tl.join(tl.join(acc0, acc1), tl.join(acc2, acc3)), (0, 2, 1)),
-                                      (acc0.shape[0], 4)))
-        return out
-
     @triton.jit(do_not_specialize=["K_ITERS", "SPLIT"])
     def _dp4a_gemv_kernel(codes_ptr, stats_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr,
                           N, NUM_GROUPS, stride_q, K_ITERS, SPLIT, T, GROUP_SIZE: tl.constexpr,
                           HAS_BIAS: tl.constexpr, USE_WS: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr,
-                          ROWS: tl.constexpr = 1, EVEN_N: tl.constexpr = False, PDL: tl.constexpr = False,
-                          ORDERED: tl.constexpr = False, DEFER: tl.constexpr = False):
-        """y = x W^T for ROWS (1-4) rows x given as X16: program (n, k) owns BN weight rows and K_ITERS K
-        tiles. The next tile's words are loaded before this tile's math (two tiles' loads in flight: qkv
-        and gate_up 8-10 % faster on an H100, the others a tie). Several rows: each row's sums in a [BN]
-        vector of its own, all in the one-row layout (a [rows, BN, 16] form compiled to 2.3x the
-        instructions a row: its sums over the words went through shuffles and shared memory)."""
+                          EVEN_N: tl.constexpr = False, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
+                          DEFER: tl.constexpr = False):
+        """y = x W^T for one row x given as X16: program (n, k) owns BN weight rows and K_ITERS K tiles.
+        The next tile's words are loaded before this tile's math (two tiles' loads in flight: qkv and
+        gate_up 8-10 % faster on an H100, the others a tie)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         p_ar = tl.arange(0, 16)[None, :]
-        acc0 = tl.zeros((BN,), dtype=tl.float32)
-        acc1 = tl.zeros((BN,), dtype=tl.float32)  # (rows past ROWS: never touched, compiled away)
-        acc2 = tl.zeros((BN,), dtype=tl.float32)
-        acc3 = tl.zeros((BN,), dtype=tl.float32)
+        acc = tl.zeros((BN,), dtype=tl.float32)
         kt0 = pid_k * K_ITERS
         kt_end = tl.minimum(kt0 + K_ITERS, T)
         wait_for_previous(PDL)  # x is the previous kernel's output
@@ -292,18 +263,11 @@ if triton is not None:
             qw, s, z = qn, sn, zn
             qn, sn, zn = _tile_words(q_ptr, s_ptr, z_ptr, tl.minimum(kt + 1, kt_end - 1), offs_n, n_mask, N,
                                      NUM_GROUPS, stride_q, p_ar, GROUP_SIZE, EVEN_N)
-            acc0 += _tile_dot(qw, s, z, kt, codes_ptr, stats_ptr, p_ar, ASM)
-            if ROWS > 1:
-                acc1 += _tile_dot(qw, s, z, kt, codes_ptr + T * 64, stats_ptr + T * 2, p_ar, ASM)
-            if ROWS > 2:
-                acc2 += _tile_dot(qw, s, z, kt, codes_ptr + 2 * T * 64, stats_ptr + 2 * T * 2, p_ar, ASM)
-            if ROWS > 3:
-                acc3 += _tile_dot(qw, s, z, kt, codes_ptr + 3 * T * 64, stats_ptr + 3 * T * 2, p_ar, ASM)
+            acc += _tile_dot(qw, s, z, kt, codes_ptr, stats_ptr, p_ar, ASM)
         let_next_launch(PDL)
-        acc = _rows_tile(acc0, acc1, acc2, acc3, ROWS)
-        offs_m = tl.arange(0, acc.shape[0])
-        _store_tile(acc, bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < ROWS, n_mask, N, N,
-                    pid_n, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, ROWS * N, DEFER)
+        offs_m = tl.arange(0, 1)
+        _store_tile(acc[None, :], bias_ptr, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, offs_m < 1, n_mask, N, N,
+                    pid_n, SPLIT, HAS_BIAS, USE_WS, ORDERED, pid_k, N, DEFER)
 
     @triton.jit
     def _quant_x16_kernel(x_ptr, codes_ptr, stats_ptr, K, stride_x, BLOCK: tl.constexpr):
@@ -327,24 +291,22 @@ def quantize_x16(x: torch.Tensor) -> X16:
 
 def dp4a_gemv(x16: X16, qtile, scales, zeros, group_size: int, bias=None, out=None, defer: bool = False,
               config: dict | None = None):
-    """y [M, N] = x W^T on dp4a, x 1 to KERNEL_ROWS rows as X16, in x's dtype; config (benchmarks)
-    overrides GEMV_CONFIG (ROWS_CONFIG's entry for M > 1). defer: as w4a16_tiled_triton (a split-K launch
-    may return a PendingSum)."""
-    M = x16.codes.shape[0]
-    if not 1 <= M <= KERNEL_ROWS:
-        raise ValueError(f"dp4a_gemv: 1 to {KERNEL_ROWS} rows of x, got {M}")
-    cfg = dict(GEMV_CONFIG if M == 1 else ROWS_CONFIG, **(config or {}))
+    """y [1, N] = x W^T on dp4a, x one row as X16, in x's dtype; config (benchmarks)
+    overrides GEMV_CONFIG. defer: as w4a16_tiled_triton (a split-K launch may return a PendingSum)."""
+    if x16.codes.shape[0] != 1:
+        raise ValueError(f"dp4a_gemv: one row of x, got {x16.codes.shape[0]}")
+    cfg = dict(GEMV_CONFIG, **(config or {}))
     N, dev, K = qtile.shape[0], qtile.device, x16.K
-    y = out if out is not None else torch.empty(M, N, dtype=x16.dtype, device=dev)
+    y = out if out is not None else torch.empty(1, N, dtype=x16.dtype, device=dev)
     T = x16.stats.shape[1]
     n_blocks = triton.cdiv(N, cfg["BN"])
     split, k_iters = split_k_for(n_blocks, T, num_sms(dev.index), split_waves(cfg, N, K))
     use_ws = split > 1
-    ws, cnt, order = splitk_buffers(dev, M * N, n_blocks, split) if use_ws else (y, y, {})
+    ws, cnt, order = splitk_buffers(dev, N, n_blocks, split) if use_ws else (y, y, {})
     defer = defer_splitk(defer, out, bias) and use_ws
     _dp4a_gemv_kernel[(n_blocks, split)](
         x16.codes, x16.stats, qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
         N, scales.shape[0], qtile.shape[1], k_iters, split, T, GROUP_SIZE=min(group_size, K),
-        HAS_BIAS=bias is not None, USE_WS=use_ws, BN=cfg["BN"], ASM=not interpreting(), ROWS=M,
-        EVEN_N=N % cfg["BN"] == 0, DEFER=defer, num_warps=cfg["num_warps"], **pdl_args(qtile), **order)
+        HAS_BIAS=bias is not None, USE_WS=use_ws, BN=cfg["BN"], ASM=not interpreting(), EVEN_N=N % cfg["BN"] == 0,
+        DEFER=defer, num_warps=cfg["num_warps"], **pdl_args(qtile), **order)
     return pending_or_y(y, ws, defer)

@@ -93,7 +93,7 @@ class QuantLinear(FusedLinear):
     def input_quant(self) -> Fp8Input | X16Input | None:
         """One W8A8 fp8 GEMM: its producer may quantize x for it (FITLLM_FP8_FUSED_QUANT=0 turns that off,
         A/B runs); one 4-bit tiled GEMM whose batch-1 GEMV runs on dp4a (w4a16_dp4a.dp4a_wanted;
-        FITLLM_W4_DP4A=0 turns it off): the producer of one row (up to w4a16_dp4a.max_rows()) may hand it X16."""
+        FITLLM_W4_DP4A=0 turns it off): the producer of one row may hand it X16."""
         one = self.parts[0] if len(self.parts) == 1 else None
         if (isinstance(one, FP8Weight) and self.fp8_mode == "w8a8"
                 and os.environ.get("FITLLM_FP8_FUSED_QUANT", "1") != "0"):
@@ -152,7 +152,7 @@ class QuantLinear(FusedLinear):
             return fp8_linear(x, p, self.fp8_mode, defer)
         if isinstance(p, CodebookWeight):
             return codebook_linear(x, p)
-        if isinstance(x, X16):  # a row or a few, as input_quant asked of the producer
+        if isinstance(x, X16):  # one row, as input_quant asked of the producer
             from fitllm.kernels.w4a16_dp4a import dp4a_gemv
 
             return dp4a_gemv(x, p.qtile, p.scales, p.zeros, p.group_size, defer=defer)
