@@ -35,9 +35,9 @@ from benchmarks.bench_gemm import SHAPES, rel_err  # noqa: E402
 from benchmarks.gemv_explore import graph_us, log  # noqa: E402
 from benchmarks.gemv_tiled_explore import BW, dense64, hbm_copies, read_floor  # noqa: E402
 from fitllm.kernels._pdl import let_next_launch, wait_for_previous  # noqa: E402
-from fitllm.kernels._utils import interpreting, num_sms, pdl_args, split_k_for, splitk_buffers  # noqa: E402
+from fitllm.kernels._utils import interpreting, num_sms, packed_math_ok, pdl_args, split_k_for, splitk_buffers  # noqa: E402
 from fitllm.kernels.w4a16 import _one_row_dot, _rows_out, _store_tile  # noqa: E402
-from fitllm.kernels.w4a16_tiled import (_from_blocks, _gemv, _group_raw, _packed_math_ok, _pair16,  # noqa: E402
+from fitllm.kernels.w4a16_tiled import (_from_blocks, _gemv, _group_raw, _pair16,  # noqa: E402
                                         _word_offsets, _x_pairs, w4a16_tiled_triton)
 
 
@@ -120,7 +120,7 @@ def tma_gemv(x, qtile, scales, zeros, group_size, K, bn, warps, stages, waves, o
     _tma_gemv_kernel[(n_blocks, split)](
         x.view(torch.int32), desc, qtile, scales, zeros, out, ws, cnt, N, K, scales.shape[0], qtile.shape[1] // 16,
         out.stride(0), k_iters, split, GROUP_SIZE=min(group_size, K), BN=bn, STAGES=stages, FETCH=fetch,
-        F16=x.dtype == torch.float16, ASM=_packed_math_ok(x.device.index or 0, x.dtype), EVEN_K=K % 128 == 0,
+        F16=x.dtype == torch.float16, ASM=packed_math_ok(x.device.index or 0, x.dtype), EVEN_K=K % 128 == 0,
         USE_WS=use_ws, num_warps=warps, M=x.shape[0], M_RT="m" in extras,
         MASK_N="mask" in extras, **(pdl_args(x) if "pdl" in extras else {}))
     return out

@@ -61,9 +61,9 @@ import triton.language as tl  # noqa: E402
 
 from fitllm.kernels import _utils, fused  # noqa: E402
 from fitllm.kernels._pdl import let_next_launch, prefetch_to_l2, wait_for_previous  # noqa: E402
-from fitllm.kernels._utils import PendingSum, device_index, pdl_args, splitk_workspace  # noqa: E402
+from fitllm.kernels._utils import PendingSum, device_index, packed_math_ok, pdl_args, splitk_workspace  # noqa: E402
 from fitllm.kernels.w4a16 import _one_row_dot  # noqa: E402
-from fitllm.kernels.w4a16_tiled import (TILE_K, _packed_math_ok, _round_to, _tile_operands,  # noqa: E402
+from fitllm.kernels.w4a16_tiled import (TILE_K, _round_to, _tile_operands,  # noqa: E402
                                         _word_offsets, _x_pairs, dequantize_tiled_ref, w4a16_tiled_triton)
 
 from bench_gemm import capture_graph, rel_err  # noqa: E402
@@ -258,7 +258,7 @@ def tiled_mlp_triton(x, gate_up, down, defer: bool = False, programs: int | None
             H, I, gate_up.scales.shape[0], down.scales.shape[0], gate_up.qtile.shape[1], down.qtile.shape[1],
             mid.shape[1])
     meta = dict(GROUP_A=min(gate_up.group_size, H), GROUP_B=min(down.group_size, I), F16=x.dtype == torch.float16,
-                ASM=_packed_math_ok(dev, x.dtype), EVEN_NA=(2 * I) % BN == 0, EVEN_KA=H % TILE_K == 0,
+                ASM=packed_math_ok(dev, x.dtype), EVEN_NA=(2 * I) % BN == 0, EVEN_KA=H % TILE_K == 0,
                 EVEN_NB=H % BN == 0, EVEN_KB=I % TILE_K == 0, num_warps=num_warps, **pdl_args(x))
     units = max(triton.cdiv(2 * I, BN) * (gate_up.qtile.shape[1] // 16), triton.cdiv(H, BN) * (down.qtile.shape[1] // 16))
     if phases:

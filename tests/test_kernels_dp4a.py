@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from fitllm.kernels import fused
 from fitllm.kernels import w4a16_dp4a as dp
-from fitllm.kernels._utils import X16, PendingSum, X16Input, splitk_workspace
+from fitllm.kernels._utils import X16, PendingSum, X16Input, capability, splitk_workspace
 
 from kernel_checks import GEN, rel_err  # noqa: E402
 from test_kernels_tiled import rand_weight  # noqa: E402
@@ -135,7 +135,7 @@ def test_a_tiled_layer_asks_for_x16_where_dp4a_runs(monkeypatch):
     qt, s, z, w64, _ = rand_weight(K, N, 128)
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    dp._has_dp4a.cache_clear()  # (asked once a card: cleared wherever the fake card changes, and at the end)
+    capability.cache_clear()  # (asked once a card: cleared wherever the fake card changes, and at the end)
     monkeypatch.delenv("FITLLM_W4_DP4A", raising=False)
     assert dp.dp4a_wanted(4, 128, K, None, cuda)  # on by default
     monkeypatch.setenv("FITLLM_W4_DP4A", "1")
@@ -143,13 +143,13 @@ def test_a_tiled_layer_asks_for_x16_where_dp4a_runs(monkeypatch):
     assert not dp.dp4a_wanted(8, 128, K, None, cuda) and not dp.dp4a_wanted(4, 64, K, None, cuda)
     assert not dp.dp4a_wanted(4, 128, K, torch.arange(K), cuda) and not dp.dp4a_wanted(4, 128, K, None, torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (6, 0))
-    dp._has_dp4a.cache_clear()
+    capability.cache_clear()
     assert not dp.dp4a_wanted(4, 128, K, None, cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    dp._has_dp4a.cache_clear()
+    capability.cache_clear()
     monkeypatch.setenv("FITLLM_W4_DP4A", "0")
     assert not dp.dp4a_wanted(4, 128, K, None, cuda)
-    dp._has_dp4a.cache_clear()
+    capability.cache_clear()
     layer = QuantLinear.__new__(QuantLinear)
     torch.nn.Module.__init__(layer)
     layer.parts, layer.bias, layer.fp8_mode, layer.prefix = [TiledWeight(qt, s, z, 128, K)], None, "w8a8", "t"

@@ -35,12 +35,27 @@ def num_sms(device_index: int | None) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def capability(device_index: int) -> tuple[int, int]:
+    """A CUDA card's compute capability, asked once a card: the kernels' launchers ask it on every call,
+    which is every eager decode step."""
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.lru_cache(maxsize=None)
 def gpu_arch(device_index: int | None) -> str:
     """'sm90', 'sm89', ... or 'cpu'. Keys the tuned config tables."""
     if device_index is None or not torch.cuda.is_available():
         return "cpu"
-    major, minor = torch.cuda.get_device_capability(device_index)
+    major, minor = capability(device_index)
     return f"sm{major}{minor}"
+
+
+def packed_math_ok(device_index: int | None, dtype: torch.dtype) -> bool:
+    """Packed bf16x2 FMA needs sm80+ (f16x2: sm53+); the interpreter cannot run inline PTX."""
+    if interpreting() or device_index is None:
+        return False
+    major, minor = capability(device_index)
+    return major >= 8 or (dtype == torch.float16 and (major, minor) >= (5, 3))
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,16 +76,11 @@ def device_index(t: torch.Tensor) -> int | None:
     return t.device.index if t.is_cuda else None
 
 
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch options for programmatic dependent launch (see _pdl.py): on sm90+ CUDA tensors
     unless FITLLM_PDL=0; nothing (the kernels' PDL=False default) elsewhere and under the
     interpreter."""
-    if not t.is_cuda or interpreting() or os.environ.get("FITLLM_PDL", "1") == "0" or not _pdl_capable(t.device.index):
+    if not t.is_cuda or interpreting() or os.environ.get("FITLLM_PDL", "1") == "0" or capability(t.device.index)[0] < 9:
         return {}
     return {"PDL": True, "launch_pdl": True}
 

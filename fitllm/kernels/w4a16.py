@@ -27,7 +27,8 @@ import torch
 
 from fitllm.quant.formats.packing import unpack_dim0
 
-from ._utils import backend_for, device_index, interpreting, gpu_arch, num_sms, pick_config, split_k_for, splitk_buffers
+from ._utils import (backend_for, device_index, interpreting, gpu_arch, num_sms, packed_math_ok, pick_config,
+                     split_k_for, splitk_buffers)
 
 try:
     import triton
@@ -771,14 +772,6 @@ def _small_m_block_k(cfg, kind, x, K, group_size, num_groups, bits, g_idx):
     return bk
 
 
-def _packed_math_ok(dev, dtype) -> bool:
-    """Packed bf16x2 FMA needs sm80+ (f16x2: sm53+); the interpreter cannot run inline PTX."""
-    if interpreting() or dev is None:
-        return False
-    major, minor = torch.cuda.get_device_capability(dev)
-    return major >= 8 or (dtype == torch.float16 and (major, minor) >= (5, 3))
-
-
 def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bias, y, dev) -> bool:
     kind = cfg["backend"]
     M, K = x.shape
@@ -807,7 +800,7 @@ def _launch_small_m(cfg, x, qweight, scales, zeros, group_size, bits, g_idx, bia
         _w4a16_gemv_pairs_kernel[(n_blocks, split, m_blocks)](
             x.view(torch.int32), qweight, scales, zeros, args[4], y, ws, cnt, M, N, K, x.stride(0) // 2, y.stride(0),
             k_iters, split, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, USE_WS=use_ws,
-            BM=BM, BN=BN, BK=bk, F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
+            BM=BM, BN=BN, BK=bk, F16=x.dtype == torch.float16, ASM=packed_math_ok(dev, x.dtype),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **order)
     elif kind == "gemv":
         _w4a16_gemv_kernel[(n_blocks, split, m_blocks)](*args, SHIFT16=cfg.get("SHIFT16", True), **common)

@@ -41,13 +41,12 @@ exact in fp32).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-from ._utils import (X16, defer_splitk, interpreting, num_sms, pdl_args, pending_or_y, split_k_for, split_waves,
-                     splitk_buffers)
+from ._utils import (X16, capability, defer_splitk, interpreting, num_sms, pdl_args, pending_or_y, split_k_for,
+                     split_waves, splitk_buffers)
 
 try:
     import triton
@@ -76,13 +75,7 @@ def dp4a_wanted(bits: int, group_size: int, K: int, perm, device: torch.device) 
         return False
     if bits != 4 or perm is not None or not (group_size % 128 == 0 or group_size >= K):
         return False
-    return _has_dp4a(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _has_dp4a(index: int) -> bool:
-    """sm61+ (asked once a card: the decoder asks dp4a_wanted on every eager step)."""
-    return torch.cuda.get_device_capability(index) >= (6, 1)
+    return capability(device.index if device.index is not None else torch.cuda.current_device()) >= (6, 1)
 
 
 def _byte_ks(device) -> torch.Tensor:

@@ -46,7 +46,8 @@ from __future__ import annotations
 import torch
 
 from ._utils import (backend_for, by_width, config_for, defer_splitk, device_index, gpu_arch, interpreting, num_sms,
-                     pdl_args, pending_or_y, pick_config, row_bounds, split_k_for, split_waves, splitk_buffers)
+                     packed_math_ok, pdl_args, pending_or_y, pick_config, row_bounds, split_k_for, split_waves,
+                     splitk_buffers)
 
 try:
     import triton
@@ -780,14 +781,6 @@ def _unless_ws_refuses(cfg: dict, ws_ok) -> dict:
     return cfg
 
 
-def _packed_math_ok(dev, dtype) -> bool:
-    """Packed bf16x2 FMA needs sm80+ (f16x2: sm53+); the interpreter cannot run inline PTX."""
-    if interpreting() or dev is None:
-        return False
-    major, minor = torch.cuda.get_device_capability(dev)
-    return major >= 8 or (dtype == torch.float16 and (major, minor) >= (5, 3))
-
-
 def _chunk_for(group_size: int, K: int) -> int:
     if group_size >= K or group_size % TILE_K == 0:
         return TILE_K
@@ -825,7 +818,7 @@ def dequantize_tiled(qtile, scales, zeros, group_size, K, dtype, out=None, bits=
     _tiled_dequant_kernel[(qtile.shape[1] // words_per_tile(bits), triton.cdiv(N, 64))](
         qtile, scales, zeros, w, N, K, scales.shape[0], qtile.shape[1], _magic2(dtype, bits),
         GROUP_SIZE=min(group_size, K), BN=64, F16=dtype == torch.float16,
-        ASM=_packed_math_ok(device_index(qtile), dtype), BITS=bits, UPCAST=interpreting(), num_warps=4)
+        ASM=packed_math_ok(device_index(qtile), dtype), BITS=bits, UPCAST=interpreting(), num_warps=4)
     return w
 
 
@@ -866,7 +859,7 @@ def w4a16_tiled_triton(x, qtile, scales, zeros, group_size, K, bias=None, config
         x, qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0), y.stride(0), k_iters, split, _magic2(x.dtype, bits),
         GROUP_SIZE=min(group_size, K), CHUNK=_chunk_for(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws,
-        BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype),
+        BM=BM, BN=BN, ROW_WARPS=min(warps, BN // 16), F16=x.dtype == torch.float16, ASM=packed_math_ok(dev, x.dtype),
         SCALE_IN_W=cfg.get("SCALE_IN_W", False), UPCAST=interpreting(), EVEN_N=N % BN == 0, EVEN_K=K % TILE_K == 0,
         DEFER=defer, BITS=bits, num_warps=warps, num_stages=cfg["num_stages"], **pdl_args(x), **order)
     return pending_or_y(y, ws, defer)
@@ -892,7 +885,7 @@ def _launch_gemv(cfg, x, qtile, scales, zeros, group_size, K, bias, y, dev, defe
         x.view(torch.int32), qtile, scales, zeros, bias if bias is not None else scales, y, ws, cnt,
         M, N, K, scales.shape[0], qtile.shape[1], x.stride(0) // 2, y.stride(0), k_iters, split, _MAGIC,
         GROUP_SIZE=min(group_size, K), HAS_BIAS=bias is not None, USE_WS=use_ws, BM=BM, BN=BN, UNROLL=cfg["UNROLL"],
-        F16=x.dtype == torch.float16, ASM=_packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0, EVEN_N=N % BN == 0,
+        F16=x.dtype == torch.float16, ASM=packed_math_ok(dev, x.dtype), EVEN_K=K % TILE_K == 0, EVEN_N=N % BN == 0,
         DEFER=defer, BITS=bits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_reg_cap(cfg),
         **pdl_args(x), **order)
     return pending_or_y(y, ws, defer)

@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from ._utils import device_index, interpreting, pdl_args
+from ._utils import capability, device_index, interpreting, pdl_args
 from .w4a16_tiled import TILE_N, _magic2, words_per_tile
 
 try:
@@ -255,7 +255,7 @@ def ws_supported(x: torch.Tensor, N: int, group_size: int, K: int, rows: int = R
     """Whether w4a16_ws_triton can take this GEMM on x's device (else the caller keeps its Triton
     kernels): an sm90 GPU (wgmma and setmaxnreg; not under the interpreter) and ws_shape_ok."""
     dev = device_index(x)
-    if gluon is None or interpreting() or dev is None or torch.cuda.get_device_capability(dev)[0] != 9:
+    if gluon is None or interpreting() or dev is None or capability(dev)[0] != 9:
         return False
     return x.stride(-1) == 1 and ws_shape_ok(N, group_size, K, x.dtype, x.stride(0) * x.element_size(), x.data_ptr(),
                                              rows)
